@@ -1,0 +1,166 @@
+"""Torch implementation of the paged-attention operations: the CPU path and the spec.
+
+Every CUDA kernel in this package has a function here with the same contract, and the kernel
+tests pin the two together. These functions are also what the ``torch`` attention backend runs.
+
+Cache layout (shared by the torch and CUDA paths)
+-------------------------------------------------
+The whole cache is one tensor ``kv_cache`` of shape
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 of dim 1 is K,
+1 is V). ``kv_cache[layer, 0]`` is that layer's K pool, ``[num_blocks, block_size,
+num_kv_heads, head_size]``, contiguous. A token's *slot* is ``block_id * block_size + offset``;
+``slot_mapping[i]`` is the slot a new token ``i`` writes its K/V to. ``block_tables[s, j]`` is
+the physical block holding logical block ``j`` of sequence ``s``; entries past the sequence's
+last block are padding and are never read (they may hold any value, conventionally 0).
+Keys are stored after RoPE, as the model hands them to attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V into the pools.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``.
+        k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        slot_mapping: ``[num_tokens]`` int64; slot of each token. Every slot is distinct.
+    """
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks, K and V, in every layer: ``dst <- src`` for each pair.
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``.
+        block_mapping: ``[num_pairs, 2]`` int64 of (src, dst). Destinations are distinct and no
+            destination is also a source in the same call.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))
+
+
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks_per_seq: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each sequence's first ``num_blocks_per_seq`` blocks into dense K/V.
+
+    Returns K and V of shape ``[num_seqs, num_blocks_per_seq * block_size, num_kv_heads,
+    head_size]``. Positions past a sequence's context length hold garbage and must be masked.
+    """
+    tables = block_tables[:, :num_blocks_per_seq].long()
+    num_seqs = tables.shape[0]
+    k = k_cache[tables].reshape(num_seqs, -1, *k_cache.shape[2:])
+    v = v_cache[tables].reshape(num_seqs, -1, *v_cache.shape[2:])
+    return k, v
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_size]``; ``num_heads`` is a multiple of
+            ``num_kv_heads`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
+        block_tables: ``[num_seqs, max_num_blocks]`` int32.
+        context_lens: ``[num_seqs]`` int32, >= 1; the query token is the last of its context
+            and its K/V is already in the cache.
+        scale: softmax scale (usually ``head_size ** -0.5``).
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in the query's dtype.
+    """
+    num_seqs, num_heads, head_size = query.shape
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    k, v = gather_kv(k_cache, v_cache, block_tables, num_blocks)
+    group = num_heads // num_kv_heads
+    # [S, KVH, L, D] -> repeat per query head, as HF's repeat_kv does.
+    k = k.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    v = v.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    positions = torch.arange(k.shape[2], device=query.device)
+    mask = positions[None, :] < context_lens.to(query.device).long()[:, None]  # [S, L]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over cached prefixes and themselves.
+
+    Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``; they are its
+    *last* ``q_len`` tokens, at positions ``context_len - q_len .. context_len - 1``, and their
+    K/V is already in the cache. Token at position ``p`` attends to positions ``0..p``.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        block_tables: ``[num_seqs, max_num_blocks]`` int32.
+        query_start_loc: ``[num_seqs + 1]`` int, cumulative query lengths starting at 0.
+        context_lens: ``[num_seqs]`` int, total tokens of each sequence after this step.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]``.
+    """
+    num_heads = query.shape[1]
+    block_size = k_cache.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    # A loop per prefill sequence: prefills are few per step and long; decodes never come here.
+    for s, ctx_len in enumerate(lens):
+        q0, q1 = starts[s], starts[s + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        num_blocks = (ctx_len + block_size - 1) // block_size
+        k, v = gather_kv(k_cache, v_cache, block_tables[s : s + 1], num_blocks)
+        k = k[0, :ctx_len].permute(1, 0, 2).repeat_interleave(group, dim=0)  # [H, L, D]
+        v = v[0, :ctx_len].permute(1, 0, 2).repeat_interleave(group, dim=0)
+        q = query[q0:q1].permute(1, 0, 2)  # [H, q_len, D]
+        if q_len == ctx_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+            k_pos = torch.arange(ctx_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q0:q1] = o.permute(1, 0, 2)
+    return out
