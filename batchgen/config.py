@@ -1,0 +1,534 @@
+"""The run configuration: YAML in, a validated :class:`RunConfig` out.
+
+Contract:
+
+* YAML is read with ``yaml.safe_load`` only; the top level must be a mapping.
+* ``--set a.b=value`` overrides are applied to the raw mapping before validation; the value
+  is parsed with ``yaml.safe_load`` so ``--set data.limit=5`` gives an int and
+  ``--set prompt.system_prompt=null`` gives ``None``.
+* Every section forbids unknown keys. Validation collects *all* problems and raises one
+  :class:`ConfigError` whose :attr:`ConfigError.issues` each carry a dotted key path (the same
+  spelling ``--set`` accepts, e.g. ``metrics.0.options``), a message, and, for unknown keys and
+  bad choices, a did-you-mean suggestion and the valid choices.
+* Plugin names and options are checked too when a plugin registry is passed (duck-typed: it
+  needs ``samplers`` and ``metrics`` mappings of specs with an ``options_model``). The registry
+  travels in pydantic's validation context so that plugin problems are reported together with
+  schema problems.
+
+This module imports neither torch nor the engine: ``batchgen validate`` must stay cheap.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+GenerationMode = Literal["greedy", "sample", "beam"]
+IfExists = Literal["error", "resume", "overwrite"]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConfigIssue(typing.NamedTuple):
+    """One problem in a config: where (dotted key path, "" for the whole file) and what."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(Exception):
+    """A config or usage problem; the CLI prints it and exits with status 2.
+
+    ``issues`` holds every problem found, so the user can fix them all in one go.
+    """
+
+    def __init__(self, issues: Sequence[ConfigIssue], source: str | None = None) -> None:
+        self.issues = list(issues)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        if len(self.issues) == 1:
+            return f"{where}invalid config: {self.issues[0]}"
+        lines = [f"{where}invalid config ({len(self.issues)} errors):"]
+        lines += [f"  - {issue}" for issue in self.issues]
+        return "\n".join(lines)
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _choices(choices: Sequence[str]) -> str:
+    return ", ".join(f"'{c}'" for c in choices)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+class _Section(BaseModel):
+    """Base for every section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """``model:`` which weights to run and how."""
+
+    name: str = Field(DEFAULT_MODEL, min_length=1, description="model name, alias or local HF folder")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        head, _, index = value.partition(":")
+        if head in ("auto", "cpu") and not index:
+            return value
+        if head == "cuda" and (not index or index.isdigit()):
+            return value
+        raise ValueError(
+            f"unknown device '{value}'{did_you_mean(value, ['auto', 'cpu', 'cuda'])}; "
+            "valid: 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        )
+
+
+class DataSection(_Section):
+    """``data:`` where the prompts come from (anything HF ``datasets`` can load)."""
+
+    source: str = Field(
+        min_length=1,
+        description=(
+            "a local json/jsonl/csv/parquet/txt file or folder, a save_to_disk folder, "
+            "'package:<pkg>/<file>' for a file shipped inside an installed package, or a hub name"
+        ),
+    )
+    format: Literal["auto", "json", "csv", "parquet", "text", "arrow"] = "auto"
+    name: str | None = Field(None, description="hub dataset configuration (subset) name")
+    split: str = "train"
+    limit: PositiveInt | None = None
+    shuffle: bool = False
+    seed: int = 0
+    id_column: str | None = Field(None, description="column holding a unique id; default: the row index")
+
+
+class PromptSection(_Section):
+    """``prompt:`` how a dataset row becomes the model's input."""
+
+    column: str | None = Field(None, description="take the prompt from this column (default 'prompt')")
+    template: str | None = Field(None, description="Jinja template over the row's columns")
+    chat_template: bool | None = Field(
+        None, description="wrap in the model's chat template; null = when the tokenizer has one"
+    )
+    system_prompt: str | None = None
+    max_prompt_tokens: PositiveInt | None = Field(
+        None, description="rows whose prompt is longer become error records"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSection:
+        if self.column is not None and self.template is not None:
+            raise ValueError("set either 'column' or 'template', not both")
+        if self.template is not None:
+            # Syntax errors surface at load time (with a line number), not once per row.
+            import jinja2
+            from jinja2.sandbox import SandboxedEnvironment
+
+            try:
+                SandboxedEnvironment(undefined=jinja2.StrictUndefined).parse(self.template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"template syntax error on line {exc.lineno}: {exc.message}") from None
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("'system_prompt' needs the chat template; drop it or set chat_template: true")
+        return self
+
+    @property
+    def prompt_column(self) -> str | None:
+        """The column the prompt is read from, or None when a template renders it."""
+        if self.template is not None:
+            return None
+        return self.column if self.column is not None else "prompt"
+
+
+class PluginRef(_Section):
+    """A reference to a plugin by name, with its options (checked by the plugin's schema)."""
+
+    name: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplerRef(PluginRef):
+    """``generation.sampler:`` a sampler plugin contributing a logits processor."""
+
+    @model_validator(mode="after")
+    def _known(self, info: ValidationInfo) -> SamplerRef:
+        _check_plugin(info, "samplers", "sampler", self.name, self.options)
+        return self
+
+
+class MetricRef(PluginRef):
+    """One entry of ``metrics:``; ``label`` keys its scores (default: the plugin name)."""
+
+    label: str | None = Field(None, min_length=1)
+
+    @property
+    def key(self) -> str:
+        """Where this metric's scores live in a record's ``metrics`` and in the summary."""
+        return self.label or self.name
+
+    @model_validator(mode="after")
+    def _known(self, info: ValidationInfo) -> MetricRef:
+        _check_plugin(info, "metrics", "metric", self.name, self.options)
+        return self
+
+
+def _check_plugin(info: ValidationInfo, kind: str, noun: str, name: str, options: dict[str, Any]) -> None:
+    """Check a plugin name and options against the registry in the validation context.
+
+    Without a registry (plain schema checks) this does nothing.
+    """
+    registry = (info.context or {}).get("registry")
+    if registry is None:
+        return
+    specs: Mapping[str, Any] = getattr(registry, kind)
+    if name not in specs:
+        available = sorted(specs)
+        raise ValueError(
+            f"unknown {noun} plugin '{name}'{did_you_mean(name, available)}; "
+            f"installed: {_choices(available) or 'none'}"
+        )
+    options_model = getattr(specs[name], "options_model", None)
+    if options_model is None:
+        return
+    try:
+        options_model.model_validate(options)
+    except ValidationError as exc:
+        fields = list(getattr(options_model, "model_fields", {}))
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "options"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden" and err["loc"]:
+                msg = f"unknown option{did_you_mean(str(err['loc'][-1]), fields)}; valid: {_choices(fields)}"
+            problems.append(f"{where}: {msg}")
+        raise ValueError(f"invalid options for {noun} plugin '{name}': " + "; ".join(problems)) from None
+
+
+_SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p", "seed")
+_BEAM_ONLY = ("beam_width", "length_penalty")
+
+
+class GenerationSection(_Section):
+    """``generation:`` greedy, n-sample parallel sampling, or beam search.
+
+    Mode-specific keys (``n``, ``temperature``... for ``sample``; ``beam_width``,
+    ``length_penalty`` for ``beam``) are rejected in the other modes so that a typo'd mode never
+    silently ignores them.
+    """
+
+    mode: GenerationMode = "greedy"
+    max_tokens: PositiveInt = 64
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, gt=0)
+    logprobs: NonNegativeInt | None = None
+    # sample
+    n: PositiveInt = 1
+    temperature: NonNegativeFloat = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, description="per-record seeds derive from it and the record id")
+    # beam
+    beam_width: PositiveInt = 4
+    length_penalty: float = 1.0
+    sampler: SamplerRef | None = None
+
+    @model_validator(mode="after")
+    def _mode_keys(self) -> GenerationSection:
+        wrong = []
+        if self.mode != "sample":
+            wrong += [k for k in _SAMPLE_ONLY if k in self.model_fields_set]
+        if self.mode != "beam":
+            wrong += [k for k in _BEAM_ONLY if k in self.model_fields_set]
+        if wrong:
+            owner = {k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
+            parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
+            raise ValueError(f"with mode '{self.mode}': " + ", ".join(parts))
+        return self
+
+    @property
+    def num_outputs(self) -> int:
+        """How many generations each record gets."""
+        return {"greedy": 1, "sample": self.n, "beam": self.beam_width}[self.mode]
+
+
+class EngineSection(_Section):
+    """``engine:`` the paged KV cache and scheduler knobs, passed to :class:`batchgen.LLM`."""
+
+    block_size: PositiveInt = 16
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="bytes, or a string like '512MiB'; null = the engine's default"
+    )
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 2048
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "cuda"] = "auto"
+    seed: int = 0
+
+
+class OutputSection(_Section):
+    """``output:`` the JSONL file, its summary, and what to do when it already exists."""
+
+    path: str = Field(min_length=1)
+    if_exists: IfExists = Field(
+        "error", description="'error' (stop), 'resume' (skip ids already written) or 'overwrite'"
+    )
+    summary_path: str | None = Field(None, description="default: <path without .jsonl>.summary.json")
+
+    @property
+    def summary_file(self) -> Path:
+        """Where the run summary goes."""
+        if self.summary_path:
+            return Path(self.summary_path)
+        path = Path(self.path)
+        stem = path.name[: -len(path.suffix)] if path.suffix else path.name
+        return path.with_name(f"{stem}.summary.json")
+
+
+class RunConfig(_Section):
+    """The whole run: one YAML file."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    generation: GenerationSection = Field(default_factory=GenerationSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    metrics: list[MetricRef] = Field(default_factory=list)
+    output: OutputSection
+    plugins: list[str] = Field(default_factory=list, description="extra plugin modules to import")
+
+    @field_validator("metrics")
+    @classmethod
+    def _unique_labels(cls, metrics: list[MetricRef]) -> list[MetricRef]:
+        seen: set[str] = set()
+        for metric in metrics:
+            if metric.key in seen:
+                raise ValueError(f"two metrics are keyed '{metric.key}'; give one a distinct 'label'")
+            seen.add(metric.key)
+        return metrics
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``a.b=value`` into (``["a", "b"]``, value parsed as YAML).
+
+    Raises :class:`ConfigError` for text without ``=`` or with an empty key.
+    """
+    key, sep, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError([ConfigIssue("--set", f"expected KEY.PATH=VALUE, got '{text}'")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigIssue(key, f"--set value is not valid YAML: {exc}")]) from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b=value`` override applied.
+
+    Missing mappings on the way are created; a numeric part indexes into an existing list
+    (``metrics.0.name=contains``). Unknown keys are left for the schema to reject, so they get
+    the same did-you-mean as keys in the file.
+    """
+    import copy
+
+    result = copy.deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node: Any = result
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            where = ".".join(parts[: i + 1])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(
+                        [ConfigIssue(where, f"--set: no list item {part} (the list has {len(node)})")]
+                    )
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                else:
+                    if node.get(part) is None:
+                        node[part] = {}
+                    node = node[part]
+            else:
+                parent = ".".join(parts[:i])
+                raise ConfigError([ConfigIssue(where, f"--set: '{parent}' is not a mapping")])
+    return result
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping safely; problems raise :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([ConfigIssue("", f"config file not found: {path}")]) from None
+    except OSError as exc:
+        raise ConfigError([ConfigIssue("", f"cannot read config file {path}: {exc.strerror}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([ConfigIssue("", f"YAML syntax error{where}: {problem}")], str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [ConfigIssue("", f"the top level must be a mapping of sections, got {type(data).__name__}")],
+            str(path),
+        )
+    return data
+
+
+def validate_config(data: Mapping[str, Any], registry: Any = None, source: str | None = None) -> RunConfig:
+    """Validate a raw mapping into a :class:`RunConfig`, raising one :class:`ConfigError` with all issues."""
+    try:
+        return RunConfig.model_validate(dict(data), context={"registry": registry})
+    except ValidationError as exc:
+        raise ConfigError([_issue(err) for err in exc.errors()], source) from None
+
+
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    registry: Any = None,
+) -> RunConfig:
+    """Read ``path``, apply ``--set`` overrides and validate (plugins too, given a registry)."""
+    data = apply_overrides(read_yaml(path), overrides)
+    return validate_config(data, registry=registry, source=str(path))
+
+
+def plugin_modules(path: str | Path, overrides: Sequence[str] = ()) -> list[str]:
+    """The ``plugins:`` list of a config, read before full validation.
+
+    The registry must be built (importing these modules) before plugin names can be checked,
+    so this peeks at the raw list. A malformed value yields ``[]``; full validation reports it.
+    """
+    data = apply_overrides(read_yaml(path), overrides)
+    modules = data.get("plugins")
+    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
+        return list(modules)
+    return []
+
+
+# --------------------------------------------------------------------------- error rendering
+
+
+def _unwrap_model(annotation: Any) -> Any:
+    """The pydantic model (or Literal) inside Optional[...] / list[...] / dict[...] wrappers."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType, list, dict, Sequence):
+        for arg in typing.get_args(annotation):
+            found = _unwrap_model(arg)
+            if found is not None:
+                return found
+        return None
+    if origin is Literal:
+        return annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _walk(loc: Sequence[Any]) -> Any:
+    """Follow a pydantic error location from RunConfig; return the model/Literal found there."""
+    node: Any = RunConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return None
+        field = node.model_fields.get(part)
+        if field is None:
+            return None
+        node = _unwrap_model(field.annotation)
+    return node
+
+
+def _issue(err: Mapping[str, Any]) -> ConfigIssue:
+    """Turn one pydantic error into a :class:`ConfigIssue` with a friendlier message."""
+    # Pydantic adds the name of a model-validator step ('function-after[...]') to some locations.
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
+    path = ".".join(str(p) for p in loc)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        parent = _walk(loc[:-1])
+        valid = list(parent.model_fields) if parent is not None else []
+        message = f"unknown key{did_you_mean(str(loc[-1]), valid)}"
+        if valid:
+            message += f"; valid keys here: {_choices(valid)}"
+        return ConfigIssue(path, message)
+    if kind == "missing":
+        return ConfigIssue(path, "required key is missing")
+    if kind == "literal_error":
+        literal = _walk(loc)
+        choices = [str(c) for c in typing.get_args(literal)] if literal is not None else []
+        hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
+        return ConfigIssue(path, f"invalid value {value!r}{hint}; valid: {_choices(choices)}")
+    if kind == "value_error":
+        message = str(err.get("ctx", {}).get("error", err["msg"]))
+        return ConfigIssue(path, message)
+    message = err["msg"]
+    if not isinstance(value, (dict, list)) or kind.endswith("_type"):
+        shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+        message += f" (got {shown})"
+    return ConfigIssue(path, message)
+
+
+def resolved_dict(config: RunConfig) -> dict[str, Any]:
+    """The fully resolved config (defaults filled in) as plain JSON-able data."""
+    return config.model_dump(mode="json")
