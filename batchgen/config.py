@@ -243,7 +243,7 @@ def _check_plugin(info: ValidationInfo, kind: str, noun: str, name: str, options
 
 
 _SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p", "seed")
-_BEAM_ONLY = ("beam_width", "length_penalty")
+_BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
 
 
 class GenerationSection(_Section):
@@ -258,9 +258,10 @@ class GenerationSection(_Section):
     max_tokens: PositiveInt = 64
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
+    min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     logprobs: NonNegativeInt | None = None
     # sample
@@ -273,6 +274,7 @@ class GenerationSection(_Section):
     # beam
     beam_width: PositiveInt = 4
     length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     sampler: SamplerRef | None = None
 
     @model_validator(mode="after")
@@ -282,6 +284,8 @@ class GenerationSection(_Section):
             wrong += [k for k in _SAMPLE_ONLY if k in self.model_fields_set]
         if self.mode != "beam":
             wrong += [k for k in _BEAM_ONLY if k in self.model_fields_set]
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if wrong:
             owner = {k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
             parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
