@@ -250,8 +250,8 @@ class GenerationSection(_Section):
     """``generation:`` greedy, n-sample parallel sampling, or beam search.
 
     Mode-specific keys (``n``, ``temperature``... for ``sample``; ``beam_width``,
-    ``length_penalty`` for ``beam``) are rejected in the other modes so that a typo'd mode never
-    silently ignores them.
+    ``length_penalty``, ``early_stopping`` for ``beam``) given with a non-default value are
+    rejected in the other modes, so that a wrong mode never silently ignores them.
     """
 
     mode: GenerationMode = "greedy"
@@ -279,11 +279,16 @@ class GenerationSection(_Section):
 
     @model_validator(mode="after")
     def _mode_keys(self) -> GenerationSection:
+        # A key counts as used when it was given with a non-default value; defaults are fine so
+        # that a dumped (fully resolved) config loads again.
+        def used(key: str) -> bool:
+            return key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default
+
         wrong = []
         if self.mode != "sample":
-            wrong += [k for k in _SAMPLE_ONLY if k in self.model_fields_set]
+            wrong += [k for k in _SAMPLE_ONLY if used(k)]
         if self.mode != "beam":
-            wrong += [k for k in _BEAM_ONLY if k in self.model_fields_set]
+            wrong += [k for k in _BEAM_ONLY if used(k)]
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if wrong:

@@ -1,0 +1,250 @@
+"""Config loading: schema, overrides, all-errors-at-once reporting and plugin checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from batchgen.config import (
+    ConfigError,
+    GenerationSection,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    plugin_modules,
+    validate_config,
+)
+
+MINIMAL = {"data": {"source": "prompts.jsonl"}, "output": {"path": "out.jsonl"}}
+
+
+def _errors(data: dict[str, Any], registry: Any = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(data, registry=registry)
+    return [str(issue) for issue in info.value.issues]
+
+
+def _with(**sections: Any) -> dict[str, Any]:
+    return {**MINIMAL, **sections}
+
+
+def test_minimal_config_fills_defaults() -> None:
+    config = validate_config(MINIMAL)
+    assert config.model.name == "smollm2-135m-instruct"
+    assert config.prompt.prompt_column == "prompt"
+    assert config.generation.mode == "greedy" and config.generation.num_outputs == 1
+    assert config.output.if_exists == "error"
+    assert config.output.summary_file == Path("out.summary.json")
+
+
+def test_unknown_key_gets_did_you_mean_and_valid_keys() -> None:
+    errors = _errors(_with(generation={"max_token": 5}))
+    assert errors == [
+        "generation.max_token: unknown key (did you mean 'max_tokens'?); valid keys here: "
+        + ", ".join(f"'{k}'" for k in GenerationSection.model_fields)
+    ]
+
+
+def test_unknown_section_gets_did_you_mean() -> None:
+    (error,) = _errors(_with(engnie={}))
+    assert error.startswith("engnie: unknown key (did you mean 'engine'?)")
+
+
+def test_wrong_type_names_path_and_value() -> None:
+    (error,) = _errors(_with(engine={"block_size": "big"}))
+    assert error == "engine.block_size: Input should be a valid integer, unable to parse string as an integer (got 'big')"
+
+
+def test_bad_choice_lists_choices_with_suggestion() -> None:
+    (error,) = _errors(_with(generation={"mode": "beams"}))
+    assert error == "generation.mode: invalid value 'beams' (did you mean 'beam'?); valid: 'greedy', 'sample', 'beam'"
+
+
+def test_missing_required_keys() -> None:
+    errors = _errors({})
+    assert errors == ["data: required key is missing", "output: required key is missing"]
+
+
+def test_all_errors_reported_at_once() -> None:
+    errors = _errors(
+        {
+            "model": {"devise": "cpu"},
+            "data": {"source": "x", "limit": 0},
+            "engine": {"kv_cache_memory": "lots"},
+            "output": {},
+        }
+    )
+    assert [e.split(":")[0] for e in errors] == [
+        "model.devise",
+        "data.limit",
+        "engine.kv_cache_memory",
+        "output.path",
+    ]
+    with pytest.raises(ConfigError) as info:
+        validate_config({"model": {"devise": "cpu"}, "data": {}, "output": {}}, source="job.yaml")
+    assert str(info.value).startswith("job.yaml: invalid config (3 errors):\n  - model.devise: unknown key")
+
+
+def test_mode_specific_keys_rejected_in_other_modes() -> None:
+    (error,) = _errors(_with(generation={"mode": "greedy", "temperature": 0.7, "beam_width": 2}))
+    assert error == "generation: with mode 'greedy': 'temperature' applies to mode 'sample', 'beam_width' applies to mode 'beam'"
+    config = validate_config(_with(generation={"mode": "sample", "n": 4, "temperature": 0.7}))
+    assert config.generation.num_outputs == 4
+    config = validate_config(_with(generation={"mode": "beam", "beam_width": 3}))
+    assert config.generation.num_outputs == 3
+
+
+def test_prompt_section_rules() -> None:
+    (error,) = _errors(_with(prompt={"column": "q", "template": "{{ q }}"}))
+    assert error == "prompt: set either 'column' or 'template', not both"
+    (error,) = _errors(_with(prompt={"template": "Q: {{ question }\nA:"}))
+    assert error.startswith("prompt: template syntax error on line 1:")
+    (error,) = _errors(_with(prompt={"chat_template": False, "system_prompt": "Be brief."}))
+    assert "'system_prompt' needs the chat template" in error
+
+
+def test_device_and_bytes_parsing() -> None:
+    config = validate_config(_with(model={"device": "cuda:1"}, engine={"kv_cache_memory": "64MiB"}))
+    assert config.model.device == "cuda:1" and config.engine.kv_cache_memory == 64 * 2**20
+    (error,) = _errors(_with(model={"device": "gpu"}))
+    assert error == "model.device: unknown device 'gpu' (did you mean 'cpu'?); valid: 'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+def test_duplicate_metric_keys_need_labels() -> None:
+    (error,) = _errors(_with(metrics=[{"name": "contains"}, {"name": "contains"}]))
+    assert error == "metrics: two metrics are keyed 'contains'; give one a distinct 'label'"
+    config = validate_config(_with(metrics=[{"name": "contains"}, {"name": "contains", "label": "c2"}]))
+    assert [m.key for m in config.metrics] == ["contains", "c2"]
+
+
+# ----------------------------------------------------------------------------- plugins
+
+
+class _ExactOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ignore_case: bool = False
+
+
+class _TypicalOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mass: float = 0.9
+
+
+@dataclass
+class _Spec:
+    name: str
+    options_model: type[BaseModel]
+    description: str = ""
+
+
+@dataclass
+class _Registry:
+    samplers: dict[str, _Spec] = field(default_factory=lambda: {"typical": _Spec("typical", _TypicalOptions)})
+    metrics: dict[str, _Spec] = field(
+        default_factory=lambda: {
+            "exact_match": _Spec("exact_match", _ExactOptions),
+            "contains": _Spec("contains", _ExactOptions),
+        }
+    )
+
+
+def test_unknown_plugins_get_suggestion_and_installed_list() -> None:
+    errors = _errors(
+        _with(metrics=[{"name": "exact_mach"}], generation={"sampler": {"name": "typcal"}}),
+        registry=_Registry(),
+    )
+    assert errors == [
+        "generation.sampler: unknown sampler plugin 'typcal' (did you mean 'typical'?); installed: 'typical'",
+        "metrics.0: unknown metric plugin 'exact_mach' (did you mean 'exact_match'?); installed: 'contains', 'exact_match'",
+    ]
+
+
+def test_invalid_plugin_options_name_the_plugin() -> None:
+    errors = _errors(
+        _with(
+            metrics=[{"name": "exact_match", "options": {"ignore_cas": True}}],
+            generation={"sampler": {"name": "typical", "options": {"mass": "heavy"}}},
+        ),
+        registry=_Registry(),
+    )
+    assert errors == [
+        "generation.sampler: invalid options for sampler plugin 'typical': mass: Input should be a valid number, unable to parse string as a number",
+        "metrics.0: invalid options for metric plugin 'exact_match': ignore_cas: unknown option (did you mean 'ignore_case'?); valid: 'ignore_case'",
+    ]
+
+
+def test_plugins_unchecked_without_registry() -> None:
+    config = validate_config(_with(metrics=[{"name": "anything", "options": {"x": 1}}]))
+    assert config.metrics[0].options == {"x": 1}
+
+
+# ----------------------------------------------------------------------------- files and --set
+
+
+def test_load_config_with_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "data:\n  source: p.jsonl\noutput:\n  path: o.jsonl\nmetrics:\n  - name: contains\n"
+    )
+    config = load_config(
+        path,
+        [
+            "output.path=/tmp/x.jsonl",
+            "data.limit=5",
+            'generation.stop=["\\n", "###"]',
+            "prompt.system_prompt=null",
+            "metrics.0.options={ignore_case: true}",
+            "engine.kv_cache_memory=32MiB",
+        ],
+    )
+    assert config.output.path == "/tmp/x.jsonl"
+    assert config.data.limit == 5
+    assert config.generation.stop == ["\n", "###"]
+    assert config.metrics[0].options == {"ignore_case": True}
+    assert config.engine.kv_cache_memory == 32 * 2**20
+
+
+def test_override_errors() -> None:
+    with pytest.raises(ConfigError, match=r"--set: expected KEY.PATH=VALUE, got 'data.limit'"):
+        apply_overrides(MINIMAL, ["data.limit"])
+    with pytest.raises(ConfigError, match=r"data.source.x: --set: 'data.source' is not a mapping"):
+        apply_overrides(MINIMAL, ["data.source.x=1"])
+    with pytest.raises(ConfigError, match=r"metrics.3: --set: no list item 3 \(the list has 0\)"):
+        apply_overrides({**MINIMAL, "metrics": []}, ["metrics.3.name=x"])
+    # An unknown key set from the command line gets the same did-you-mean as one in the file.
+    (error,) = _errors(apply_overrides(MINIMAL, ["data.limt=3"]))
+    assert error.startswith("data.limt: unknown key (did you mean 'limit'?)")
+
+
+def test_yaml_problems(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("data:\n  source: [unclosed\noutput: {}\n")
+    with pytest.raises(ConfigError, match=r"YAML syntax error at line \d+, column \d+"):
+        load_config(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping of sections, got list"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    # Unsafe tags are refused by the safe loader.
+    path.write_text("data: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="YAML syntax error"):
+        load_config(path)
+
+
+def test_plugin_modules_peek(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("plugins: [my_plugin]\ndata: {source: x}\noutput: {path: y}\n")
+    assert plugin_modules(path) == ["my_plugin"]
+    assert plugin_modules(path, ["plugins=[a, b]"]) == ["a", "b"]
+    assert plugin_modules(path, ["plugins=3"]) == []
+
+
+def test_resolved_config_round_trips() -> None:
+    config = validate_config(_with(engine={"kv_cache_memory": "1MiB"}))
+    dumped = config.model_dump(mode="json")
+    assert RunConfig.model_validate(dumped) == config
