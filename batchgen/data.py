@@ -1,0 +1,374 @@
+"""Prompts from HF ``datasets``: load, check columns, render, chat-template, tokenize.
+
+Contract:
+
+* :func:`load_rows` returns a :class:`LoadedData`: the ``datasets.Dataset`` (after shuffle and
+  limit) and, for every row, its id. Ids are strings; they come from ``data.id_column`` or are the
+  row's index in the *unshuffled* dataset, so they are stable across shuffles and resumes. Ids
+  must be unique (resume depends on it).
+* Problems with the data as a whole (missing file, unknown split, missing column, duplicate ids)
+  raise :class:`DataError` or :class:`~batchgen.config.ConfigError`: the run cannot start.
+* Problems with one row (its template fails, its prompt is empty or too long) never raise: the
+  row's :class:`PromptRecord` carries ``error`` and becomes an error record in the output.
+* Templates render in Jinja's sandbox with ``StrictUndefined``: the row's columns are top-level
+  variables, and ``row`` (the whole row) and ``index`` (the row's position) are there too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import meta
+from jinja2.sandbox import SandboxedEnvironment
+
+from batchgen.config import ConfigError, ConfigIssue, DataSection, PromptSection, RunConfig, did_you_mean
+
+__all__ = [
+    "DataError",
+    "LoadedData",
+    "PromptBuilder",
+    "PromptRecord",
+    "check_columns",
+    "iter_prompts",
+    "load_rows",
+    "resolve_source",
+]
+
+# File extension -> the ``datasets`` builder that reads it.
+_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".csv": "csv",
+    ".csv.gz": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".arrow": "arrow",
+}
+# Files ``Dataset.save_to_disk`` writes; their presence marks a saved dataset folder.
+_SAVED_MARKERS = ("state.json", "dataset_dict.json", "dataset_info.json")
+# Template names that are not dataset columns.
+_TEMPLATE_NAMES = frozenset({"row", "index"})
+
+
+class DataError(Exception):
+    """The dataset cannot be used (a config problem: the CLI exits with status 2)."""
+
+
+@dataclass
+class PromptRecord:
+    """One dataset row on its way to the engine.
+
+    ``prompt`` is the exact text sent to the model (after the chat template), and
+    ``prompt_token_ids`` its tokens when a tokenizer was given. ``error`` is set (and the
+    prompt may be None) when the row cannot be generated from.
+    """
+
+    id: str
+    index: int
+    row: dict[str, Any]
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    error: str | None = None
+
+
+@dataclass
+class LoadedData:
+    """The selected rows and their ids (``ids[i]`` belongs to ``dataset[i]``)."""
+
+    dataset: Any  # datasets.Dataset
+    ids: list[str]
+    indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_source(source: str) -> str:
+    """Expand ``package:<pkg>/<relative path>`` to the file inside the installed package.
+
+    The package is located with ``importlib.util.find_spec`` and is not imported. Other values
+    are returned with ``~`` expanded.
+    """
+    if not source.startswith("package:"):
+        return os.path.expanduser(source)
+    package, _, relative = source[len("package:") :].partition("/")
+    if not package or not relative:
+        raise DataError(f"data.source '{source}': expected 'package:<package>/<path inside it>'")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"data.source '{source}': package '{package}' is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.exists():
+        raise DataError(f"data.source '{source}': {path} does not exist")
+    return str(path)
+
+
+def _builder_for(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    name = path.name.lower()
+    for suffix, builder in sorted(_BUILDERS.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return builder
+    raise DataError(
+        f"data.source {path}: cannot tell the format from the file name; set data.format to one of "
+        "'json', 'csv', 'parquet', 'text', 'arrow'"
+    )
+
+
+def _pick_split(dataset: Any, split: str, where: str) -> Any:
+    """Return ``dataset[split]`` for a DatasetDict, or ``dataset`` itself."""
+    import datasets
+
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        splits = list(dataset.keys())
+        if split not in splits:
+            raise DataError(
+                f"{where}: no split '{split}'{did_you_mean(split, splits)}; splits: {', '.join(splits)}"
+            )
+        return dataset[split]
+    return dataset
+
+
+def _load_dataset(cfg: DataSection) -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    source = resolve_source(cfg.source)
+    path = Path(source)
+    try:
+        if path.is_dir() and (cfg.format == "arrow" or any((path / m).exists() for m in _SAVED_MARKERS)):
+            return _pick_split(datasets.load_from_disk(str(path)), cfg.split, f"data.source {path}")
+        if path.is_dir():
+            if cfg.format == "auto":
+                return datasets.load_dataset(str(path), split=cfg.split)
+            return datasets.load_dataset(cfg.format, data_dir=str(path), split=cfg.split)
+        if path.is_file():
+            builder = _builder_for(path, cfg.format)
+            return datasets.load_dataset(builder, data_files={cfg.split: str(path)}, split=cfg.split)
+        if source.startswith(("/", "./", "../")) or any(source.lower().endswith(s) for s in _BUILDERS):
+            raise DataError(f"data.source: file not found: {source}")
+        # Otherwise a hub dataset (works when it is cached or the hub is reachable).
+        return datasets.load_dataset(source, cfg.name, split=cfg.split)
+    except DataError:
+        raise
+    except Exception as exc:  # datasets raises many types; all mean "cannot load"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"data.source '{cfg.source}': could not load the dataset: {message}") from None
+
+
+def load_rows(cfg: DataSection) -> LoadedData:
+    """Load the dataset, shuffle and limit it, and assign each row its id."""
+    dataset = _load_dataset(cfg)
+    total = len(dataset)
+    order = list(range(total))
+    if cfg.shuffle:
+        # Our own permutation (not Dataset.shuffle) so that the selection only depends on the
+        # seed and the dataset's length, whatever the datasets version.
+        random.Random(cfg.seed).shuffle(order)
+    if cfg.limit is not None:
+        order = order[: cfg.limit]
+    if order != list(range(total)):
+        dataset = dataset.select(order)
+    if cfg.id_column is None:
+        ids = [str(i) for i in order]
+    else:
+        if cfg.id_column not in dataset.column_names:
+            raise _missing_column(cfg.id_column, "data.id_column", dataset.column_names)
+        ids = []
+        first_seen: dict[str, int] = {}
+        for position, value in enumerate(dataset[cfg.id_column]):
+            if value is None or value == "":
+                raise DataError(f"data.id_column '{cfg.id_column}': row {order[position]} has an empty id")
+            key = str(value)
+            if key in first_seen:
+                raise DataError(
+                    f"data.id_column '{cfg.id_column}': id {key!r} is not unique "
+                    f"(rows {first_seen[key]} and {order[position]}); resume needs unique ids"
+                )
+            first_seen[key] = order[position]
+            ids.append(key)
+    return LoadedData(dataset=dataset, ids=ids, indices=order)
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def _missing_column(column: str, key: str, columns: Sequence[str]) -> ConfigError:
+    return ConfigError([_missing_issue(column, key, columns)])
+
+
+def _missing_issue(column: str, key: str, columns: Sequence[str]) -> ConfigIssue:
+    listed = ", ".join(f"'{c}'" for c in columns)
+    return ConfigIssue(key, f"column '{column}' is not in the dataset{did_you_mean(column, columns)}; columns: {listed}")
+
+
+def template_variables(template: str) -> set[str]:
+    """The names a template reads from its context (columns, ``row``, ``index``)."""
+    env = SandboxedEnvironment()
+    return set(meta.find_undeclared_variables(env.parse(template)))
+
+
+def check_columns(columns: Sequence[str], config: RunConfig, metric_columns: dict[str, Iterable[str]] | None = None) -> None:
+    """Raise one :class:`ConfigError` listing every column the config needs but the data lacks.
+
+    ``metric_columns`` maps a metric's config key to the columns its ``score`` reads.
+    """
+    issues = []
+    column = config.prompt.prompt_column
+    if column is not None and column not in columns:
+        issues.append(_missing_issue(column, "prompt.column", columns))
+    if config.prompt.template is not None:
+        for name in sorted(template_variables(config.prompt.template) - _TEMPLATE_NAMES):
+            if name not in columns:
+                issues.append(_missing_issue(name, "prompt.template", columns))
+    if config.data.id_column is not None and config.data.id_column not in columns:
+        issues.append(_missing_issue(config.data.id_column, "data.id_column", columns))
+    for position, metric in enumerate(config.metrics):
+        for name in (metric_columns or {}).get(metric.key, ()):
+            if name not in columns:
+                issue = _missing_issue(name, f"metrics.{position}", columns)
+                issues.append(ConfigIssue(issue.path, f"metric '{metric.name}' reads {issue.message}"))
+    if issues:
+        raise ConfigError(issues)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+class PromptBuilder:
+    """Turns a row into the model's input text (and tokens), or into an error message.
+
+    Args:
+        cfg: the ``prompt`` section.
+        tokenizer: an HF tokenizer, or None (then no chat template, no tokens, no length check).
+        max_model_len: the model's context length (positions for prompt + generation).
+        max_tokens: ``generation.max_tokens``; a prompt must leave room for it.
+
+    Raises:
+        DataError: ``chat_template: true`` with a tokenizer that has no chat template.
+    """
+
+    def __init__(
+        self,
+        cfg: PromptSection,
+        tokenizer: Any = None,
+        max_model_len: int | None = None,
+        max_tokens: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens
+        env = SandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+        self.template = env.from_string(cfg.template) if cfg.template is not None else None
+        has_chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        if cfg.chat_template and tokenizer is not None and not has_chat:
+            raise DataError("prompt.chat_template is true, but the model's tokenizer has no chat template")
+        self.use_chat = has_chat and cfg.chat_template is not False
+
+    def render(self, row: dict[str, Any], index: int) -> str | list[dict[str, Any]]:
+        """The row's prompt before the chat template: text, or a list of chat messages.
+
+        Raises ValueError with a user-facing message when the row cannot be rendered.
+        """
+        if self.template is not None:
+            try:
+                return self.template.render({"row": row, "index": index, **row})
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"prompt template failed: {type(exc).__name__}: {exc.message or exc}") from None
+            except Exception as exc:  # a filter or method raised on this row's values
+                raise ValueError(f"prompt template failed: {type(exc).__name__}: {exc}") from None
+        column = self.cfg.prompt_column
+        assert column is not None
+        value = row.get(column)
+        if value is None:
+            raise ValueError(f"column '{column}' is empty (null) in this row")
+        if _is_messages(value):
+            return value
+        if not isinstance(value, str):
+            raise ValueError(
+                f"column '{column}' holds {type(value).__name__}, expected text or a list of chat messages"
+            )
+        return value
+
+    def to_text(self, rendered: str | list[dict[str, Any]]) -> tuple[str, bool]:
+        """Apply the chat template if in use; return (text, whether the template was applied)."""
+        if not self.use_chat:
+            if isinstance(rendered, list):
+                raise ValueError("this row holds chat messages, but no chat template is in use")
+            return rendered, False
+        messages = [{"role": "user", "content": rendered}] if isinstance(rendered, str) else list(rendered)
+        if self.cfg.system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        return text, True
+
+    def build(self, record_id: str, index: int, row: dict[str, Any]) -> PromptRecord:
+        """A :class:`PromptRecord` for the row; failures land in ``error``, never raise."""
+        record = PromptRecord(id=record_id, index=index, row=row)
+        try:
+            rendered = self.render(row, index)
+            text, templated = self.to_text(rendered)
+        except ValueError as exc:
+            record.error = str(exc)
+            return record
+        record.prompt = text
+        if not text.strip():
+            record.error = "the prompt is empty"
+            return record
+        if self.tokenizer is None:
+            return record
+        # A chat template already wrote the special tokens it wants (BOS and role markers).
+        ids = list(self.tokenizer(text, add_special_tokens=not templated)["input_ids"])
+        record.prompt_token_ids = ids
+        limit = self.cfg.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            record.error = f"prompt too long: {len(ids)} tokens, over prompt.max_prompt_tokens={limit}"
+        elif self.max_model_len is not None and len(ids) + self.max_tokens > self.max_model_len:
+            record.error = (
+                f"prompt too long: {len(ids)} tokens + generation.max_tokens={self.max_tokens} "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        return record
+
+
+def iter_prompts(data: LoadedData, builder: PromptBuilder, skip_ids: set[str] | frozenset[str] = frozenset()) -> Iterator[PromptRecord]:
+    """Build the prompt of every row whose id is not in ``skip_ids``, lazily, in dataset order."""
+    for position, row in enumerate(data.dataset):
+        record_id = data.ids[position]
+        if record_id in skip_ids:
+            continue
+        yield builder.build(record_id, data.indices[position], dict(row))
+
