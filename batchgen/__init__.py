@@ -1,0 +1,51 @@
+"""batchgen: offline batch generation for LLMs over a paged KV cache.
+
+Public API (vLLM's names)::
+
+    from batchgen import LLM, SamplingParams, BeamSearchParams
+    outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=32))
+
+Names are imported lazily, so that ``import batchgen.config`` (and the other core modules)
+does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM", "SamplingParams", "BeamSearchParams", "Request", "RequestOutput", "CompletionOutput",
+    "RequestStats", "EngineStats", "hookimpl", "__version__",
+]
+
+_LAZY = {
+    "LLM": ("batchgen.engine.llm", "LLM"),
+    "SamplingParams": ("batchgen.sampling.params", "SamplingParams"),
+    "BeamSearchParams": ("batchgen.sampling.params", "BeamSearchParams"),
+    "Request": ("batchgen.engine.outputs", "Request"),
+    "RequestOutput": ("batchgen.engine.outputs", "RequestOutput"),
+    "CompletionOutput": ("batchgen.engine.outputs", "CompletionOutput"),
+    "EngineStats": ("batchgen.engine.outputs", "EngineStats"),
+    "RequestStats": ("batchgen.engine.sequence", "RequestStats"),
+    "hookimpl": ("batchgen.plugins", "hookimpl"),
+}
+
+if TYPE_CHECKING:
+    from batchgen.engine.llm import LLM
+    from batchgen.engine.outputs import CompletionOutput, EngineStats, Request, RequestOutput
+    from batchgen.engine.sequence import RequestStats
+    from batchgen.plugins import hookimpl
+    from batchgen.sampling.params import BeamSearchParams, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""The paged attention function registered with transformers' AttentionInterface.
+
+transformers routes every attention layer of a model loaded with
+``attn_implementation="batchgen_paged"`` to :func:`paged_attention_forward`, with RoPE already
+applied to the keys. Extra keyword arguments given to ``model(...)`` arrive unchanged, so the
+model runner passes an :class:`AttentionMetadata` as ``batchgen_metadata``. No model code is
+forked.
+
+The packed batch is one row of ``num_tokens`` tokens: first the decode sequences (one token
+each), then the prefill sequences (one chunk each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "batchgen_paged"
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the step's tokens go and what they attend to.
+
+    Attributes:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``.
+        slot_mapping: ``[num_tokens]`` int64, the cache slot of each new token.
+        num_decode_tokens: the first ``num_decode_tokens`` tokens are one-token decodes.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int32.
+        decode_context_lens: ``[num_decodes]`` int32, tokens in context incl. the new one.
+        prefill_block_tables: ``[num_prefills, max_blocks]`` int32.
+        prefill_query_start_loc: ``[num_prefills + 1]``, offsets into the prefill tokens.
+        prefill_context_lens: ``[num_prefills]``, tokens in context after this step.
+        ops: the attention backend (``batchgen.kernels.get_ops``).
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    ops: Any
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    batchgen_metadata: AttentionMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write the step's K/V into the paged cache, then attend over it.
+
+    Args:
+        query: ``[1, num_heads, num_tokens, head_size]``; key/value ``[1, num_kv_heads,
+            num_tokens, head_size]`` (the packed row).
+
+    Returns:
+        ``([1, num_tokens, num_heads, head_size], None)``.
+    """
+    meta = batchgen_metadata
+    if meta is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention runs only inside the batchgen engine "
+            "(no batchgen_metadata was passed)"
+        )
+    # kwargs may carry ``sliding_window``: the model runner caps the context at the window,
+    # where windowed and full attention are the same, so it needs no handling here.
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]
+    meta.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_decode = meta.num_decode_tokens
+    num_tokens = q.shape[0]
+    if num_decode == num_tokens:
+        out = meta.ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif num_decode == 0:
+        out = meta.ops.paged_prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_context_lens, scale)
+    else:
+        out = torch.empty_like(q)
+        out[:num_decode] = meta.ops.paged_decode_attention(
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+            meta.decode_context_lens, scale)
+        out[num_decode:] = meta.ops.paged_prefill_attention(
+            q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the paged attention with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

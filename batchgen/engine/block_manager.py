@@ -1,0 +1,297 @@
+"""BlockManager: physical KV blocks, ref counts, fork, copy-on-write and prefix caching.
+
+Pure Python (no torch): it decides *which* blocks hold which tokens; the engine moves the data.
+
+Model
+-----
+* The cache has ``num_blocks`` blocks of ``block_size`` token slots each.
+* A sequence's ``block_table`` maps its logical block ``i`` (tokens ``i*block_size`` ..) to a
+  physical block id. Blocks are taken on demand, as tokens are scheduled.
+* ``ref_count`` of a block is the number of block tables holding it. A block with ref count 0
+  is *free*: either plain free, or *cached* (it holds a full, hashed block of tokens that a
+  later request with the same prefix may reuse) and evictable in LRU order.
+* ``fork`` shares every block of the parent (ref counts go up). The first write into a shared
+  block copies it (copy-on-write): ``allocate_slots`` returns the (src, dst) pairs, and the
+  engine runs all pairs of a step as one batched copy before the forward pass.
+* Prefix caching: a full block whose tokens are all computed gets the hash
+  ``hash((parent_hash, tokens))``; a new sequence reuses the longest chain of cached blocks
+  whose hashes *and* tokens match (the token check guards against hash collisions). A hit is
+  capped so that at least the last prompt token is computed (its logits are needed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from batchgen.engine.sequence import Sequence
+
+@dataclass
+class Block:
+    """One physical block. ``block_hash``/``token_ids``/``parent_hash`` are set while cached."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Allocates blocks to sequences; see the module docstring for the model.
+
+    Args:
+        num_blocks: physical blocks in the cache (>= 1).
+        block_size: tokens per block, 1..256.
+        enable_prefix_caching: share full blocks across requests by prefix hash.
+        watermark: fraction of blocks kept free when *admitting* new sequences, so that running
+            sequences can keep growing without immediate preemption.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if not 1 <= block_size <= 256:
+            raise ValueError(f"block_size must be between 1 and 256, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # Statistics.
+        self.num_cow_copies = 0
+        self.peak_blocks_used = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (plain free plus evictable cached ones)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """Longest run of cached full blocks matching the start of ``seq``'s tokens.
+
+        Looks only; takes no references. Returns (block ids, number of tokens they cover).
+        The hit never covers the last token of ``seq`` (its logits must be computed).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_hash != parent:
+                break  # a hash collision: different content under the same hash
+            hits.append(block_id)
+            parent = h
+        return hits, len(hits) * bs
+
+    def can_allocate(self, num_new_blocks: int, *, admit: bool) -> bool:
+        """Whether ``num_new_blocks`` can be taken now; admissions keep the watermark free."""
+        reserve = self.watermark_blocks if admit else 0
+        return num_new_blocks <= self.num_free_blocks - reserve
+
+    # ------------------------------------------------------------------ mutations
+    def _take_free_block(self) -> int:
+        """A block with ref count 1, from the free list first, else the LRU cached one."""
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(block_id)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = block.parent_hash = block.token_ids = None
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            # A cached block coming back into use.
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+                self._evictable[block_id] = None  # most recently used at the end
+            else:
+                block.block_hash = block.parent_hash = block.token_ids = None
+                self._free.append(block_id)
+
+    def _blocks_needed(self, seq: Sequence, start: int, num_new_tokens: int, table_len: int) -> tuple[int, list[int]]:
+        """New blocks needed to write tokens ``start .. start + num_new_tokens`` of ``seq``,
+        and the logical indices of existing shared blocks that the write must copy first."""
+        end = start + num_new_tokens
+        num_new = max(0, self.num_blocks_for(end) - table_len)
+        cow: list[int] = []
+        if num_new_tokens > 0:
+            first, last = start // self.block_size, (end - 1) // self.block_size
+            for i in range(first, min(last + 1, len(seq.block_table))):
+                if self.blocks[seq.block_table[i]].ref_count > 1:
+                    cow.append(i)
+        return num_new + len(cow), cow
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> int:
+        """Free blocks that ``allocate_slots`` with the same arguments would take."""
+        hits = computed_blocks or []
+        start = len(hits) * self.block_size if hits else seq.num_computed_tokens
+        table_len = len(hits) if hits else len(seq.block_table)
+        num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed, _ = self._blocks_needed(seq, start, num_new_tokens, table_len)
+        return needed + num_reused_free
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        *,
+        admit: bool = False,
+    ) -> list[tuple[int, int]] | None:
+        """Make ``seq``'s table cover the tokens it will have computed after this step.
+
+        For a sequence with an empty table, ``computed_blocks`` are its prefix-cache hits
+        (from ``get_computed_blocks``): on success they head its table and
+        ``seq.num_computed_tokens`` becomes the number of tokens they cover. The step then
+        writes ``num_new_tokens`` tokens from ``seq.num_computed_tokens`` on. Writing into a
+        block shared with another sequence copies it first (copy-on-write).
+
+        Args:
+            admit: True when admitting a waiting sequence; keeps the watermark free.
+
+        Returns:
+            The copy-on-write (src, dst) block pairs this write needs (possibly empty), or None
+            when there are not enough free blocks, in which case nothing changed.
+        """
+        hits = computed_blocks or []
+        assert not hits or not seq.block_table, "prefix hits only for a fresh sequence"
+        start = len(hits) * self.block_size if hits else seq.num_computed_tokens
+        table_len = len(hits) if hits else len(seq.block_table)
+        # Hit blocks that are free (ref 0, cached) are consumed from the free pool too.
+        num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed, cow = self._blocks_needed(seq, start, num_new_tokens, table_len)
+        if not self.can_allocate(needed + num_reused_free, admit=admit):
+            return None
+        if hits:
+            for block_id in hits:
+                self._ref(block_id)
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = start
+        copies: list[tuple[int, int]] = []
+        for i in cow:
+            src = seq.block_table[i]
+            dst = self._take_free_block()
+            self._unref(src)
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+        self.num_cow_copies += len(copies)
+        while len(seq.block_table) < self.num_blocks_for(start + num_new_tokens):
+            seq.block_table.append(self._take_free_block())
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        return copies
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup for the hit-rate statistics."""
+        self.prefix_cache_queries += num_prompt_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s full, computed blocks in the prefix cache.
+
+        Call after ``seq.num_computed_tokens`` advanced. Blocks already hashed are skipped; a
+        block whose content is already cached under another block id stays private.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            block = self.blocks[seq.block_table[i]]
+            if h not in self._cached and block.block_hash is None:
+                block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
+                self._cached[h] = block.block_id
+            seq.block_hashes.append(h)
+            parent = h
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share every block of ``parent`` with ``child`` (whose table must be empty)."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self._ref(block_id)
+        child.block_table = list(parent.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references, last block first, so that a prefix's tail is evicted
+        before its head (the head is the part most likely to be shared again)."""
+        for block_id in reversed(seq.block_table):
+            self._unref(block_id)
+        seq.block_table = []
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, live_seqs: list[Sequence]) -> None:
+        """Assert the block manager's invariants against the live sequences.
+
+        * each block's ref count equals the number of table entries naming it;
+        * a block is in exactly one of: used (ref > 0), plain free, evictable;
+        * free blocks carry no hash; evictable ones are cached under their own hash;
+        * every cached hash maps to a block that carries that hash.
+        """
+        refs = [0] * self.num_blocks
+        for seq in live_seqs:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        free = set(self._free)
+        evictable = set(self._evictable)
+        assert len(free) == len(self._free), "duplicate block in the free list"
+        assert not free & evictable, "block both free and evictable"
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} references")
+            in_use = block.ref_count > 0
+            assert in_use + (block.block_id in free) + (block.block_id in evictable) == 1, (
+                f"block {block.block_id} is in {'used ' * in_use}"
+                f"{'free ' * (block.block_id in free)}{'evictable' * (block.block_id in evictable)}")
+            if block.block_id in free:
+                assert block.block_hash is None, f"free block {block.block_id} still hashed"
+            if block.block_id in evictable:
+                assert self._cached.get(block.block_hash) == block.block_id
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == h

@@ -1,0 +1,268 @@
+"""ModelRunner: packs a scheduled step into tensors, runs the HF model, returns logits.
+
+Every scheduled token of every sequence goes into one row (no padding), decodes first, then
+prefill chunks. The model sees ``position_ids`` per token and our paged attention through
+transformers' attention interface; ``logits_to_keep`` selects the last scheduled token of each
+sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchgen.engine import attention
+from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
+from batchgen.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run correctly on the paged cache; refused rather than run wrong."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    """``"auto"`` = the checkpoint's dtype on GPU, float32 on CPU; else a named dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = _DTYPES.get(cfg_dtype)
+        return cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def check_supported(config: Any, model_cls: type | None = None) -> int | None:
+    """Refuse models the paged attention cannot run exactly; return a sliding window, if any.
+
+    A sliding-window model is accepted only with its context capped at the window, where
+    windowed and full attention agree; the caller caps ``max_model_len`` to the returned size.
+
+    Raises:
+        UnsupportedModelError: naming the model type and the reason.
+    """
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder; batchgen runs decoder-only models")
+    if model_cls is not None and not getattr(model_cls, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} ({model_cls.__name__}) does not route attention through "
+            "transformers' attention interface, so the paged cache cannot serve it")
+    if getattr(config, "alibi", False) or getattr(config, "use_alibi", False):
+        raise UnsupportedModelError(f"model type {model_type!r} uses ALiBi position biases, which the paged attention does not apply")
+    for attr in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, attr, None):
+            raise UnsupportedModelError(f"model type {model_type!r} uses attention logit soft-capping ({attr}), which the paged attention does not apply")
+    if model_type in {"gpt_oss"}:
+        raise UnsupportedModelError(f"model type {model_type!r} uses attention sinks, which the paged attention does not apply")
+    window = None
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
+    if uses_window or any("sliding" in str(t) for t in layer_types):
+        window = getattr(config, "sliding_window", None)
+        if not window:
+            raise UnsupportedModelError(f"model type {model_type!r} has sliding-window layers without a window size")
+    return int(window) if window else None
+
+
+@dataclass
+class StepInput:
+    """What one forward pass needs, built from the scheduled sequences."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logits_indices: torch.Tensor
+    metadata: attention.AttentionMetadata
+
+
+class ModelRunner:
+    """Owns the HF model and the KV cache; ``execute`` runs one packed step.
+
+    Args:
+        model_path: a local folder or hub id for ``from_pretrained``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"``, ``"bfloat16"``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ... (``"auto"``: cuda when available).
+        block_size: tokens per KV block.
+        kv_cache_memory: KV budget in bytes (None: 0.9 of free GPU memory, or 512 MiB on CPU).
+        attention_backend: ``"auto"``, ``"torch"`` or ``"cuda"``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        attention_backend: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model_cls = _causal_lm_class(config)
+        window = check_supported(config, model_cls)
+        self.dtype = resolve_dtype(dtype, config, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, attn_implementation=attention.register(),
+            trust_remote_code=trust_remote_code,
+        ).to(self.device).eval()
+        self.config = self.model.config
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_pos, window) if window else max_pos
+        if window:
+            logger.info("sliding window %d: context capped at %d tokens, where it is exact", window, self.max_model_len)
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        self.cache_shape = CacheShape(
+            num_layers=text_config.num_hidden_layers, num_kv_heads=num_kv_heads,
+            head_size=head_size, block_size=block_size, dtype=self.dtype,
+        )
+        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, kv_cache_memory)
+        self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        from batchgen import kernels
+
+        self.attention_backend = kernels.resolve_backend(attention_backend, self.device)
+        self.ops = kernels.get_ops(self.attention_backend)
+        self.generation_config = getattr(self.model, "generation_config", None)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_shape.block_size
+
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from the generation config (falling back to the model config)."""
+        for source in (self.generation_config, self.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+        return []
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Run all copy-on-write copies of a step as one batched copy over all layers."""
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+            self.ops.copy_blocks(self.kv_cache.kv_cache, mapping)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]], sample: list[bool]) -> StepInput:
+        """Pack the step. ``scheduled`` must list decodes (1 new token) before prefills.
+
+        ``sample[i]`` says whether sequence ``i`` samples this step (its last scheduled token
+        is its last token); logits come back in that order.
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        pre_tables: list[list[int]] = []
+        pre_starts: list[int] = [0]
+        pre_lens: list[int] = []
+        num_decode = 0
+        for (seq, num_new), samples in zip(scheduled, sample):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if num_new == 1 and not pre_tables:
+                num_decode += 1
+                dec_tables.append(table)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(table)
+                pre_starts.append(pre_starts[-1] + num_new)
+                pre_lens.append(end)
+            if samples:
+                logits_indices.append(len(input_ids) - 1)
+        dev = self.device
+        meta = attention.AttentionMetadata(
+            kv_cache=self.kv_cache.kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=num_decode,
+            decode_block_tables=_pad_tables(dec_tables, dev),
+            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=_pad_tables(pre_tables, dev),
+            prefill_query_start_loc=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
+            ops=self.ops,
+        )
+        return StepInput(
+            input_ids=torch.tensor([input_ids], dtype=torch.int64, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            metadata=meta,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], sample: list[bool],
+                copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Copy-on-write, then one forward pass. Returns float32 logits
+        ``[sum(sample), vocab]`` for the sampling sequences, in ``scheduled`` order."""
+        self.copy_blocks(copies)
+        step = self.prepare(scheduled, sample)
+        if step.logits_indices.numel() == 0:
+            # Nothing samples (only non-final prefill chunks): still write their K/V.
+            step.logits_indices = step.logits_indices.new_tensor([step.input_ids.shape[1] - 1])
+            self._forward(step)
+            return torch.empty(0, self.vocab_size)
+        return self._forward(step).float()
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        out = self.model(
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            use_cache=False,
+            logits_to_keep=step.logits_indices,
+            batchgen_metadata=step.metadata,
+        )
+        return out.logits[0]
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    data = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(data, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def _causal_lm_class(config: Any) -> type | None:
+    """The class AutoModelForCausalLM would build for ``config`` (None if unknown)."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        if getattr(config, "is_encoder_decoder", False):
+            return None
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} is not a causal language model "
+            "that transformers' AutoModelForCausalLM can load")

@@ -1,0 +1,92 @@
+"""Request and output records of the public API (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from batchgen.engine.sequence import RequestStats
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class Request:
+    """One unit of work for ``LLM.stream``.
+
+    Attributes:
+        request_id: unique within a run; echoed on the output.
+        prompt: text (tokenised with the model's tokenizer) or token ids.
+        params: a SamplingParams or a BeamSearchParams.
+    """
+
+    request_id: str
+    prompt: Prompt
+    params: Any
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    ``token_ids`` and ``text`` exclude the token or string that stopped generation.
+    ``logprobs`` is None unless asked for; then one ``{token_id: logprob}`` per token, holding
+    the chosen token and the top alternatives. ``score`` is the beam score (beam search only).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    score: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request: its completions, or an error that failed only it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    error: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass
+class EngineStats:
+    """Run-level counters of the engine (see docs/architecture.md)."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    peak_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_cow_copies: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_prefill_tokens: int
+    num_steps: int
+    physical_blocks: int
+    logical_blocks: int
+
+    @property
+    def saving(self) -> float:
+        """Sharing saving over finished requests: 1 - physical / logical blocks."""
+        return 1.0 - self.physical_blocks / self.logical_blocks if self.logical_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["saving"] = self.saving
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        return d
