@@ -1,54 +1,57 @@
-"""Attention backends: the torch reference (CPU and fallback) and CUDA kernels via cupy.
+"""Attention backends: ``torch`` (``reference.py``) and ``cuda`` (runtime-compiled kernels).
 
-``get_ops(backend)`` returns a namespace with ``reshape_and_cache``, ``paged_decode_attention``,
-``paged_prefill_attention`` and ``copy_blocks``, all with the signatures of
-:mod:`batchgen.kernels.reference`. Importing this package never imports cupy.
+Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, lazily, when the
+``cuda`` backend is first used.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 from typing import Any
 
-BACKENDS = ("auto", "torch", "cuda")
+import torch
+
+BACKENDS = ("auto", "cuda", "torch")
 
 
-def _cuda_usable() -> tuple[bool, str]:
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA GPU"
-    if importlib.util.find_spec("cupy") is None:
-        return False, "cupy is not installed (pip install 'batchgen[cuda]')"
-    return True, ""
+def cupy_available() -> bool:
+    """Whether cupy is installed (checked without importing it)."""
+    return importlib.util.find_spec("cupy") is not None
 
 
-def resolve_backend(name: str, device: Any) -> str:
-    """``"auto"`` → ``"cuda"`` on a CUDA device when torch sees a GPU and cupy is installed,
-    else ``"torch"``. ``"cuda"`` where that does not hold raises ValueError saying why."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Turn ``attention_backend`` into ``"torch"`` or ``"cuda"``.
+
+    ``auto`` picks ``cuda`` when ``device`` is a CUDA device, torch sees a GPU and cupy is
+    installed, else ``torch``. ``cuda`` raises ``RuntimeError`` saying what is missing.
+    """
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    on_cuda = getattr(device, "type", str(device)).startswith("cuda")
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    device = torch.device(device)
     if name == "torch":
         return "torch"
-    usable, why = _cuda_usable()
-    if name == "cuda":
-        if not on_cuda or not usable:
-            raise ValueError(f"attention_backend 'cuda' needs a CUDA device and cupy: {why or 'the model runs on ' + str(device)}")
-        return "cuda"
-    return "cuda" if on_cuda and usable else "torch"
+    usable = device.type == "cuda" and torch.cuda.is_available() and cupy_available()
+    if name == "auto":
+        return "cuda" if usable else "torch"
+    if device.type != "cuda":
+        raise RuntimeError(f"attention_backend='cuda' needs a CUDA device; the model runs on {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("attention_backend='cuda' needs a GPU, but torch sees no CUDA device")
+    if not cupy_available():
+        raise RuntimeError("attention_backend='cuda' needs cupy: pip install 'batchgen[cuda]'")
+    return "cuda"
 
 
-def get_ops(backend: str) -> ModuleType:
-    """The module implementing the ops for a resolved backend (``"torch"`` or ``"cuda"``)."""
+def get_ops(backend: str) -> ModuleType | Any:
+    """The ops of a resolved backend: ``reshape_and_cache``, ``paged_decode_attention``,
+    ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures."""
     if backend == "torch":
-        from batchgen.kernels import reference
+        from . import reference
 
         return reference
     if backend == "cuda":
-        from batchgen.kernels import cuda
+        from .cuda import get_cuda_ops
 
-        return cuda
-    raise ValueError(f"unknown resolved backend {backend!r}; expected 'torch' or 'cuda'")
+        return get_cuda_ops()
+    raise ValueError(f"backend must be 'torch' or 'cuda' (resolve 'auto' first); got {backend!r}")

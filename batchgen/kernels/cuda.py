@@ -1,0 +1,434 @@
+"""The CUDA attention backend: paged-attention kernels compiled at runtime and launched on torch.
+
+``paged_attention.cu`` is compiled once per (dtype, head_size, block_size) with
+``cupy.RawModule`` (NVRTC; cupy's on-disk cache makes later processes skip compilation) and
+launched on torch's current CUDA stream, tensors passed through DLPack. The same launch code,
+:class:`KernelOps`, also drives the CPU harness (``cpu_harness.CpuModule``) in the tests, so what
+is tested on a CPU is exactly the argument packing, grid and shared-memory sizing that runs on a
+GPU.
+
+This is the only module that imports cupy, and only inside :class:`CupyBackend`.
+
+Split-K rule: a sequence of context length ``n`` is processed in ``ceil(n / PARTITION_SIZE)``
+partitions. One partition (``n <= PARTITION_SIZE``) is the single-pass kernel: the block writes
+the output directly. More partitions are reduced by ``paged_decode_reduce``. The choice depends
+only on the sequence's own ``n``, so its output is bitwise the same whatever else is in the batch.
+
+Prefill uses :func:`reference.paged_prefill_attention` (SDPA over gathered blocks): prefill is
+compute-bound and SDPA's fused kernels already do it well; the gather is one extra read of the
+prefix, which prefills amortise over many query tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from . import reference
+
+KERNEL_DIR = Path(__file__).resolve().parent
+KERNEL_SOURCE = KERNEL_DIR / "paged_attention.cu"
+KERNEL_HEADER = KERNEL_DIR / "paged_attention.cuh"
+
+# Mirrors of paged_attention.cuh (tests/kernels pins them to the header).
+NUM_THREADS = 128
+NUM_WARPS = NUM_THREADS // 32
+MAX_GROUP = 8
+TILE = 64
+# Tokens per split-K partition. A multiple of TILE; small enough that one 8K-token sequence
+# spreads over 32 blocks per KV head, large enough that the reduce stays a small fraction.
+PARTITION_SIZE = 256
+# Partition size used when no sequence of the launch needs more than one partition.
+_SINGLE_PASS = 2**31 - 1
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+HEAD_SIZES = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+COPY_THREADS = 256
+
+
+class KernelInputError(ValueError):
+    """Inputs of a kernel op violate its contract (dtype, device, layout or shape)."""
+
+
+def decode_smem_bytes(head_size: int) -> int:
+    """Dynamic shared memory of ``paged_decode`` (see the layout comment in the .cu file)."""
+    return 4 * (MAX_GROUP * head_size + MAX_GROUP * TILE + 3 * MAX_GROUP + TILE)
+
+
+def reduce_smem_bytes(max_parts: int) -> int:
+    """Dynamic shared memory of ``paged_decode_reduce``."""
+    return 4 * (2 * NUM_WARPS + max_parts)
+
+
+def num_partitions(context_len: int, partition_size: int = PARTITION_SIZE) -> int:
+    """Partitions a sequence of ``context_len`` tokens is split into (1 = single pass)."""
+    return max(1, math.ceil(context_len / partition_size))
+
+
+def module_defines(dtype: torch.dtype, head_size: int, block_size: int) -> dict[str, int]:
+    """The -D macros that select one compiled variant."""
+    return {"BG_DTYPE": DTYPE_CODES[dtype], "BG_HEAD_SIZE": head_size, "BG_BLOCK_SIZE": block_size}
+
+
+def full_source() -> str:
+    """The kernel source with the project header inlined.
+
+    cupy's compile cache is keyed by the source text and options, not by included files, so the
+    header is pasted in: editing it then invalidates the cached binaries as it should.
+    """
+    text = KERNEL_SOURCE.read_text()
+    return text.replace('#include "paged_attention.cuh"', KERNEL_HEADER.read_text(), 1)
+
+
+class Backend(Protocol):
+    """What :class:`KernelOps` needs from a kernel runtime (cupy on a GPU, the CPU harness)."""
+
+    device_type: str
+
+    def module(self, dtype: torch.dtype, head_size: int, block_size: int) -> Any:
+        """A compiled module with ``get_function(name)`` returning a RawKernel-like callable."""
+
+    def arg(self, tensor: torch.Tensor) -> Any:
+        """The kernel argument for a tensor (a device array or the tensor itself)."""
+
+    def launch_context(self, device: torch.device) -> AbstractContextManager[Any]:
+        """Context in which launches go to torch's current stream of ``device``."""
+
+
+def nvrtc_include_dirs() -> list[str]:
+    """Directories holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for NVRTC, best first.
+
+    Looked for in: ``$CUDA_PATH`` / ``$CUDA_HOME`` (a CUDA toolkit), the ``nvidia-cuda-runtime-cu12``
+    wheel (``nvidia/cuda_runtime/include``, installed with torch's CUDA builds), and
+    ``/usr/local/cuda``.
+    """
+    candidates: list[Path] = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    try:
+        import nvidia.cuda_runtime as rt  # type: ignore[import-not-found]
+
+        for base in getattr(rt, "__path__", []):
+            candidates.append(Path(base) / "include")
+    except ImportError:
+        pass
+    candidates.append(Path("/usr/local/cuda/include"))
+    return [str(p) for p in candidates if (p / "cuda_fp16.h").is_file() and (p / "cuda_bf16.h").is_file()]
+
+
+class CupyBackend:
+    """Compiles with ``cupy.RawModule`` (NVRTC) and launches on torch's current stream."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        try:
+            import cupy  # noqa: F401  (optional dependency, imported only here)
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "attention_backend='cuda' needs cupy: pip install 'batchgen[cuda]'"
+            ) from exc
+        self._cupy = cupy
+        self._modules: dict[tuple[torch.dtype, int, int, int], Any] = {}
+
+    def module(self, dtype: torch.dtype, head_size: int, block_size: int) -> Any:
+        dev = self._cupy.cuda.runtime.getDevice()
+        key = (dtype, head_size, block_size, dev)
+        mod = self._modules.get(key)
+        if mod is None:
+            includes = nvrtc_include_dirs()
+            if not includes:
+                raise RuntimeError(
+                    "NVRTC needs cuda_fp16.h and cuda_bf16.h: install a CUDA 12 toolkit and set "
+                    "CUDA_PATH, or pip install nvidia-cuda-runtime-cu12"
+                )
+            options = ["-std=c++17", *(f"-I{d}" for d in includes)]
+            options += [f"-D{k}={v}" for k, v in module_defines(dtype, head_size, block_size).items()]
+            mod = self._cupy.RawModule(code=full_source(), options=tuple(options))
+            self._modules[key] = mod
+        return mod
+
+    def arg(self, tensor: torch.Tensor) -> Any:
+        # cupy has no bfloat16; the kernels only need the address, so hand over bytes.
+        flat = tensor.detach()
+        if flat.dtype == torch.bfloat16:
+            flat = flat.view(torch.int16)
+        return self._cupy.from_dlpack(flat)
+
+    def launch_context(self, device: torch.device) -> AbstractContextManager[Any]:
+        stream = torch.cuda.current_stream(device)
+        return _Stacked(self._cupy.cuda.Device(device.index), self._cupy.cuda.ExternalStream(stream.cuda_stream))
+
+
+class _Stacked(AbstractContextManager):
+    """Enters several context managers in order (device, then stream)."""
+
+    def __init__(self, *managers: AbstractContextManager[Any]) -> None:
+        self._managers = managers
+
+    def __enter__(self) -> _Stacked:
+        for m in self._managers:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in reversed(self._managers):
+            m.__exit__(*exc)
+
+
+class HarnessBackend:
+    """Runs the kernels on the CPU harness (tests); schedules and poison as in CpuModule."""
+
+    device_type = "cpu"
+
+    def __init__(self, **harness_options: Any) -> None:
+        from .cpu_harness import CpuModule
+
+        self._factory: Callable[..., Any] = CpuModule
+        self._options = harness_options
+        self._modules: dict[tuple[torch.dtype, int, int], Any] = {}
+
+    def module(self, dtype: torch.dtype, head_size: int, block_size: int) -> Any:
+        key = (dtype, head_size, block_size)
+        if key not in self._modules:
+            self._modules[key] = self._factory(
+                KERNEL_SOURCE, module_defines(dtype, head_size, block_size), **self._options
+            )
+        return self._modules[key]
+
+    def arg(self, tensor: torch.Tensor) -> Any:
+        return tensor
+
+    def launch_context(self, device: torch.device) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+
+def _fail(op: str, msg: str) -> KernelInputError:
+    return KernelInputError(f"{op}: {msg}")
+
+
+class KernelOps:
+    """The four ops of ``reference.py`` with the same signatures, running the CUDA kernels.
+
+    Every op checks its inputs before launching (a bad pointer or shape on a GPU is silent
+    memory corruption) and raises :class:`KernelInputError` naming the op and the argument.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    # ------------------------------------------------------------------ checks
+    def _check_tensor(
+        self,
+        op: str,
+        name: str,
+        t: Any,
+        *,
+        ndim: int,
+        dtypes: tuple[torch.dtype, ...],
+        device: torch.device | None,
+        contiguous: bool = True,
+    ) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise _fail(op, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d) for d in dtypes)
+            raise _fail(op, f"{name} must have dtype {allowed}; got {t.dtype}")
+        if t.device.type != self.backend.device_type:
+            raise _fail(op, f"{name} must be on a {self.backend.device_type} device, got {t.device}")
+        if device is not None and t.device != device:
+            raise _fail(op, f"{name} is on {t.device} but the other inputs are on {device}")
+        if contiguous and not t.is_contiguous():
+            raise _fail(op, f"{name} must be contiguous")
+
+    def _check_pool(self, op: str, k_cache: Any, v_cache: Any, device: torch.device | None) -> None:
+        for name, pool in (("k_cache", k_cache), ("v_cache", v_cache)):
+            self._check_tensor(op, name, pool, ndim=4, dtypes=tuple(DTYPE_CODES), device=device)
+        if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+            raise _fail(op, f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
+                            f"{tuple(v_cache.shape)} {v_cache.dtype} must match")
+        _, block_size, _, head_size = k_cache.shape
+        if block_size not in BLOCK_SIZES:
+            raise _fail(op, f"block_size {block_size} unsupported; supported: {BLOCK_SIZES}")
+        if head_size not in HEAD_SIZES:
+            raise _fail(op, f"head_size {head_size} unsupported; supported: {HEAD_SIZES}")
+
+    # ------------------------------------------------------------------ ops
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """See :func:`reference.reshape_and_cache`. Negative slots are skipped (padding)."""
+        op = "reshape_and_cache"
+        self._check_pool(op, k_cache, v_cache, None)
+        device = k_cache.device
+        num_blocks, block_size, kv_heads, head_size = k_cache.shape
+        for name, t in (("key", key), ("value", value)):
+            self._check_tensor(op, name, t, ndim=3, dtypes=tuple(DTYPE_CODES), device=device,
+                               contiguous=False)
+            if tuple(t.shape[1:]) != (kv_heads, head_size):
+                raise _fail(op, f"{name} must be [num_tokens, {kv_heads}, {head_size}], got "
+                                f"{tuple(t.shape)}")
+        self._check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,),
+                           device=device)
+        num_tokens = key.shape[0]
+        if value.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+            raise _fail(op, f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
+                            f"{value.shape[0]}, {slot_mapping.shape[0]}")
+        if num_tokens == 0:
+            return
+        # The kernel reads rows at any stride but each [kv_heads, head_size] row must be dense.
+        key = key.to(k_cache.dtype)
+        value = value.to(v_cache.dtype)
+        if key.stride(2) != 1 or key.stride(1) != head_size:
+            key = key.contiguous()
+        if value.stride(2) != 1 or value.stride(1) != head_size:
+            value = value.contiguous()
+        mod = self.backend.module(k_cache.dtype, head_size, block_size)
+        b = self.backend
+        with b.launch_context(device):
+            mod.get_function("reshape_and_cache")(
+                (num_tokens,), (NUM_THREADS,),
+                (b.arg(_rows(key)), b.arg(_rows(value)), b.arg(k_cache), b.arg(v_cache),
+                 b.arg(slot_mapping), np.int32(kv_heads), np.int64(key.stride(0)),
+                 np.int64(value.stride(0))),
+            )
+
+    def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        """See :func:`reference.copy_blocks`: every pair, K and V, all layers, one launch."""
+        op = "copy_blocks"
+        self._check_tensor(op, "kv_cache", kv_cache, ndim=6, dtypes=tuple(DTYPE_CODES), device=None)
+        num_layers, two, num_blocks, block_size, kv_heads, head_size = kv_cache.shape
+        if two != 2:
+            raise _fail(op, f"kv_cache dimension 1 must be 2 (K, V), got {two}")
+        self._check_tensor(op, "block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,),
+                           device=kv_cache.device)
+        if block_mapping.shape[1] != 2:
+            raise _fail(op, f"block_mapping must be [num_pairs, 2], got {tuple(block_mapping.shape)}")
+        if block_size not in BLOCK_SIZES or head_size not in HEAD_SIZES:
+            raise _fail(op, f"unsupported block_size {block_size} / head_size {head_size}")
+        if block_mapping.shape[0] == 0:
+            return
+        block_bytes = block_size * kv_heads * head_size * kv_cache.element_size()
+        mod = self.backend.module(kv_cache.dtype, head_size, block_size)
+        b = self.backend
+        with b.launch_context(kv_cache.device):
+            mod.get_function("copy_blocks")(
+                (block_mapping.shape[0], num_layers * 2), (COPY_THREADS,),
+                (b.arg(kv_cache), b.arg(block_mapping), np.int64(block_bytes // 16),
+                 np.int64(num_blocks)),
+            )
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """See :func:`reference.paged_decode_attention`.
+
+        The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
+        partitions, an upper bound known without reading ``context_lens`` back from the device;
+        each block past its own sequence's last partition exits at once.
+        """
+        op = "paged_decode_attention"
+        self._check_tensor(op, "query", query, ndim=3, dtypes=tuple(DTYPE_CODES), device=None)
+        device = query.device
+        self._check_pool(op, k_cache, v_cache, device)
+        num_seqs, num_heads, head_size = query.shape
+        _, block_size, kv_heads, cache_head = k_cache.shape
+        if k_cache.dtype != query.dtype:
+            raise _fail(op, f"query dtype {query.dtype} differs from the cache dtype {k_cache.dtype}")
+        if cache_head != head_size:
+            raise _fail(op, f"query head_size {head_size} differs from the cache's {cache_head}")
+        if num_heads % kv_heads:
+            raise _fail(op, f"num_heads {num_heads} is not a multiple of num_kv_heads {kv_heads}")
+        self._check_tensor(op, "block_tables", block_tables, ndim=2, dtypes=(torch.int32,),
+                           device=device)
+        self._check_tensor(op, "context_lens", context_lens, ndim=1, dtypes=(torch.int32,),
+                           device=device)
+        if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+            raise _fail(op, f"query has {num_seqs} sequences but block_tables has "
+                            f"{block_tables.shape[0]} rows and context_lens {context_lens.shape[0]}")
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise _fail(op, f"scale must be a finite float, got {scale!r}")
+        out = torch.empty_like(query)
+        if num_seqs == 0:
+            return out
+        max_blocks = block_tables.shape[1]
+        max_parts = num_partitions(max_blocks * block_size)
+        partition = PARTITION_SIZE if max_parts > 1 else _SINGLE_PASS
+        if max_parts > 1:
+            part_out = torch.empty(num_seqs, num_heads, max_parts, head_size, dtype=torch.float32,
+                                   device=device)
+            part_ml = torch.empty(num_seqs, num_heads, max_parts, 2, dtype=torch.float32,
+                                  device=device)
+        else:  # never written: every sequence has one partition
+            part_out = part_ml = torch.empty(1, dtype=torch.float32, device=device)
+        group = num_heads // kv_heads
+        chunks = -(-group // MAX_GROUP)
+        mod = self.backend.module(query.dtype, head_size, block_size)
+        b = self.backend
+        with b.launch_context(device):
+            mod.get_function("paged_decode")(
+                (kv_heads * chunks, num_seqs, max_parts), (NUM_THREADS,),
+                (b.arg(out), b.arg(part_out), b.arg(part_ml), b.arg(query), b.arg(k_cache),
+                 b.arg(v_cache), b.arg(block_tables), b.arg(context_lens), np.float32(scale),
+                 np.int32(num_heads), np.int32(kv_heads), np.int32(max_blocks),
+                 np.int32(partition), np.int32(max_parts)),
+                shared_mem=decode_smem_bytes(head_size),
+            )
+            if max_parts > 1:
+                mod.get_function("paged_decode_reduce")(
+                    (num_heads, num_seqs), (NUM_THREADS,),
+                    (b.arg(out), b.arg(part_out), b.arg(part_ml), b.arg(context_lens),
+                     np.int32(num_heads), np.int32(partition), np.int32(max_parts)),
+                    shared_mem=reduce_smem_bytes(max_parts),
+                )
+        return out
+
+    # Prefill is compute-bound; SDPA over gathered blocks is the documented choice.
+    paged_prefill_attention = staticmethod(reference.paged_prefill_attention)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose storage starts at ``t``'s first element, for passing strided rows.
+
+    The kernel indexes rows with an explicit stride, so only the base address matters; a
+    contiguous tensor passes through unchanged.
+    """
+    if t.is_contiguous():
+        return t
+    # as_strided keeps the storage offset; viewing the rows' span as dense is not needed by
+    # the kernel, which reads row i at base + i * stride.
+    span = (t.shape[0] - 1) * t.stride(0) + t.shape[1] * t.shape[2]
+    return t.as_strided((span,), (1,))
+
+
+_ops: KernelOps | None = None
+
+
+def get_cuda_ops() -> KernelOps:
+    """The process-wide CUDA ops (compiles lazily, per variant, on first use)."""
+    global _ops
+    if _ops is None:
+        _ops = KernelOps(CupyBackend())
+    return _ops
