@@ -242,8 +242,10 @@ def _check_plugin(info: ValidationInfo, kind: str, noun: str, name: str, options
         raise ValueError(f"invalid options for {noun} plugin '{name}': " + "; ".join(problems)) from None
 
 
-_SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p", "seed")
+_SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p")
 _BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
+# Per-token knobs of the sampler that beam search (which ranks by raw logprobs) does not apply.
+_NOT_BEAM = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "sampler")
 
 
 class GenerationSection(_Section):
@@ -270,7 +272,6 @@ class GenerationSection(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 = off")
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, description="per-record seeds derive from it and the record id")
     # beam
     beam_width: PositiveInt = 4
     length_penalty: float = 1.0
@@ -291,6 +292,13 @@ class GenerationSection(_Section):
             wrong += [k for k in _BEAM_ONLY if used(k)]
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.mode == "beam":
+            unsupported = [k for k in _NOT_BEAM if used(k)]
+            if unsupported:
+                raise ValueError(
+                    "beam search does not support " + ", ".join(f"'{k}'" for k in unsupported)
+                    + "; use mode 'sample' or 'greedy' for them"
+                )
         if wrong:
             owner = {k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
             parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
@@ -314,7 +322,9 @@ class EngineSection(_Section):
     max_num_batched_tokens: PositiveInt = 2048
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "cuda"] = "auto"
-    seed: int = 0
+    seed: int = Field(
+        0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
+    )
 
 
 class OutputSection(_Section):

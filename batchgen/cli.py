@@ -1,0 +1,228 @@
+"""The ``batchgen`` command line.
+
+Commands:
+
+* ``batchgen run CONFIG [--set KEY=VALUE ...] [--resume | --overwrite] [--quiet]``
+* ``batchgen validate CONFIG [--set KEY=VALUE ...]``: every check that needs no model run.
+* ``batchgen plugins [--json]``: what is installed and what each plugin registers.
+
+Exit status: 0 ok, 1 runtime failure, 2 config or usage error (argparse's own usage errors
+included), 130 interrupted. Errors go to stderr as ``batchgen: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# Rows rendered by ``validate`` to catch template errors before a run.
+VALIDATE_ROWS = 5
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchgen",
+        description="Offline batch generation for LLMs over a paged KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", metavar="CONFIG", help="the run's YAML file")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set data.limit=5 (VALUE is parsed as YAML); repeatable",
+        )
+
+    run = sub.add_parser("run", help="generate for every row of the dataset")
+    config_args(run)
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="skip the ids already in the output file")
+    mode.add_argument("--overwrite", action="store_true", help="start the output file over")
+    run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no final report")
+
+    validate = sub.add_parser("validate", help="check a config without running the model")
+    config_args(validate)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.add_argument("--plugin", dest="modules", action="append", default=[], metavar="MODULE",
+                         help="also load this plugin module (as the config's 'plugins:' list does)")
+    return parser
+
+
+def _error(message: str, stream: TextIO | None = None) -> None:
+    print(f"batchgen: error: {message}", file=stream or sys.stderr)
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Build the plugin registry and the validated config (raises SETUP_ERRORS)."""
+    from batchgen.config import load_config, plugin_modules
+    from batchgen.plugins import load_registry
+
+    registry = load_registry(plugin_modules(args.config, args.overrides))
+    config = load_config(args.config, args.overrides, registry=registry)
+    return registry, config
+
+
+def _quiet_libraries() -> None:
+    """Silence the progress bars and info logs of the libraries under us."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from batchgen.pipeline import SETUP_ERRORS, RunFailed, execute, plan
+
+    try:
+        registry, config = _load(args)
+        if args.resume:
+            config.output.if_exists = "resume"
+        elif args.overwrite:
+            config.output.if_exists = "overwrite"
+        job = plan(config, registry, config_path=str(args.config))
+    except SETUP_ERRORS as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    if args.quiet or not sys.stderr.isatty():
+        _quiet_libraries()
+    try:
+        summary = execute(job, quiet=args.quiet)
+    except RunFailed as exc:
+        _error(f"run failed: {exc}")
+        _error(f"records written so far are kept; fix the cause and rerun with --resume ({config.output.path})")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _error(f"interrupted; rerun with --resume to continue ({config.output.path})")
+        return EXIT_INTERRUPTED
+    if not args.quiet:
+        _report(summary, config)
+    return EXIT_OK
+
+
+def _report(summary: dict[str, Any], config: Any) -> None:
+    records = summary["records"]
+    speed = summary["throughput"]
+    print(
+        f"wrote {records['this_run']} record(s) to {config.output.path} "
+        f"({records['this_run_ok']} ok, {records['this_run_error']} error; "
+        f"{records['resumed']} already there) in {summary['timings']['total_s']:.1f}s"
+    )
+    print(
+        f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
+        f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
+    )
+    for key, values in (summary.get("metrics") or {}).items():
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+        print(f"{key}: {shown}")
+    print(f"summary: {config.output.summary_file}")
+
+
+def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
+    """The model's tokenizer when it is available locally; else (None, why not)."""
+    try:
+        from batchgen.models import resolve_model
+
+        resolved = resolve_model(model_name)
+        if not Path(resolved.path).is_dir():
+            return None, f"model '{model_name}' is not a local folder; chat template not checked"
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(resolved.path), None
+    except Exception as exc:  # validate must not fail on what only a run can settle
+        return None, f"could not load the tokenizer of '{model_name}' ({type(exc).__name__}: {exc}); chat template not checked"
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from batchgen.config import ConfigError, ConfigIssue
+    from batchgen.data import DataError, PromptBuilder
+    from batchgen.pipeline import SETUP_ERRORS, plan
+
+    try:
+        registry, config = _load(args)
+        job = plan(config, registry, prepare=False, config_path=str(args.config))
+        tokenizer, note = _tokenizer_for(config.model.name)
+        builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
+        issues = []
+        shown = 0
+        for position, row in enumerate(job.data.dataset):
+            if shown >= VALIDATE_ROWS:
+                break
+            shown += 1
+            record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
+            if record.error is not None:
+                issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
+        if issues:
+            raise ConfigError(issues, str(args.config))
+    except (DataError, *SETUP_ERRORS) as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    if note:
+        print(f"note: {note}")
+    output = Path(config.output.path)
+    if output.exists() and output.stat().st_size > 0:
+        if config.output.if_exists == "error":
+            print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
+        else:
+            print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
+    print(
+        f"{args.config}: ok ({len(job.data)} rows from {config.data.source}, "
+        f"template renders on the first {shown}, output {config.output.path} is writable)"
+    )
+    return EXIT_OK
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from batchgen.plugins import PluginError, load_registry
+
+    try:
+        registry = load_registry(args.modules)
+    except PluginError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    entries = registry.describe()
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return EXIT_OK
+    for entry in entries:
+        origin = entry["source"]
+        if entry.get("distribution"):
+            origin += f", {entry['distribution']} {entry.get('version') or ''}".rstrip()
+        print(f"{entry['name']} ({origin}; module {entry['module']})")
+        for kind in ("samplers", "metrics"):
+            for item in entry[kind]:
+                print(f"  {kind[:-1]:<7} {item['name']:<16} {item['description']}")
+        if entry["hooks"]:
+            print(f"  hooks   {', '.join(entry['hooks'])}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    args = _parser().parse_args(argv)
+    handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
