@@ -161,7 +161,7 @@ class PluginMetric:
         """The inner metric's scores for one record; see :meth:`batchgen.metrics.Metric.score`."""
         where = f"metric '{self.name}' ({self.label})"
         try:
-            return _clean_scores(self.inner.score(record, row), where)
+            result = self.inner.score(record, row)
         except PluginError:
             raise
         except Exception as exc:
@@ -169,18 +169,26 @@ class PluginMetric:
                 f"{where} failed on record {record.get('id')!r}: {type(exc).__name__}: {exc}",
                 plugin=self.plugin,
             ) from exc
+        try:
+            return _clean_scores(result, where)
+        except TypeError as exc:
+            raise PluginError(str(exc), plugin=self.plugin) from None
 
     def aggregate(self, scores: list[Scores]) -> dict[str, float]:
         """The inner metric's run-level aggregate; non-finite values become None."""
         where = f"metric '{self.name}' ({self.label})"
         try:
-            return _clean_scores(self.inner.aggregate(scores), f"{where} aggregate")
+            result = self.inner.aggregate(scores)
         except PluginError:
             raise
         except Exception as exc:
             raise PluginError(
                 f"{where} failed to aggregate: {type(exc).__name__}: {exc}", plugin=self.plugin
             ) from exc
+        try:
+            return _clean_scores(result, f"{where} aggregate")
+        except TypeError as exc:
+            raise PluginError(str(exc), plugin=self.plugin) from None
 
     def __repr__(self) -> str:
         return f"PluginMetric({self.name!r}, {self.inner!r})"
@@ -230,11 +238,12 @@ class PluginRegistry:
         info = self._infos.get(plugin_name)
         return info.label if info else f"plugin '{plugin_name}'"
 
-    def _plugins_in_call_order(self, hook_name: str) -> list[tuple[str, object]]:
-        """The plugins implementing ``hook_name``, in the order pluggy would call them."""
+    def _plugins_implementing(self, hook_name: str, call_order: bool) -> list[tuple[str, object]]:
+        """The plugins implementing ``hook_name``: in the order pluggy would call them
+        (last registered first, tryfirst/trylast respected), or else in registration order."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
         seen: list[tuple[str, object]] = []
-        # pluggy calls implementations last-registered first (tryfirst/trylast respected).
-        for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
+        for impl in reversed(impls) if call_order else impls:
             if all(plugin is not impl.plugin for _, plugin in seen):
                 seen.append((impl.plugin_name, impl.plugin))
         return seen
@@ -245,7 +254,8 @@ class PluginRegistry:
         return self.pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
 
     def _collect(self, kind: Kind, hook_name: str, spec_type: type, into: dict[str, Any]) -> None:
-        for plugin_name, plugin in self._plugins_in_call_order(hook_name):
+        # Registration order, so that a clash names the plugin that was there first first.
+        for plugin_name, plugin in self._plugins_implementing(hook_name, call_order=False):
             label = self._label(plugin_name)
             try:
                 results = self._call_one(hook_name, plugin, {})
@@ -397,7 +407,7 @@ class PluginRegistry:
         """
         if hook_name not in LIFECYCLE_HOOKS:
             raise ValueError(f"{hook_name!r} is not a lifecycle hook; expected one of {LIFECYCLE_HOOKS}")
-        for plugin_name, plugin in self._plugins_in_call_order(hook_name):
+        for plugin_name, plugin in self._plugins_implementing(hook_name, call_order=True):
             try:
                 self._call_one(hook_name, plugin, kwargs)
             except Exception as exc:
@@ -447,12 +457,17 @@ class PluginRegistry:
         return entries
 
 
+def _one_line(exc: BaseException) -> str:
+    """pluggy's multi-line validation messages joined into one line."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def _register(pm: pluggy.PluginManager, plugin: object, name: str, what: str) -> None:
     """``pm.register`` with pluggy's validation errors turned into :class:`PluginError`."""
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"{what} has an invalid hook implementation: {exc}", plugin=name) from exc
+        raise PluginError(f"{what} has an invalid hook implementation: {_one_line(exc)}", plugin=name) from exc
     except ValueError as exc:  # the name is taken by another plugin
         raise PluginError(f"{what} could not be registered: {exc}", plugin=name) from exc
 
@@ -471,7 +486,9 @@ def _load_entry_points(pm: pluggy.PluginManager, infos: dict[str, _PluginInfo]) 
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"{what} has an invalid hook implementation: {exc}", plugin=ep.name) from exc
+            raise PluginError(
+                f"{what} has an invalid hook implementation: {_one_line(exc)}", plugin=ep.name
+            ) from exc
         except Exception as exc:
             raise PluginError(
                 f"{what} failed to load: {type(exc).__name__}: {exc}", plugin=ep.name
@@ -538,7 +555,7 @@ def load_registry(extra_modules: Sequence[str] = ()) -> PluginRegistry:
     except pluggy.PluginValidationError as exc:
         name = pm.get_name(exc.plugin) or repr(exc.plugin)
         label = infos[name].label if name in infos else f"plugin '{name}'"
-        raise PluginError(f"{label}: {exc}. Known hooks: {', '.join(hookspecs.HOOK_NAMES)}", plugin=name) from exc
+        raise PluginError(f"{label}: {_one_line(exc)}. Known hooks: {', '.join(hookspecs.HOOK_NAMES)}", plugin=name) from exc
     return PluginRegistry(pm, infos)
 
 
