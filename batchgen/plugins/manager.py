@@ -65,9 +65,9 @@ def format_validation_error(error: ValidationError, model: type[BaseModel]) -> l
         loc = ".".join(str(part) for part in item["loc"]) or "(options)"
         line = f"{loc}: {item['msg']}"
         if item["type"] == "extra_forbidden":
+            line = f"{loc}: unknown option."
             line += _did_you_mean(str(item["loc"][0]), fields) if item["loc"] else ""
-            if fields:
-                line += f" Allowed options: {', '.join(fields)}."
+            line += f" Allowed options: {', '.join(fields)}." if fields else " This takes no options."
         elif item["type"] != "missing" and "input" in item:
             line += f" (got {item['input']!r})"
         lines.append(line)

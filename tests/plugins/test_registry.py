@@ -308,7 +308,8 @@ def test_invalid_options_name_the_plugin_and_every_field() -> None:
     lines = str(info.value).splitlines()
     assert lines[0] == "metric 'exact_match' (plugin 'batchgen-builtin-metrics' (built-in)): invalid options:"
     assert lines[1] == "  lowercase: Input should be a valid boolean, unable to interpret input (got 'maybe')"
-    assert lines[2].startswith("  referense: Extra inputs are not permitted Did you mean 'reference'? Allowed options: ")
+    assert lines[2].startswith("  referense: unknown option. Did you mean 'reference'? Allowed options: lowercase, ")
+    assert lines[2].endswith(", reference.")
     with pytest.raises(PluginError, match=r"^metric 'length' \(plugin 'batchgen-builtin-metrics' \(built-in\)\): "
                        r"options must be a mapping, got list$"):
         registry.build_metric("length", [1])
