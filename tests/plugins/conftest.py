@@ -27,3 +27,4 @@ def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cal
     yield make
     for name in made:
         sys.modules.pop(name, None)
+

@@ -16,7 +16,10 @@ import pytest
 
 from batchgen.plugins import PluginError, load_registry
 
-pytest.importorskip("batchgen_humaneval", reason="install it: pip install -e plugins/batchgen-humaneval")
+try:
+    import batchgen_humaneval  # noqa: F401
+except ImportError:  # fail, not skip: CI must exercise the third-party path
+    pytest.fail("the plugin package batchgen-humaneval is not installed; run: pip install -e plugins/batchgen-humaneval", pytrace=False)
 
 from batchgen_humaneval.data import humaneval_data_path, load_problems, main  # noqa: E402
 from batchgen_humaneval.estimator import pass_at_k  # noqa: E402
