@@ -475,14 +475,23 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str, what: str) ->
 def _load_entry_points(pm: pluggy.PluginManager, infos: dict[str, _PluginInfo]) -> None:
     """Load the ``batchgen`` entry-point group, one entry point at a time so errors name it."""
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
-            continue  # the same distribution seen twice on sys.path, as pluggy does
         dist = getattr(ep, "dist", None)
         dist_name = dist.metadata["Name"] if dist is not None else None
         dist_version = dist.version if dist is not None else None
         what = f"plugin '{ep.name}' (entry point '{ep.value}'" + (
             f" from {dist_name} {dist_version})" if dist_name else ")"
         )
+        if pm.is_blocked(ep.name):
+            continue
+        if pm.get_plugin(ep.name) is not None:
+            first = infos.get(ep.name)
+            if first is not None and first.distribution == dist_name:
+                continue  # the same distribution seen twice on sys.path, as pluggy does
+            raise PluginError(
+                f"{what} clashes with {first.label if first else repr(ep.name)}: two plugins "
+                "with one name; uninstall one of them",
+                plugin=ep.name,
+            )
         try:
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
         except pluggy.PluginValidationError as exc:

@@ -460,3 +460,48 @@ def test_specs_are_frozen_records() -> None:
     with pytest.raises(AttributeError):
         spec.name = "t"  # type: ignore[misc]
     assert MetricSpec("m", "d", builtin_metrics.LengthOptions, lambda o: None).name == "m"
+
+
+def fake_distribution(root, name: str, version: str, entry_points: str) -> None:
+    """An installed-looking distribution: a ``.dist-info`` folder that importlib.metadata finds."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8")
+    (info / "entry_points.txt").write_text(f"[batchgen]\n{entry_points}\n", encoding="utf-8")
+
+
+def test_entry_point_plugins_carry_their_distribution(tmp_path, make_module: MakeModule) -> None:
+    make_module("bg_ep_good", GOOD_PLUGIN)
+    fake_distribution(tmp_path, "bg-ep-good", "2.3.4", "epgood = bg_ep_good")
+    registry = load_registry()
+    entry = next(e for e in registry.describe() if e["name"] == "epgood")
+    assert (entry["source"], entry["distribution"], entry["version"], entry["module"]) == (
+        "entry point", "bg-ep-good", "2.3.4", "bg_ep_good",
+    )
+    with pytest.raises(PluginError) as info:
+        registry.build_sampler("mask_token", {"token": -1})
+    assert str(info.value).startswith(
+        "sampler 'mask_token' (plugin 'epgood' from bg-ep-good 2.3.4): invalid options:\n  token: "
+    )
+
+
+def test_entry_point_that_fails_to_load_is_named(tmp_path, make_module: MakeModule) -> None:
+    make_module("bg_ep_broken", "raise ImportError('libfoo.so: cannot open shared object file')\n")
+    fake_distribution(tmp_path, "bg-ep-broken", "0.9", "epbroken = bg_ep_broken")
+    with pytest.raises(PluginError) as info:
+        load_registry()
+    assert str(info.value) == (
+        "plugin 'epbroken' (entry point 'bg_ep_broken' from bg-ep-broken 0.9) failed to load: "
+        "ImportError: libfoo.so: cannot open shared object file"
+    )
+    assert info.value.plugin == "epbroken"
+
+
+def test_two_distributions_with_one_plugin_name_are_named(tmp_path, make_module: MakeModule) -> None:
+    make_module("bg_ep_one", "")
+    make_module("bg_ep_two", "")
+    fake_distribution(tmp_path, "bg-ep-one", "1.0", "clash = bg_ep_one")
+    fake_distribution(tmp_path, "bg-ep-two", "1.0", "clash = bg_ep_two")
+    with pytest.raises(PluginError, match=r"^plugin 'clash' \(entry point 'bg_ep_\w+' from bg-ep-\w+ 1.0\) clashes with "
+                       r"plugin 'clash' from bg-ep-\w+ 1.0: two plugins with one name; uninstall one of them$"):
+        load_registry()
