@@ -162,6 +162,15 @@ def parse_number(text: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def leading_number(text: str) -> float | None:
+    """``text`` as a number when it is one, else its first number (``"72 clips"`` → 72), else None."""
+    number = parse_number(text)
+    if number is None:
+        found = NUMBER.search(text)
+        number = parse_number(found.group(0)) if found else None
+    return number
+
+
 class RegexMatch:
     """Extract-then-compare, GSM8K-style by default."""
 
@@ -188,9 +197,10 @@ class RegexMatch:
         return None
 
     def same(self, answer: str, reference: str) -> bool:
-        """Whether two extracted answers agree (numerically when both are numbers)."""
+        """Whether two extracted answers agree: numerically when both hold a number (the whole
+        text, else its first number, so ``72 clips`` is 72), else as normalised text."""
         if self.options.numeric:
-            a, b = parse_number(answer), parse_number(reference)
+            a, b = leading_number(answer), leading_number(reference)
             if a is not None and b is not None:
                 return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
         return self.options.normalize(answer) == self.options.normalize(reference)

@@ -111,6 +111,10 @@ def test_regex_match_gsm8k(registry) -> None:
     )
     assert scores == {"first": True, "any": True, "mean": 0.5, "extracted": 0.75}
     assert metric.score(record("#### $1,234"), {"answer": "1234"})["first"] is True
+    # A unit after the final answer still compares as the number; text answers compare as text.
+    assert metric.score(record("#### 72 clips"), {"answer": "#### 72"})["first"] is True
+    assert metric.score(record("#### 7 or 72"), {"answer": "#### 72"})["first"] is False
+    assert metric.score(record("#### Paris"), {"answer": "#### paris"})["first"] is True
 
 
 def test_regex_match_options(registry) -> None:
