@@ -31,7 +31,11 @@
 // it writes its partition's normalised output, max and denominator to part_out / part_ml and
 // paged_decode_reduce combines them. The partition count depends only on the sequence's own
 // context length, so a sequence's result never depends on the rest of the batch.
-extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS) paged_decode(
+//
+// __launch_bounds__(.., 1): without a minimum-blocks hint ptxas caps the registers of the smaller
+// head sizes and spills the accumulators; with it every variant fits in registers (checked by the
+// static test), at up to 255 registers for head_size 256.
+extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     scalar_t* __restrict__ out,               // [num_seqs, num_heads, head_size]
     float* __restrict__ part_out,             // [num_seqs, num_heads, max_parts, head_size]
     float* __restrict__ part_ml,              // [num_seqs, num_heads, max_parts, 2]
