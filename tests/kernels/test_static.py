@@ -143,7 +143,7 @@ def test_fp64_and_spills_are_caught_by_nvcc(tmp_path: Path) -> None:
     src.write_text('extern "C" __global__ void bad(float* o, int i) {\n'
                    '  float a[256];\n  for (int k = 0; k < 256; ++k) a[k] = o[k];\n'
                    '  a[i & 255] += 1.0f;\n  double d = o[i];\n'
-                   '  o[0] = (float)(d * 1.5) + a[(i * 7) & 255];\n}\n')
+                   '  o[0] = (float)(d / 3.0 + 1e-20) + a[(i * 7) & 255];\n}\n')
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run([NVCC, "-gencode", "arch=compute_90,code=sm_90", "-fatbin", "--keep",
                                "--keep-dir", tmp, "-o", os.path.join(tmp, "b.fatbin"), "-Xptxas",
