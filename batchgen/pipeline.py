@@ -138,13 +138,11 @@ def plan(
     data = load_rows(config.data)
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
     check_columns(data.columns, config, required)
-    summary_file = config.output.summary_file
-    check_writable(summary_file)
+    check_writable(config.output.path)
+    check_writable(config.output.summary_file)
     done: set[str] = set()
     if prepare:
         done = prepare_output(config.output.path, config.output.if_exists)
-    else:
-        check_writable(config.output.path)
     return Job(config, registry, data, metrics, processors, done, config_path)
 
 

@@ -1,0 +1,163 @@
+"""The command line: exit codes and the message of every bad-input path.
+
+All of these fail (or succeed) before any model runs, so they are quick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchgen.cli import main
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_validate_accepts_a_good_config(job_config, capsys) -> None:
+    code, out, err = _cli(capsys, "validate", str(job_config()))
+    assert (code, err) == (0, "")
+    assert "ok (12 rows from" in out and "template renders on the first 5" in out and "is writable" in out
+
+
+def test_unknown_key(job_config, capsys) -> None:
+    code, _, err = _cli(capsys, "validate", str(job_config(generation={"max_token": 4})))
+    assert code == 2
+    assert "generation.max_token: unknown key (did you mean 'max_tokens'?)" in err
+
+
+def test_wrong_type_and_all_errors_at_once(job_config, capsys) -> None:
+    path = job_config(engine={"block_size": "sixteen"}, data={"limit": -1})
+    code, _, err = _cli(capsys, "run", str(path))
+    assert code == 2
+    assert "invalid config (2 errors)" in err
+    assert "data.limit: Input should be greater than 0 (got -1)" in err
+    assert "engine.block_size: Input should be a valid integer, unable to parse string as an integer (got 'sixteen')" in err
+
+
+def test_missing_column(job_config, capsys) -> None:
+    path = job_config(prompt={"template": "Q: {{ questoin }}", "chat_template": False})
+    code, _, err = _cli(capsys, "validate", str(path))
+    assert code == 2
+    assert (
+        "prompt.template: column 'questoin' is not in the dataset (did you mean 'question'?); "
+        "columns: 'qid', 'question', 'answer'"
+    ) in err
+    code, _, err = _cli(capsys, "run", str(job_config(prompt={"column": "text", "template": None})))
+    assert code == 2 and "prompt.column: column 'text' is not in the dataset" in err
+
+
+def test_metric_needs_its_reference_column(job_config, capsys) -> None:
+    path = job_config(metrics=[{"name": "exact_match", "options": {"reference": "gold"}}])
+    code, _, err = _cli(capsys, "validate", str(path))
+    assert code == 2 and "metrics.0: metric 'exact_match' reads column 'gold' is not in the dataset" in err
+
+
+def test_unknown_plugin(job_config, capsys) -> None:
+    path = job_config(metrics=[{"name": "exact_mach"}], generation={"mode": "sample", "sampler": {"name": "typicl"}})
+    code, _, err = _cli(capsys, "validate", str(path))
+    assert code == 2
+    assert "generation.sampler: unknown sampler plugin 'typicl' (did you mean 'typical'?); installed: " in err
+    assert "metrics.0: unknown metric plugin 'exact_mach' (did you mean 'exact_match'?); installed: " in err
+    assert "'pass_at_k'" in err  # the installed third-party metric is listed too
+
+
+def test_unknown_plugin_module(job_config, capsys) -> None:
+    code, _, err = _cli(capsys, "validate", str(job_config(plugins=["no_such_plugin_module"])))
+    assert code == 2 and "no_such_plugin_module" in err
+
+
+def test_invalid_plugin_options(job_config, capsys) -> None:
+    path = job_config(
+        metrics=[{"name": "exact_match", "options": {"reference": "answer", "lowercas": False}}],
+        generation={"mode": "sample", "sampler": {"name": "typical", "options": {"mass": 2}}},
+    )
+    code, _, err = _cli(capsys, "run", str(path))
+    assert code == 2
+    assert "generation.sampler: invalid options for sampler plugin 'typical': mass: Input should be less than or equal to 1" in err
+    assert (
+        "metrics.0: invalid options for metric plugin 'exact_match': lowercas: unknown option (did you mean 'lowercase'?)"
+        in err
+    )
+
+
+def test_template_error_on_first_rows(job_config, capsys, tmp_path: Path) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "a", "n": 1}\n{"question": "b", "n": 0}\n')
+    path = job_config(
+        data={"source": str(data), "id_column": None},
+        prompt={"template": "{{ question }} {{ 10 // n }}"},
+        metrics=[{"name": "length"}],
+    )
+    code, _, err = _cli(capsys, "validate", str(path))
+    assert code == 2
+    assert "prompt: row id '1': prompt template failed: ZeroDivisionError: integer division or modulo by zero" in err
+    code, _, err = _cli(capsys, "validate", str(job_config(prompt={"template": "{{ question }"})))
+    assert code == 2 and "prompt: template syntax error on line 1: unexpected '}'" in err
+
+
+def test_unwritable_output(job_config, capsys, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    path = job_config(output={"path": str(blocker / "results.jsonl")})
+    for command in ("validate", "run"):
+        code, _, err = _cli(capsys, command, str(path))
+        assert code == 2
+        assert f"output path {blocker / 'results.jsonl'} is not writable: {blocker} is a file, not a folder" in err
+
+
+def test_existing_output_needs_resume_or_overwrite(job_config, capsys, tmp_path: Path) -> None:
+    path = job_config()
+    out = tmp_path / "out" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text('{"id": "q00"}\n')
+    code, _, err = _cli(capsys, "run", str(path))
+    assert code == 2
+    assert f"output file {out} already exists; pass --resume" in err and "or --overwrite to start over" in err
+    assert out.read_text() == '{"id": "q00"}\n'  # untouched
+    code, out_text, _ = _cli(capsys, "validate", str(path))
+    assert code == 0 and "will need --resume or --overwrite" in out_text
+    with pytest.raises(SystemExit) as info:
+        main(["run", str(path), "--resume", "--overwrite"])
+    assert info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_set_overrides_and_bad_set(job_config, capsys) -> None:
+    path = job_config()
+    code, out, _ = _cli(capsys, "validate", str(path), "--set", "data.limit=3")
+    assert code == 0 and "ok (3 rows" in out
+    code, _, err = _cli(capsys, "validate", str(path), "--set", "data.limit")
+    assert code == 2 and "--set: expected KEY.PATH=VALUE, got 'data.limit'" in err
+    code, _, err = _cli(capsys, "validate", str(path), "--set", "data.limt=3")
+    assert code == 2 and "data.limt: unknown key (did you mean 'limit'?)" in err
+
+
+def test_missing_config_file(capsys, tmp_path: Path) -> None:
+    code, _, err = _cli(capsys, "validate", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "config file not found" in err
+
+
+def test_runtime_failure_exits_1(job_config, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "boom_at_start.py").write_text(
+        "from batchgen.plugins import hookimpl\n\n@hookimpl\ndef batchgen_run_start(config):\n    raise OSError('disk on fire')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = _cli(capsys, "run", str(job_config(plugins=["boom_at_start"])), "--quiet")
+    assert code == 1
+    assert "run failed:" in err and "boom_at_start" in err and "OSError: disk on fire" in err
+
+
+def test_plugins_lists_builtins_and_entry_points(capsys) -> None:
+    code, out, _ = _cli(capsys, "plugins")
+    assert code == 0
+    assert "metric  exact_match" in out and "sampler typical" in out and "metric  pass_at_k" in out
+    code, out, _ = _cli(capsys, "plugins", "--json")
+    entries = json.loads(out)
+    sources = {e["name"]: e["source"] for e in entries}
+    assert "built-in" in sources.values() and "entry point" in sources.values()
