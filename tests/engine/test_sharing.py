@@ -1,0 +1,123 @@
+"""Parallel sampling and beam search over shared, copy-on-write blocks (the real model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, BeamSearchParams, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+W32 = Path(__file__).resolve().parents[2] / "bench" / "w32.jsonl"
+BEAM_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def w32() -> list[list[int]]:
+    return [json.loads(line)["prompt_token_ids"] for line in W32.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+def test_n4_sampling_prefills_once_shares_blocks_and_reproduces(smollm2_path, w32):
+    prompt = w32[0]  # 69 tokens: 4 full blocks of 16 and a partial one of 5
+    assert len(prompt) % 16 != 0
+    params = SamplingParams(n=4, temperature=0.8, top_p=0.95, seed=7, max_tokens=16)
+    llm = LLM(smollm2_path, dtype="float32", block_size=16, enable_prefix_caching=False)
+    seen_tables: list[list[list[int]]] = []
+    original = llm.runner.execute
+
+    def spy(scheduled, sample, copies):
+        seen_tables.append([list(seq.block_table) for seq, _ in scheduled])
+        return original(scheduled, sample, copies)
+
+    llm.runner.execute = spy
+    out = llm.generate([prompt], params)[0]
+    stats = llm.stats()
+    assert stats.num_prefill_tokens == len(prompt), "the prompt must be prefilled exactly once"
+    assert len(out.outputs) == 4
+    # The first decode step: all four samples name the prompt's blocks, the partial one
+    # included, except the copied last block of the ones that wrote first (copy-on-write).
+    first_decode = seen_tables[1]
+    assert len(first_decode) == 4
+    full = len(prompt) // 16
+    assert all(t[:full] == first_decode[0][:full] for t in first_decode)
+    assert stats.num_cow_copies == 3, "the shared partial block is copied by 3 of 4 writers"
+    assert out.stats.num_physical_blocks < out.stats.num_logical_blocks
+    # Reproducible, and the four samples differ from each other.
+    again = LLM(smollm2_path, dtype="float32", block_size=16).generate([prompt], params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_best_of_returns_the_best_n(smollm2_path, w32):
+    llm = LLM(smollm2_path, dtype="float32")
+    wide = llm.generate([w32[2]], SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=12))[0]
+    best = llm.generate([w32[2]], SamplingParams(n=2, best_of=6, temperature=1.0, seed=11, max_tokens=12))[0]
+    expected = sorted((o.cumulative_logprob for o in wide.outputs), reverse=True)[:2]
+    assert [o.cumulative_logprob for o in best.outputs] == pytest.approx(expected)
+
+
+def hf_beam(model, prompt, width, length_penalty, early_stopping, max_tokens):
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+            length_penalty=length_penalty, early_stopping=early_stopping, max_new_tokens=max_tokens,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=2)
+    seqs = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        # Finished beams are padded with the pad id, which is the EOS id (2) here. A row that
+        # ends in 2 ended by EOS (a length-ended beam cannot end in EOS): keep exactly one.
+        if row and row[-1] == 2:
+            while row and row[-1] == 2:
+                row.pop()
+            row.append(2)
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("length_penalty", [1.0, 0.6])
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalty, early_stopping):
+    prompts = w32[:8]
+    llm = LLM(smollm2_path, dtype="float32", block_size=16)
+    params = BeamSearchParams(beam_width=width, max_tokens=BEAM_TOKENS, length_penalty=length_penalty,
+                              early_stopping=early_stopping, num_return_sequences=width)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        ref_seqs, ref_scores = hf_beam(hf_model, prompt, width, length_penalty, early_stopping, BEAM_TOKENS)
+        ours = [o.token_ids + ([2] if o.finish_reason == "stop" else []) for o in out.outputs]
+        assert ours == ref_seqs
+        assert [o.score for o in out.outputs] == pytest.approx(ref_scores, abs=1e-4)
+    stats = llm.stats()
+    assert stats.saving > 0.2, "beams must share their prompt blocks"
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["beam", "sample"])
+def test_preempted_groups_give_the_same_outputs(smollm2_path, w32, kind):
+    prompts = w32[:6]
+    if kind == "beam":
+        params = BeamSearchParams(beam_width=3, max_tokens=24)
+    else:
+        params = SamplingParams(n=3, temperature=0.8, seed=21, max_tokens=24)
+    roomy = LLM(smollm2_path, dtype="float32", block_size=8)
+    ref = roomy.generate(prompts, params)
+    assert roomy.stats().num_preemptions == 0
+    bytes_per_block = 2 * 30 * 3 * 64 * 4 * 8
+    tight = LLM(smollm2_path, dtype="float32", block_size=8, kv_cache_memory=70 * bytes_per_block)
+    got = tight.generate(prompts, params)
+    assert tight.stats().num_preemptions > 0, "the budget was meant to force preemption"
+    for a, b in zip(ref, got):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
