@@ -42,10 +42,6 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> list[tuple[int, int]]
     return step(bm, seq, 1)
 
 
-def refs(bm: BlockManager) -> list[int]:
-    return [b.ref_count for b in bm.blocks]
-
-
 # ---------------------------------------------------------------------- construction
 @pytest.mark.parametrize("block_size", [1, 2, 16, 255, 256])
 def test_block_size_in_range_is_accepted(block_size: int) -> None:
@@ -372,3 +368,31 @@ def test_statistics() -> None:
     for seq in (a, b, c):
         bm.free(seq)
     assert bm.num_used_blocks == 0 and bm.peak_blocks_used == 5  # the peak is kept
+
+
+# ---------------------------------------------------------------------- the invariant check itself
+def test_check_invariants_detects_corruption() -> None:
+    """The check the stateful test relies on fails on each kind of corruption."""
+    def fresh() -> tuple[BlockManager, Sequence]:
+        bm = BlockManager(num_blocks=6, block_size=2, watermark=0.0)
+        seq = admit(bm, [1, 2, 3])
+        bm.check_invariants([seq])
+        return bm, seq
+
+    bm, seq = fresh()
+    bm.blocks[seq.block_table[0]].ref_count += 1  # a reference nobody holds
+    with pytest.raises(AssertionError, match="ref_count 2 != 1 references"):
+        bm.check_invariants([seq])
+    bm, seq = fresh()
+    with pytest.raises(AssertionError, match="ref_count 1 != 0 references"):
+        bm.check_invariants([])  # a live sequence the caller forgot
+    bm, seq = fresh()
+    bm._free.append(seq.block_table[1])  # a used block also on the free list
+    with pytest.raises(AssertionError, match=f"block {seq.block_table[1]} is in used free"):
+        bm.check_invariants([seq])
+    bm, seq = fresh()
+    bm.free(seq)
+    cached = bm.get_computed_blocks(Sequence([1, 2, 3]))[0][0]
+    bm._free.append(cached)  # a cached free block also on the plain free list
+    with pytest.raises(AssertionError, match="block both free and evictable"):
+        bm.check_invariants([])
