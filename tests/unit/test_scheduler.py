@@ -387,6 +387,23 @@ def test_admission_is_first_come_first_served() -> None:
     assert engine.admitted == ["first", "big", "small0", "small1", "small2", "small3"]
 
 
+def test_admission_keeps_the_watermark_free_but_running_groups_may_use_it() -> None:
+    engine = FakeEngine(num_blocks=20, block_size=1, max_num_batched_tokens=64, watermark=0.25)
+    assert engine.bm.watermark_blocks == 5
+    assert engine.add("running", _prompt(13, 0), SamplingParams(max_tokens=5)) is None
+    engine.step()  # 13 blocks used, 7 free
+    assert engine.add("waiting", _prompt(3, 1), SamplingParams(max_tokens=1)) is None
+    for _ in range(3):
+        engine.step()
+        # "waiting" needs 3 blocks: admitting it would leave fewer than 5 free.
+        assert [g.request_id for g in engine.sched.running] == ["running"]
+        assert engine.log[-1].scheduled == [("running", 0, 1)]
+    assert engine.bm.num_free_blocks == 4  # the running request grew into the watermark
+    engine.run()
+    engine.assert_all_done()
+    assert engine.admitted == ["running", "waiting"]
+
+
 # ---------------------------------------------------------------------- preemption
 def test_preemption_takes_the_newest_group_whole_and_everything_finishes() -> None:
     engine = FakeEngine(num_blocks=12, block_size=2, max_num_seqs=16, max_num_batched_tokens=64,
