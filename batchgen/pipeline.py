@@ -187,7 +187,14 @@ def make_record(prompt: PromptRecord, output: Any | None, config: RunConfig) -> 
         error = output.error
         beam = config.generation.mode == "beam"
         with_logprobs = config.generation.logprobs is not None
-        generations = [_generation(c, beam, with_logprobs) for c in sorted(output.outputs, key=lambda c: c.index)]
+        if beam:
+            # Best beam first, indexed by rank, so that "the first generation" means the same
+            # thing (the model's best answer) in every mode.
+            ranked = sorted(output.outputs, key=lambda c: -c.score if c.score is not None else float("inf"))
+            generations = [_generation(c, True, False) | {"index": rank} for rank, c in enumerate(ranked)]
+        else:
+            completions = sorted(output.outputs, key=lambda c: c.index)
+            generations = [_generation(c, False, with_logprobs) for c in completions]
     return {
         "id": prompt.id,
         "index": prompt.index,

@@ -73,8 +73,9 @@ def test_sample_and_beam_modes(job_config, tiny_llm) -> None:
     )
     assert len(records) == 2
     for record in records:
-        assert len(record["generations"]) == 2
-        assert all(isinstance(g["score"], float) for g in record["generations"])
+        assert [g["index"] for g in record["generations"]] == [0, 1]
+        scores = [g["score"] for g in record["generations"]]
+        assert all(isinstance(s, float) for s in scores) and scores[0] >= scores[1]
 
 
 def test_bad_rows_become_error_records_and_the_job_goes_on(job_config, tiny_llm, tmp_path: Path) -> None:
