@@ -7,7 +7,7 @@ Per row, in this order (vLLM's and HF's order):
 2. penalties: repetition (HF semantics over prompt + output tokens: a positive logit is divided
    by the penalty, a negative one multiplied), then frequency and presence (OpenAI semantics
    over output tokens: ``logit -= frequency * count + presence * (count > 0)``);
-3. temperature (sampled rows only; greedy rows skip it, argmax does not depend on it);
+3. temperature (rows with temperature 0 skip it: argmax does not depend on scale);
 4. the row's logits processors, on float32 logits;
 5. top-k (ties with the k-th logit are kept), top-p (the smallest set of best tokens whose
    probability reaches ``top_p``), min-p (tokens below ``min_p * max_prob`` are dropped);
@@ -108,14 +108,15 @@ class Sampler:
         params = [r.params for r in rows]
         greedy = [p.is_greedy for p in params]
 
-        modifies = any(r.suppress_token_ids or r.params.has_penalties or r.params.logits_processors
-                       for r in rows) or not all(greedy)
+        modifies = not all(greedy) or any(
+            r.suppress_token_ids or r.params.has_penalties or r.params.logits_processors
+            or r.params.temperature not in (0.0, 1.0) for r in rows)
         # The working copy that penalties, temperature and filters act on; `raw` and the
         # caller's `logits` stay untouched (an all-greedy plain batch needs no copy).
         x = raw.clone() if modifies else raw
         self._suppress(x, rows)
         self._apply_penalties(x, rows)
-        self._apply_temperature(x, params, greedy)
+        self._apply_temperature(x, params)
         self._apply_processors(x, rows)
         sampled_idx = [i for i, g in enumerate(greedy) if not g]
         if sampled_idx:
@@ -195,10 +196,11 @@ class Sampler:
         x[idx_t] = sub
 
     @staticmethod
-    def _apply_temperature(x: torch.Tensor, params: list[SamplingParams],
-                           greedy: list[bool]) -> None:
-        """Divide sampled rows by their temperature (greedy rows are left alone)."""
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+    def _apply_temperature(x: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Divide each row by its temperature; temperature-0 rows are left alone (their argmax
+        does not depend on scale). A top-k-1 row with a temperature is divided too, so that
+        its logits processors see the same logits as they would when sampling."""
+        temps = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
         if any(t != 1.0 for t in temps):
             x.div_(torch.tensor(temps, device=x.device, dtype=x.dtype)[:, None])
 

@@ -292,3 +292,18 @@ def test_top_candidates_are_log_softmax_top_k() -> None:
     for i in range(2):
         v, t = torch.topk(lp[i], 4)
         assert cands[i] == list(zip(t.tolist(), v.tolist()))
+
+
+def test_top_k_one_rows_are_scaled_by_temperature_before_processors() -> None:
+    seen: list[torch.Tensor] = []
+
+    def capture(logits: torch.Tensor, output_ids: list[list[int]]) -> torch.Tensor:
+        seen.append(logits.clone())
+        return logits
+
+    logits = torch.tensor([[2.0, -4.0, 1.0]])
+    out = Sampler()(logits, [_row(SamplingParams(temperature=2.0, top_k=1,
+                                                 logits_processors=[capture]))])
+    assert seen[0].tolist() == [[1.0, -2.0, 0.5]]
+    assert out.token_ids == [0]
+    assert logits.tolist() == [[2.0, -4.0, 1.0]]
