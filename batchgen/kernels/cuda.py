@@ -186,14 +186,18 @@ class _Stacked(AbstractContextManager):
 
 
 class HarnessBackend:
-    """Runs the kernels on the CPU harness (tests); schedules and poison as in CpuModule."""
+    """Runs the kernels on the CPU harness (tests); schedules and poison as in CpuModule.
+
+    ``source`` replaces the kernel file (the mutation tests build deliberately broken copies).
+    """
 
     device_type = "cpu"
 
-    def __init__(self, **harness_options: Any) -> None:
+    def __init__(self, source: Path = KERNEL_SOURCE, **harness_options: Any) -> None:
         from .cpu_harness import CpuModule
 
         self._factory: Callable[..., Any] = CpuModule
+        self._source = Path(source)
         self._options = harness_options
         self._modules: dict[tuple[torch.dtype, int, int], Any] = {}
 
@@ -201,7 +205,7 @@ class HarnessBackend:
         key = (dtype, head_size, block_size)
         if key not in self._modules:
             self._modules[key] = self._factory(
-                KERNEL_SOURCE, module_defines(dtype, head_size, block_size), **self._options
+                self._source, module_defines(dtype, head_size, block_size), **self._options
             )
         return self._modules[key]
 

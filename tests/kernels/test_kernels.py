@@ -96,6 +96,15 @@ def test_decode_result_independent_of_batch(runner: Runner, dtype, head_size, bl
             assert torch.equal(out[0].cpu(), together[row].cpu()), f"{label}: sequence {row} changed"
 
 
+@pytest.mark.parametrize("dtype,head_size,block_size", [(F16, 128, 16), (F32, 64, 16)])
+def test_decode_large_logits_stay_finite(runner: Runner, dtype, head_size, block_size) -> None:
+    # Logits of order 1000: exp() overflows float32 unless the running max is subtracted.
+    case = make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
+                            context_lens=[90, 33, 400], group=4, seed=9)
+    case.query *= 200
+    check_decode(runner, case, dtype)
+
+
 @pytest.mark.parametrize("dtype,head_size,block_size", [(BF16, 128, 32), (F16, 80, 8)])
 def test_decode_cow_forked_block_tables(runner: Runner, dtype, head_size, block_size) -> None:
     # Four beams share their first blocks physically (a fork), then diverge in a private block.

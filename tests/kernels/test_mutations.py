@@ -1,0 +1,108 @@
+"""Planted bugs in the real decode kernels must be caught by the CPU tests.
+
+Each mutation edits one spot of a copy of ``paged_attention.cu`` (a missing barrier, a wrong
+reduction, a missing mask, ...). The detection suite is a few decode cases run under the two
+warp-by-warp schedules with NaN and huge-finite shared-memory poison, exactly as in
+test_kernels.py. A mutation is caught when the harness raises or an output leaves the reference
+tolerance; every mutation must be caught.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CPU_SCHEDULES
+from kernel_cases import TOLERANCES, make_decode_case, reference_decode
+
+from batchgen.kernels.cpu_harness import HarnessError
+from batchgen.kernels.cuda import KERNEL_HEADER, KERNEL_SOURCE, HarnessBackend, KernelOps
+
+DTYPE, HEAD, BLOCK = torch.float16, 64, 16
+
+# name -> (exact text in paged_attention.cu, replacement)
+MUTATIONS: dict[str, tuple[str, str]] = {
+    "no barrier after loading q": (
+        "  __syncthreads();\n\n  for (int tile = start", "\n  for (int tile = start"),
+    "no barrier after the logits": (
+        "    __syncthreads();\n\n    // Phase 2", "\n    // Phase 2"),
+    "no barrier after the softmax": (
+        "    __syncthreads();\n\n    // Phase 3", "\n    // Phase 3"),
+    "no barrier at the end of a tile": (
+        "    __syncthreads();  // p_s, alpha_s", "    // p_s, alpha_s"),
+    "half the lanes in the q.k reduction": (
+        "m < BG_LANES_PER_TOKEN; m <<= 1", "m < BG_LANES_PER_TOKEN / 2; m <<= 1"),
+    "no rescale of the accumulator": ("acc[j][g] *= alpha_s[g];", "acc[j][g] *= 1.0f;"),
+    "tokens past the context not masked": ("valid ? dot : BG_NEG_INF", "dot"),
+    "running max not initialised": ("    m_s[tid] = BG_NEG_INF;\n", ""),
+    "tile max over half the logits": ("bg_warp_max(fmaxf(x0, x1))", "bg_warp_max(x0)"),
+    "reduce ignores the denominators": (
+        "__expf(ml[2 * p] - mx) * ml[2 * p + 1]", "__expf(ml[2 * p] - mx)"),
+    "off-by-one block lookup": ("table[pos / BG_BLOCK_SIZE]", "table[(pos + 1) / BG_BLOCK_SIZE]"),
+    "idle threads leave before the barriers": (
+        "  __syncthreads();\n\n  for (int tile = start",
+        "  if (tid >= BG_HEAD_SIZE) return;\n  __syncthreads();\n\n  for (int tile = start"),
+}
+
+
+def detection_cases():
+    peaked = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[90, 33],
+                              group=2, seed=23)
+    peaked.query *= 200  # logits of order 1000: exp overflows unless the true max is subtracted
+    return [
+        peaked,
+        make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK,
+                         context_lens=[1, 15, 16, 17, 65, 130], group=3, seed=21),
+        make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 600],
+                         num_kv_heads=1, group=2, seed=22),
+    ]
+
+
+def caught(source: Path) -> str | None:
+    """How the detection suite notices the kernel in ``source`` is wrong, or None if it passes."""
+    atol, rtol = TOLERANCES[DTYPE]
+    for schedule, poison in CPU_SCHEDULES:
+        ops = KernelOps(HarnessBackend(source, schedule=schedule, poison=poison))
+        for i, case in enumerate(detection_cases()):
+            try:
+                out = ops.paged_decode_attention(*case.args()).float()
+            except HarnessError as exc:
+                return f"{schedule}/{poison} case {i}: harness error: {str(exc)[:120]}"
+            ref = reference_decode(case)
+            if not torch.allclose(out, ref, atol=atol, rtol=rtol):
+                return f"{schedule}/{poison} case {i}: max error {(out - ref).abs().nan_to_num(1e9).max():.3g}"
+    return None
+
+
+def mutated_copy(root: Path, name: str, old: str, new: str) -> Path:
+    text = KERNEL_SOURCE.read_text()
+    assert text.count(old) == 1, f"mutation {name!r}: its target text must occur exactly once"
+    folder = root / name.replace(" ", "_").replace(".", "")
+    folder.mkdir()
+    shutil.copy(KERNEL_HEADER, folder / KERNEL_HEADER.name)
+    (folder / KERNEL_SOURCE.name).write_text(text.replace(old, new))
+    return folder / KERNEL_SOURCE.name
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mutants")
+    paths = {name: mutated_copy(root, name, *m) for name, m in MUTATIONS.items()}
+    # Build all mutants two at a time before the (sequential) detection runs.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda p: HarnessBackend(p).module(DTYPE, HEAD, BLOCK), paths.values()))
+    return paths
+
+
+def test_unmutated_kernel_passes_the_detection_suite() -> None:
+    assert caught(KERNEL_SOURCE) is None
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutation_is_caught(sources: dict[str, Path], name: str) -> None:
+    how = caught(sources[name])
+    assert how is not None, f"planted bug {name!r} went unnoticed"
+    print(f"{name}: {how}")
