@@ -1,0 +1,146 @@
+"""Backend selection, the ops' input checks, and the Python mirrors of the kernel constants."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import harness_ops
+
+from batchgen.kernels import get_ops, reference, resolve_backend
+from batchgen.kernels import cuda as kcuda
+from batchgen.kernels.cuda import KernelInputError, num_partitions
+
+
+def test_importing_the_package_does_not_import_cupy() -> None:
+    code = ("import sys, batchgen.kernels, batchgen.kernels.cuda; "
+            "from batchgen.kernels import get_ops; get_ops('torch'); "
+            "print('cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_resolve_backend_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_backend("torch", cpu) == "torch"
+    assert resolve_backend("auto", cpu) == "torch"
+    with pytest.raises(RuntimeError, match="needs a CUDA device; the model runs on cpu"):
+        resolve_backend("cuda", cpu)
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, cuda, torch; got 'tpu'"):
+        resolve_backend("tpu", cpu)
+
+
+def test_resolve_backend_rules_for_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import batchgen.kernels as kernels
+
+    gpu = torch.device("cuda", 0)
+    for has_gpu, has_cupy, auto in [(True, True, "cuda"), (True, False, "torch"),
+                                    (False, True, "torch"), (False, False, "torch")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=has_gpu: v)
+        monkeypatch.setattr(kernels, "cupy_available", lambda v=has_cupy: v)
+        assert resolve_backend("auto", gpu) == auto
+        if auto == "cuda":
+            assert resolve_backend("cuda", gpu) == "cuda"
+        elif not has_gpu:
+            with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+                resolve_backend("cuda", gpu)
+        else:
+            with pytest.raises(RuntimeError, match=r"needs cupy: pip install 'batchgen\[cuda\]'"):
+                resolve_backend("cuda", gpu)
+
+
+def test_get_ops_exposes_the_reference_signatures() -> None:
+    assert get_ops("torch") is reference
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        get_ops("auto")
+    ops = harness_ops("warp", "nan")
+    import inspect
+
+    for name in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
+                 "copy_blocks"):
+        want = list(inspect.signature(getattr(reference, name)).parameters)
+        assert list(inspect.signature(getattr(ops, name)).parameters) == want, name
+
+
+def test_python_constants_mirror_the_kernel_header() -> None:
+    header = kcuda.KERNEL_HEADER.read_text()
+    values = dict(re.findall(r"#define (BG_\w+) (\d+)\b", header))
+    assert int(values["BG_NUM_THREADS"]) == kcuda.NUM_THREADS
+    assert int(values["BG_MAX_GROUP"]) == kcuda.MAX_GROUP
+    assert int(values["BG_TILE"]) == kcuda.TILE
+    assert kcuda.PARTITION_SIZE % kcuda.TILE == 0
+    # The decode shared-memory layout: q, p, m, l, alpha (floats) and row (ints).
+    src = kcuda.KERNEL_SOURCE.read_text()
+    assert "#define BG_SMEM_WORDS (BG_SMEM_ROW + BG_TILE)" in src
+    assert kcuda.decode_smem_bytes(128) == 4 * (8 * 128 + 8 * 64 + 3 * 8 + 64)
+
+
+def test_split_rule_depends_only_on_the_context_length() -> None:
+    p = kcuda.PARTITION_SIZE
+    assert [num_partitions(n) for n in (1, p, p + 1, 2 * p, 2 * p + 1)] == [1, 1, 2, 2, 3]
+
+
+def _decode_inputs(**over):
+    base = dict(query=torch.zeros(2, 4, 64, dtype=torch.float16),
+                k_cache=torch.zeros(5, 16, 2, 64, dtype=torch.float16),
+                v_cache=torch.zeros(5, 16, 2, 64, dtype=torch.float16),
+                block_tables=torch.zeros(2, 3, dtype=torch.int32),
+                context_lens=torch.ones(2, dtype=torch.int32), scale=0.125)
+    base.update(over)
+    return base
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(query=torch.zeros(2, 4, 64)), "query dtype torch.float32 differs from the cache dtype"),
+    (dict(query=torch.zeros(2, 4, 64, dtype=torch.float64)), "query must have dtype"),
+    (dict(query=torch.zeros(2, 4, 64, 1, dtype=torch.float16)), "query must have 3 dimensions"),
+    (dict(query=torch.zeros(2, 64, 4, dtype=torch.float16).transpose(1, 2)), "query must be contiguous"),
+    (dict(query=torch.zeros(2, 3, 64, dtype=torch.float16)), "num_heads 3 is not a multiple of num_kv_heads 2"),
+    (dict(query=torch.zeros(2, 4, 128, dtype=torch.float16)), "query head_size 128 differs from the cache's 64"),
+    (dict(block_tables=torch.zeros(2, 3, dtype=torch.int64)), "block_tables must have dtype torch.int32"),
+    (dict(context_lens=torch.ones(3, dtype=torch.int32)), "query has 2 sequences but"),
+    (dict(k_cache=torch.zeros(5, 12, 2, 64, dtype=torch.float16),
+          v_cache=torch.zeros(5, 12, 2, 64, dtype=torch.float16)), r"block_size 12 unsupported"),
+    (dict(v_cache=torch.zeros(6, 16, 2, 64, dtype=torch.float16)), "k_cache .* and v_cache .* must match"),
+    (dict(scale=float("nan")), "scale must be a finite float"),
+    (dict(k_cache=[1, 2]), "k_cache must be a torch.Tensor, got list"),
+])
+def test_decode_rejects_bad_inputs_with_a_clear_message(over, message: str) -> None:
+    ops = harness_ops("warp", "nan")
+    with pytest.raises(KernelInputError, match=f"paged_decode_attention: {message}"):
+        ops.paged_decode_attention(**_decode_inputs(**over))
+
+
+def test_cache_ops_reject_bad_inputs() -> None:
+    ops = harness_ops("warp", "nan")
+    k = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    key = torch.zeros(3, 2, 64, dtype=torch.float16)
+    with pytest.raises(KernelInputError, match="slot_mapping must have dtype torch.int64"):
+        ops.reshape_and_cache(key, key, k, k.clone(), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match=r"key must be \[num_tokens, 2, 64\], got \(3, 2, 32\)"):
+        ops.reshape_and_cache(key[..., :32], key, k, k.clone(), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(KernelInputError, match="disagree on num_tokens: 3, 3, 2"):
+        ops.reshape_and_cache(key, key, k, k.clone(), torch.zeros(2, dtype=torch.int64))
+    kv = torch.zeros(2, 2, 4, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(KernelInputError, match=r"block_mapping must be \[num_pairs, 2\]"):
+        ops.copy_blocks(kv, torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(KernelInputError, match="kv_cache dimension 1 must be 2"):
+        ops.copy_blocks(torch.zeros(2, 3, 4, 16, 2, 64), torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_nvrtc_include_dirs_hold_the_fp16_headers(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    (tmp_path / "include").mkdir()
+    monkeypatch.setenv("CUDA_PATH", str(tmp_path))
+    assert str(tmp_path / "include") not in kcuda.nvrtc_include_dirs()  # no headers there
+    for name in ("cuda_fp16.h", "cuda_bf16.h"):
+        (tmp_path / "include" / name).write_text("")
+    assert kcuda.nvrtc_include_dirs()[0] == str(tmp_path / "include")
+
+
+def test_cupy_source_inlines_the_header() -> None:
+    text = kcuda.full_source()
+    assert '#include "paged_attention.cuh"' not in text
+    assert "#define BG_NUM_THREADS 128" in text and "paged_decode_reduce" in text
