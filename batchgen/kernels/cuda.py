@@ -354,7 +354,11 @@ class KernelOps:
         each block past its own sequence's last partition exits at once.
         """
         op = "paged_decode_attention"
-        self._check_tensor(op, "query", query, ndim=3, dtypes=tuple(DTYPE_CODES), device=None)
+        # Any query strides are accepted (attention layers hand over transposed views); the
+        # kernel reads a dense copy.
+        self._check_tensor(op, "query", query, ndim=3, dtypes=tuple(DTYPE_CODES), device=None,
+                           contiguous=False)
+        query = query.contiguous()
         device = query.device
         self._check_pool(op, k_cache, v_cache, device)
         num_seqs, num_heads, head_size = query.shape

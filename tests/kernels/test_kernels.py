@@ -105,6 +105,18 @@ def test_decode_large_logits_stay_finite(runner: Runner, dtype, head_size, block
     check_decode(runner, case, dtype)
 
 
+def test_decode_accepts_a_strided_query(runner: Runner) -> None:
+    # The attention layer passes query[0].transpose(0, 1): a [tokens, heads, dim] view.
+    case = make_decode_case(dtype=F16, head_size=128, block_size=16, context_lens=[20, 70], seed=10)
+    strided = case.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    ref = reference_decode(case)
+    dev = case.to(runner.device)
+    for label, ops in runner.ops:
+        out = ops.paged_decode_attention(strided.to(runner.device), *dev.args()[1:])
+        assert_close_to_reference(out, ref, F16, label)
+
+
 @pytest.mark.parametrize("dtype,head_size,block_size", [(BF16, 128, 32), (F16, 80, 8)])
 def test_decode_cow_forked_block_tables(runner: Runner, dtype, head_size, block_size) -> None:
     # Four beams share their first blocks physically (a fork), then diverge in a private block.
