@@ -113,3 +113,14 @@ def test_params_and_package_do_not_import_torch() -> None:
     code = ("import sys; import batchgen.sampling, batchgen.sampling.params; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_package_exports_resolve_lazily_and_unknown_names_fail() -> None:
+    import batchgen.sampling as sampling
+
+    assert sampling.SamplingParams is SamplingParams
+    from batchgen.sampling.beam import BeamSearchState
+
+    assert sampling.BeamSearchState is BeamSearchState
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        sampling.Nope  # noqa: B018
