@@ -135,6 +135,13 @@ def plan(
         build_params(config.generation, processors)
     except ValueError as exc:  # the schema mirrors the engine's checks; this is a backstop
         raise ConfigError([ConfigIssue("generation", str(exc))]) from None
+    from batchgen.models import ModelNotFoundError, resolve_model
+
+    try:
+        # Cheap for folders and hub ids; converts the embedded GGUF the first time only.
+        resolve_model(config.model.name)
+    except ModelNotFoundError as exc:
+        raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
     data = load_rows(config.data)
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
     check_columns(data.columns, config, required)

@@ -161,3 +161,10 @@ def test_plugins_lists_builtins_and_entry_points(capsys) -> None:
     entries = json.loads(out)
     sources = {e["name"]: e["source"] for e in entries}
     assert "built-in" in sources.values() and "entry point" in sources.values()
+
+
+def test_missing_model_folder(job_config, capsys, tmp_path: Path) -> None:
+    missing = tmp_path / "no-model-here"
+    code, _, err = _cli(capsys, "run", str(job_config(model={"name": str(missing)})))
+    assert code == 2
+    assert f"model.name: model path '{missing}' does not exist" in err
