@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -68,7 +68,7 @@ class Job:
         return sum(1 for i in self.data.ids if i not in self.done_ids)
 
 
-def build_params(gen: GenerationSection, logits_processors: list[Any] = ()) -> Any:  # type: ignore[assignment]
+def build_params(gen: GenerationSection, logits_processors: Sequence[Any] = ()) -> Any:
     """The engine parameters for one record: SamplingParams (greedy, sample) or BeamSearchParams."""
     from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
