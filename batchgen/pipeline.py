@@ -289,9 +289,11 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
     timings: dict[str, float] = {}
     new_records = {"ok": 0, "error": 0}
     plugin_error = _plugin_error_type()
+    # A reused engine has counted earlier work; throughput covers this run only.
+    before = _engine_stats(llm) or {}
     try:
         job.registry.notify("batchgen_run_start", config=resolved)
-        if llm is None:
+        if llm is None and job.todo:  # nothing left (a finished run resumed): skip the model
             t = time.perf_counter()
             from batchgen import LLM
 
@@ -309,40 +311,9 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
                 seed=engine.seed,
             )
             timings["load_model_s"] = time.perf_counter() - t
-        builder = PromptBuilder(config.prompt, llm.tokenizer, llm.max_model_len, config.generation.max_tokens)
-        params = build_params(config.generation, job.logits_processors)
-        tokens_per_record = config.generation.max_tokens * config.generation.num_outputs
-        pending: dict[str, PromptRecord] = {}
         t_gen = time.perf_counter()
-        with JsonlWriter(config.output.path) as writer, Progress(
-            job.todo, tokens_per_record, enabled=False if quiet else None
-        ) as progress:
-
-            def finish(prompt: PromptRecord, output: Any | None) -> None:
-                record = make_record(prompt, output, config)
-                _score(job, record, prompt.row)
-                writer.write(record)
-                new_records["error" if record["error"] is not None else "ok"] += 1
-                progress.record_finished(record["usage"]["generated_tokens"], record["error"] is not None)
-                job.registry.notify("batchgen_record_finished", record=record)
-
-            def requests() -> Iterator[Any]:
-                from batchgen.engine.llm import Request
-
-                for prompt in iter_prompts(job.data, builder, job.done_ids):
-                    if prompt.error is not None:
-                        finish(prompt, None)
-                        continue
-                    pending[prompt.id] = prompt
-                    yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, params)
-
-            for output in llm.stream(requests(), on_tokens=progress.on_tokens):
-                prompt = pending.pop(output.request_id, None)
-                if prompt is None:
-                    raise RunFailed(f"the engine returned an unknown request id {output.request_id!r}")
-                finish(prompt, output)
-        if pending:
-            raise RunFailed(f"the engine finished without returning {len(pending)} request(s), e.g. {next(iter(pending))!r}")
+        if job.todo:
+            _generate(job, llm, quiet, new_records)
         timings["generate_s"] = time.perf_counter() - t_gen
         metrics, counts = _aggregate(job)
         summary["status"] = "completed"
@@ -374,17 +345,64 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
         }
         stats = _engine_stats(llm)
         summary["engine"] = stats
-        summary["throughput"] = _throughput(stats, timings, sum(new_records.values()))
+        summary["throughput"] = _throughput(stats, before, timings, sum(new_records.values()))
         write_json_atomic(config.output.summary_file, summary)
     job.registry.notify("batchgen_run_end", summary=summary)
     return summary
 
 
-def _throughput(stats: dict[str, Any] | None, timings: dict[str, float], records: int) -> dict[str, float | int]:
-    """Tokens and records per second of generation wall time (model loading excluded)."""
+def _generate(job: Job, llm: Any, quiet: bool, new_records: dict[str, int]) -> None:
+    """Stream every remaining row through ``llm``, writing each record as it finishes."""
+    config = job.config
+    builder = PromptBuilder(config.prompt, llm.tokenizer, llm.max_model_len, config.generation.max_tokens)
+    params = build_params(config.generation, job.logits_processors)
+    tokens_per_record = config.generation.max_tokens * config.generation.num_outputs
+    pending: dict[str, PromptRecord] = {}
+    with JsonlWriter(config.output.path) as writer, Progress(
+        job.todo, tokens_per_record, enabled=False if quiet else None
+    ) as progress:
+
+        def finish(prompt: PromptRecord, output: Any | None) -> None:
+            record = make_record(prompt, output, config)
+            _score(job, record, prompt.row)
+            writer.write(record)
+            new_records["error" if record["error"] is not None else "ok"] += 1
+            progress.record_finished(record["usage"]["generated_tokens"], record["error"] is not None)
+            job.registry.notify("batchgen_record_finished", record=record)
+
+        def requests() -> Iterator[Any]:
+            from batchgen.engine.llm import Request
+
+            for prompt in iter_prompts(job.data, builder, job.done_ids):
+                if prompt.error is not None:
+                    finish(prompt, None)
+                    continue
+                pending[prompt.id] = prompt
+                yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, params)
+
+        for output in llm.stream(requests(), on_tokens=progress.on_tokens):
+            prompt = pending.pop(output.request_id, None)
+            if prompt is None:
+                raise RunFailed(f"the engine returned an unknown request id {output.request_id!r}")
+            finish(prompt, output)
+    if pending:
+        raise RunFailed(f"the engine finished without returning {len(pending)} request(s), e.g. {next(iter(pending))!r}")
+
+
+def _throughput(
+    stats: dict[str, Any] | None, before: dict[str, Any], timings: dict[str, float], records: int
+) -> dict[str, float | int]:
+    """Tokens and records per second of generation wall time (model loading excluded).
+
+    ``before`` holds the engine's counters at the start of the run (empty for a new engine).
+    """
     seconds = timings.get("generate_s") or max(timings.get("total_s", 0.0) - timings.get("load_model_s", 0.0), 0.0)
-    prompt_tokens = int((stats or {}).get("num_prompt_tokens", 0))
-    generated = int((stats or {}).get("num_generated_tokens", 0))
+
+    def counted(key: str) -> int:
+        return int((stats or {}).get(key, 0)) - int(before.get(key, 0))
+
+    prompt_tokens = counted("num_prompt_tokens")
+    generated = counted("num_generated_tokens")
     rate = (lambda n: n / seconds if seconds > 0 else 0.0)
     return {
         "seconds": seconds,

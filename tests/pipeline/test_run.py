@@ -54,7 +54,10 @@ def test_greedy_run_writes_records_and_summary(job_config, tiny_llm) -> None:
         sum(r["generations"][0]["num_tokens"] for r in records) / 12
     )
     assert set(summary["metrics"]["exact_match"]) >= {"first", "any"}
-    assert summary["throughput"]["generated_tokens"] >= sum(r["usage"]["generated_tokens"] for r in records)
+    # Only this run's tokens (the shared engine counted earlier runs too); EOS is counted, not kept.
+    kept = sum(r["usage"]["generated_tokens"] for r in records)
+    assert kept <= summary["throughput"]["generated_tokens"] <= kept + len(records)
+    assert summary["throughput"]["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in records)
     assert summary["throughput"]["generated_tokens_per_s"] > 0
     assert {"num_blocks", "peak_blocks_used", "prefix_cache_hit_rate", "saving"} <= set(summary["engine"])
     on_disk = json.loads((path.parent / "out" / "results.summary.json").read_text())
@@ -133,6 +136,10 @@ def test_resume_skips_written_ids_and_keeps_lines(job_config, tiny_llm) -> None:
         return {r["id"]: [(g["text"], g["num_tokens"]) for g in r["generations"]] for r in rows}
 
     assert texts(fresh) == texts(records)
+    # Resuming a finished run has nothing to do and does not even load the model.
+    summary, again = _run(path, None, "output.if_exists=resume")
+    assert again == fresh and summary["engine"] is None and "load_model_s" not in summary["timings"]
+    assert (summary["records"]["this_run"], summary["records"]["total"], summary["status"]) == (0, 12, "completed")
 
 
 PLUGIN = '''
