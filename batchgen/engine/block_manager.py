@@ -86,16 +86,18 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+    def get_computed_blocks(self, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
         """Longest run of cached full blocks matching the start of ``seq``'s tokens.
 
         Looks only; takes no references. Returns (block ids, number of tokens they cover).
-        The hit never covers the last token of ``seq`` (its logits must be computed).
+        The hit never covers the last token of ``seq`` (its logits must be computed), nor more
+        than ``max_num_tokens`` tokens when given.
         """
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        limit = seq.num_tokens - 1 if max_num_tokens is None else min(seq.num_tokens - 1, max_num_tokens)
+        max_blocks = limit // bs
         hits: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
@@ -153,27 +155,58 @@ class BlockManager:
                 block.block_hash = block.parent_hash = block.token_ids = None
                 self._free.append(block_id)
 
-    def _blocks_needed(self, seq: Sequence, start: int, num_new_tokens: int, table_len: int) -> tuple[int, list[int]]:
-        """New blocks needed to write tokens ``start .. start + num_new_tokens`` of ``seq``,
-        and the logical indices of existing shared blocks that the write must copy first."""
-        end = start + num_new_tokens
-        num_new = max(0, self.num_blocks_for(end) - table_len)
-        cow: list[int] = []
-        if num_new_tokens > 0:
-            first, last = start // self.block_size, (end - 1) // self.block_size
-            for i in range(first, min(last + 1, len(seq.block_table))):
-                if self.blocks[seq.block_table[i]].ref_count > 1:
-                    cow.append(i)
-        return num_new + len(cow), cow
+    def _cow_indices(self, seq: Sequence, start: int, num_new_tokens: int) -> list[int]:
+        """Logical indices of ``seq``'s shared blocks that writing tokens
+        ``start .. start + num_new_tokens`` touches: each must be copied first."""
+        if num_new_tokens <= 0:
+            return []
+        first, last = start // self.block_size, (start + num_new_tokens - 1) // self.block_size
+        return [i for i in range(first, min(last + 1, len(seq.block_table)))
+                if self.blocks[seq.block_table[i]].ref_count > 1]
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> int:
         """Free blocks that ``allocate_slots`` with the same arguments would take."""
-        hits = computed_blocks or []
-        start = len(hits) * self.block_size if hits else seq.num_computed_tokens
-        table_len = len(hits) if hits else len(seq.block_table)
-        num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed, _ = self._blocks_needed(seq, start, num_new_tokens, table_len)
-        return needed + num_reused_free
+        return self.num_blocks_needed_for_group([(seq, num_new_tokens, computed_blocks or [])])
+
+    def num_blocks_needed_for_group(self, plan: list[tuple[Sequence, int, list[int]]]) -> int:
+        """Free blocks that ``take_computed_blocks`` then ``allocate_slots`` for every
+        (sequence, new tokens, prefix hits) of ``plan``, in order, would take: exact, so that
+        a group is allocated all or nothing.
+
+        A block shared by ``r`` tables and written by ``w`` of the planned sequences is copied
+        ``w`` times if ``r > w``, else ``w - 1`` times (the last writer owns it by then).
+        """
+        bs = self.block_size
+        total = 0
+        writers: dict[int, int] = {}
+        reused_free: set[int] = set()
+        for seq, num_new_tokens, hits in plan:
+            start = len(hits) * bs if hits else seq.num_computed_tokens
+            table_len = len(hits) if hits else len(seq.block_table)
+            end = start + num_new_tokens
+            total += max(0, self.num_blocks_for(end) - table_len)
+            reused_free.update(b for b in hits if self.blocks[b].ref_count == 0)
+            if num_new_tokens > 0 and not hits:
+                for i in range(start // bs, min((end - 1) // bs + 1, len(seq.block_table))):
+                    block_id = seq.block_table[i]
+                    writers[block_id] = writers.get(block_id, 0) + 1
+        for block_id, w in writers.items():
+            r = self.blocks[block_id].ref_count
+            if r > 1:
+                total += w if r > w else w - 1
+        return total + len(reused_free)
+
+    def take_computed_blocks(self, seq: Sequence, computed_blocks: list[int]) -> None:
+        """Head ``seq``'s (empty) table with its prefix-cache hits and count them computed.
+
+        Taking the references first pins the hits, so that later allocations of the same
+        step cannot evict them.
+        """
+        assert not seq.block_table, "prefix hits only for a fresh sequence"
+        for block_id in computed_blocks:
+            self._ref(block_id)
+        seq.block_table = list(computed_blocks)
+        seq.num_computed_tokens = len(computed_blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -200,18 +233,12 @@ class BlockManager:
         """
         hits = computed_blocks or []
         assert not hits or not seq.block_table, "prefix hits only for a fresh sequence"
-        start = len(hits) * self.block_size if hits else seq.num_computed_tokens
-        table_len = len(hits) if hits else len(seq.block_table)
-        # Hit blocks that are free (ref 0, cached) are consumed from the free pool too.
-        num_reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed, cow = self._blocks_needed(seq, start, num_new_tokens, table_len)
-        if not self.can_allocate(needed + num_reused_free, admit=admit):
+        if not self.can_allocate(self.num_blocks_needed(seq, num_new_tokens, hits), admit=admit):
             return None
         if hits:
-            for block_id in hits:
-                self._ref(block_id)
-            seq.block_table = list(hits)
-            seq.num_computed_tokens = start
+            self.take_computed_blocks(seq, hits)
+        start = seq.num_computed_tokens
+        cow = self._cow_indices(seq, start, num_new_tokens)
         copies: list[tuple[int, int]] = []
         for i in cow:
             src = seq.block_table[i]
@@ -251,12 +278,14 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share every block of ``parent`` with ``child`` (whose table must be empty)."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """Share ``parent``'s blocks with ``child`` (whose table must be empty): all of them,
+        or only those holding the first ``num_tokens`` tokens."""
         assert not child.block_table
-        for block_id in parent.block_table:
+        shared = parent.block_table if num_tokens is None else parent.block_table[: self.num_blocks_for(num_tokens)]
+        for block_id in shared:
             self._ref(block_id)
-        child.block_table = list(parent.block_table)
+        child.block_table = list(shared)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first, so that a prefix's tail is evicted

@@ -25,6 +25,10 @@ from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
+PlanEntry = tuple[Sequence, int, list[int]]
+"""(sequence, tokens to compute this step, its prefix-cache hits if it is fresh)."""
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan.
@@ -86,6 +90,9 @@ class Scheduler:
         if num_tokens >= self.max_model_len:
             return (f"the prompt has {num_tokens} tokens; the model takes at most "
                     f"{self.max_model_len} (prompt plus at least one generated token)")
+        if _max_seqs(group) > self.max_num_seqs:
+            return (f"the request runs {_max_seqs(group)} sequences (n, best_of or beam_width) "
+                    f"but max_num_seqs is {self.max_num_seqs}; raise max_num_seqs")
         usable = self.bm.num_blocks - self.bm.watermark_blocks
         need = self.bm.num_blocks_for(num_tokens + 1)
         if need > usable:
@@ -101,7 +108,8 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
-        return sum(len(g.live_seqs()) for g in self.running)
+        """Running sequences, counting a group that has not forked yet at its final size."""
+        return sum(len(g.live_seqs()) if g.forked else _max_seqs(g) for g in self.running)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release a finished sequence's blocks at once."""
@@ -124,9 +132,16 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
 
+        def take(plan: list[PlanEntry]) -> None:
+            nonlocal budget
+            for seq, n, _ in plan:
+                (decodes if n == 1 else prefills).append((seq, n))
+                budget -= n
+
         i = 0
         while i < len(self.running):
             group = self.running[i]
+            self._share_recomputed_prompt(group)
             plan = self._plan(group, budget)
             if plan is None:  # no budget for it this step
                 i += 1
@@ -149,91 +164,108 @@ class Scheduler:
             if copies is None:
                 continue  # the group left the running list; do not advance i
             out.copies.extend(copies)
-            for seq, n in plan:
-                (decodes if n == 1 else prefills).append((seq, n))
-                budget -= n
+            take(plan)
             i += 1
 
         while self.waiting and budget > 0:
             group = self.waiting[0]
-            if self.num_running_seqs + _max_seqs(group) > self.max_num_seqs and self.running:
+            if self.running and self.num_running_seqs + _max_seqs(group) > self.max_num_seqs:
                 break
-            plan = self._plan(group, budget, admitting=True)
+            plan = self._plan(group, budget)
             if plan is None:
                 break
             copies = self._allocate(group, plan, admit=True)
             if copies is None:
                 break
             self.waiting.popleft()
-            for seq in group.seqs:
-                if not seq.is_finished:
-                    seq.status = SequenceStatus.RUNNING
+            for seq in group.live_seqs():
+                seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             out.copies.extend(copies)
-            for seq, n in plan:
-                (decodes if n == 1 else prefills).append((seq, n))
-                budget -= n
+            take(plan)
 
         out.scheduled = decodes + prefills
         return out
 
-    def _plan(self, group: SequenceGroup, budget: int, admitting: bool = False) -> list[tuple[Sequence, int]] | None:
+    def _share_recomputed_prompt(self, group: SequenceGroup) -> None:
+        """Once a preempted group's first sequence has recomputed the prompt, share those
+        blocks with the group's other sequences (they only recompute their own tokens)."""
+        if not group.recompute_prompt_first:
+            return
+        seqs = group.live_seqs()
+        lead = seqs[0]
+        num_prompt = lead.num_prompt_tokens
+        if lead.num_computed_tokens < num_prompt:
+            return
+        assert lead.num_computed_tokens == num_prompt
+        for seq in seqs[1:]:
+            if not seq.block_table and seq.num_computed_tokens == 0:
+                self.bm.fork(lead, seq, num_tokens=num_prompt)
+                seq.num_computed_tokens = num_prompt
+                seq.block_hashes = lead.block_hashes[: num_prompt // self.bm.block_size]
+                seq.status = SequenceStatus.RUNNING
+        group.recompute_prompt_first = False
+
+    def _lookup(self, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
+        """(prefix hits, first token to compute) of a sequence; hits only for a fresh one."""
+        if not seq.block_table and seq.num_computed_tokens == 0:
+            return self.bm.get_computed_blocks(seq, max_num_tokens)
+        return [], seq.num_computed_tokens
+
+    def _plan(self, group: SequenceGroup, budget: int) -> list[PlanEntry] | None:
         """How many tokens each live sequence of ``group`` computes this step, or None.
 
         A single sequence takes what the budget allows (chunked prefill). Several sequences
         step together: all of them to their end when that fits the budget; when their total
         can never fit one step, each is chunked but stops one token short of its end, so that
-        they all reach their last token (and sample) in the same step.
+        they all reach their last token (and sample) in the same step. A preempted forked
+        group first recomputes the prompt on its first sequence alone.
         """
+        if budget <= 0:
+            return None
         seqs = group.live_seqs()
-        if admitting and self.bm.enable_prefix_caching:
-            remaining = []
-            for seq in seqs:
-                hit_blocks, hit_tokens = self.bm.get_computed_blocks(seq)
-                remaining.append(seq.num_tokens - hit_tokens)
-        else:
-            remaining = [seq.num_tokens - seq.num_computed_tokens for seq in seqs]
+        if group.recompute_prompt_first:
+            lead = seqs[0]
+            hits, start = self._lookup(lead, max_num_tokens=lead.num_prompt_tokens - 1)
+            n = min(lead.num_prompt_tokens - start, budget)
+            return [(lead, n, hits)] if n > 0 else None
+        lookups = [self._lookup(seq) for seq in seqs]
+        remaining = [seq.num_tokens - start for seq, (_, start) in zip(seqs, lookups)]
         total = sum(remaining)
-        if total == 0 or budget <= 0:
+        if total == 0:
             return None
         if len(seqs) == 1:
-            return [(seqs[0], min(remaining[0], budget))]
+            return [(seqs[0], min(remaining[0], budget), lookups[0][0])]
         if total <= budget:
-            return list(zip(seqs, remaining))
+            return [(seq, rem, hits) for seq, rem, (hits, _) in zip(seqs, remaining, lookups)]
         if total <= self.max_num_batched_tokens:
             return None  # fits a later step whole; wait for the budget
-        plan: list[tuple[Sequence, int]] = []
-        for seq, rem in zip(seqs, remaining):
+        plan: list[PlanEntry] = []
+        for seq, rem, (hits, _) in zip(seqs, remaining, lookups):
             n = min(rem - 1, budget)
             if n > 0:
-                plan.append((seq, n))
+                plan.append((seq, n, hits))
                 budget -= n
         return plan or None
 
-    def _allocate(self, group: SequenceGroup, plan: list[tuple[Sequence, int]], admit: bool) -> list[tuple[int, int]] | None:
+    def _allocate(self, group: SequenceGroup, plan: list[PlanEntry], admit: bool) -> list[tuple[int, int]] | None:
         """Allocate slots for every planned sequence, all or nothing.
 
-        The blocks needed are counted first (an over-estimate when sequences share a block
-        that only some of them will copy), so either every allocation succeeds or none is made.
+        The exact block count comes first; then every prefix hit is pinned before any new
+        block is taken, so that this step's own allocations cannot evict them.
         """
-        lookups: list[list[int]] = []
-        needed = 0
-        for seq, n in plan:
-            fresh = not seq.block_table and seq.num_computed_tokens == 0
-            hits = self.bm.get_computed_blocks(seq)[0] if fresh else []
-            lookups.append(hits)
-            needed += self.bm.num_blocks_needed(seq, n, hits)
-        if not self.bm.can_allocate(needed, admit=admit):
+        if not self.bm.can_allocate(self.bm.num_blocks_needed_for_group(plan), admit=admit):
             return None
-        copies: list[tuple[int, int]] = []
-        for (seq, n), hits in zip(plan, lookups):
-            fresh = not seq.block_table and seq.num_computed_tokens == 0
-            result = self.bm.allocate_slots(seq, n, hits, admit=False)
-            assert result is not None, "allocation failed after the block count said it fits"
-            if fresh:
+        for seq, _, hits in plan:
+            if not seq.block_table and seq.num_computed_tokens == 0:
+                self.bm.take_computed_blocks(seq, hits)
                 self.bm.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
                 if seq.num_output_tokens == 0:
                     group.stats.num_cached_tokens += seq.num_computed_tokens
+        copies: list[tuple[int, int]] = []
+        for seq, n, _ in plan:
+            result = self.bm.allocate_slots(seq, n)
+            assert result is not None, "allocation failed after the block count said it fits"
             copies.extend(result)
         return copies
 
@@ -244,6 +276,7 @@ class Scheduler:
                 self.bm.free(seq)
             if not seq.is_finished:
                 seq.reset_for_recompute()
+        group.recompute_prompt_first = len(group.live_seqs()) > 1
         self.running.remove(group)
         self.waiting.appendleft(group)
         group.stats.num_preemptions += 1

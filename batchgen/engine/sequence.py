@@ -156,6 +156,9 @@ class SequenceGroup:
     stats: RequestStats = field(default_factory=RequestStats)
     beam_state: Any = None
     forked: bool = False  # True once the prompt's sequence has been forked into n / beams
+    # After preemption, a forked group recomputes its prompt once, on its first live sequence,
+    # and then shares those blocks with the others (instead of one prompt copy per sequence).
+    recompute_prompt_first: bool = False
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

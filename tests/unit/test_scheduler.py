@@ -324,8 +324,6 @@ def test_token_budget_and_max_num_seqs_hold_every_step() -> None:
     assert max(step.running_seqs for step in engine.log) <= 8
 
 
-@pytest.mark.xfail(strict=True, reason="admission counts a group that has not forked yet as one "
-                   "sequence, so several n > 1 groups admitted together exceed max_num_seqs")
 def test_max_num_seqs_counts_the_samples_a_group_will_fork_into() -> None:
     """Two n=3 requests: admitting the second next to the first (1 + 3 <= 4 sequences before
     the fork) runs 6 sequences once both prompts fork, over max_num_seqs = 4."""
@@ -448,10 +446,7 @@ def _random_engine(seed: int, *, groups: bool, enable_prefix_caching: bool) -> F
     block_size = rng.choice([1, 2, 4])
     engine = FakeEngine(num_blocks=rng.randint(24, 40) // block_size + 6, block_size=block_size,
                         max_num_seqs=rng.choice([4, 8, 32]), max_num_batched_tokens=rng.choice([8, 16, 64]),
-                        watermark=0.05, enable_prefix_caching=enable_prefix_caching,
-                        # max_num_seqs with groups: see
-                        # test_max_num_seqs_counts_the_samples_a_group_will_fork_into.
-                        check_max_num_seqs=not groups)
+                        watermark=0.05, enable_prefix_caching=enable_prefix_caching)
     for r in range(16):
         kind = rng.random() if groups else 1.0
         if kind < 0.2:
@@ -483,9 +478,6 @@ def test_no_deadlock_under_a_tiny_cache(enable_prefix_caching: bool) -> None:
     assert (hits > 0) == enable_prefix_caching
 
 
-@pytest.mark.xfail(strict=True, reason="groups of several sequences: see the three xfail tests "
-                   "below (stale prefix lookups on re-admission, chunks scheduled past a fresh "
-                   "sequence's end, preempted groups that can no longer be admitted)")
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 def test_no_deadlock_under_a_tiny_cache_with_groups(enable_prefix_caching: bool) -> None:
     """Random workloads with n-sampling and beam groups: every request finishes (or fails only
@@ -527,8 +519,6 @@ def test_prefix_hits_are_recorded_and_skip_computation() -> None:
     engine.assert_all_done()
 
 
-@pytest.mark.xfail(strict=True, reason="a re-admitted group's prefix hits can be evicted by its "
-                   "own earlier sequence's allocation in the same step (stale lookups)")
 def test_readmitted_group_does_not_evict_its_own_prefix_hits() -> None:
     """A preempted two-sample group is re-admitted. Its lookups are taken for both samples
     first; allocating sample 0 must not evict a block that sample 1's lookup is about to reuse
@@ -566,9 +556,6 @@ def test_readmitted_group_does_not_evict_its_own_prefix_hits() -> None:
         f"sample 0 writes into {written & read_by_1}, which sample 1 reads as computed")
 
 
-@pytest.mark.xfail(strict=True, reason="a group sequence left out of its re-admission chunk is "
-                   "planned without its prefix hits, but allocated with them: the chunk runs past "
-                   "its last token")
 def test_sequence_left_out_of_a_readmission_chunk_is_not_scheduled_past_its_end() -> None:
     """A preempted two-sample group is re-admitted with a budget that chunks sample 0 only.
     Next step sample 1 (still fresh) is planned for all its tokens, while the allocation
@@ -590,8 +577,6 @@ def test_sequence_left_out_of_a_readmission_chunk_is_not_scheduled_past_its_end(
     engine.assert_all_done()
 
 
-@pytest.mark.xfail(strict=True, reason="preemption by recompute loses the samples' shared prompt "
-                   "blocks: re-admission needs each sample's blocks separately, more than the cache")
 def test_preempted_sampling_group_can_be_admitted_again() -> None:
     """n = 3 samples share a 4-token prompt (bs 1): 4 + 3 blocks after one token each. An
     older request's growth preempts them; recomputed without sharing they need 3 * 6 = 18
