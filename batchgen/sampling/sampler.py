@@ -13,10 +13,9 @@ Per row, in this order (vLLM's and HF's order):
    probability reaches ``top_p``), min-p (tokens below ``min_p * max_prob`` are dropped);
 6. the choice: greedy rows (``params.is_greedy``: temperature 0 or top-k 1) take
    ``torch.argmax`` (first index on ties, as HF); sampled rows draw from the softmax of the
-   filtered logits by an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d.,
-   which is an exact categorical draw. A row with a ``generator`` draws its ``vocab`` values of
-   ``q`` from that generator alone, so a seeded row gets the same token whatever other rows
-   share the batch; rows without one share a single draw from the global RNG.
+   filtered logits by inverse CDF with one uniform number per row. A row with a ``generator``
+   draws its number from that generator alone, so a seeded row gets the same token whatever
+   other rows share the batch; rows without one share a single draw from the global RNG.
 
 Reported logprobs are log-softmax of the RAW logits (before penalties, temperature, processors
 and filters), as vLLM reports them by default: they describe the model, not the sampling
@@ -24,12 +23,14 @@ distribution. ``top_logprobs`` holds, for rows whose ``params.logprobs`` is set,
 token and the ``params.logprobs`` most likely tokens.
 
 Work is vectorised over rows: an all-greedy batch without penalties is one argmax and one
-logsumexp; Python loops run only per seeded row (its own generator) and per group of rows
-that share a logits-processor list.
+logsumexp; Python loops run only per seeded row (one draw from its own generator) and per
+group of rows that share a logits-processor list. Top-k / top-p look at each row's best 256
+logits first and sort the whole vocabulary only for rows whose kept set may reach further.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ import torch
 
 from batchgen.sampling.params import SamplingParams
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "top_candidates"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_filters", "top_candidates"]
 
 
 @dataclass
@@ -71,22 +72,18 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _padded_ids(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Stack ragged id lists into a [rows, max_len] long tensor padded with ``pad``."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            out[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-    return out.to(device)
-
-
-def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float counts of each token id in each row's list (ids must be < vocab)."""
-    ids = _padded_ids(seqs, vocab, device)  # pad with an extra column, dropped below
-    counts = torch.zeros((len(seqs), vocab + 1), dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
+def _padded_rows(per_row: list[list[int]], per_row_values: list[list[float]] | None,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack ragged rows of token ids (each non-empty, no repeats) into a [rows, width] long
+    tensor, padding a row by repeating its first entry (and value): a scatter of the padded
+    row then writes the same value twice to one place, which is harmless and deterministic."""
+    width = max(len(r) for r in per_row)
+    ids = [r + [r[0]] * (width - len(r)) for r in per_row]
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+    if per_row_values is None:
+        return ids_t, None
+    vals = [v + [v[0]] * (width - len(v)) for v in per_row_values]
+    return ids_t, torch.tensor(vals, dtype=torch.float32, device=device)
 
 
 class Sampler:
@@ -129,9 +126,12 @@ class Sampler:
                 f"rows {bad} have every token masked to -inf (suppress ids, logits processors "
                 "or filters removed the whole vocabulary); nothing can be sampled")
 
-        chosen = torch.argmax(x, dim=-1)  # greedy rows keep this: ties -> first index
-        if sampled_idx:
-            chosen[sampled_idx] = self._sample(x, rows, sampled_idx)
+        if len(sampled_idx) == num_rows:
+            chosen = self._sample(x, rows, sampled_idx)
+        else:
+            chosen = torch.argmax(x, dim=-1)  # greedy rows keep this: ties -> first index
+            if sampled_idx:
+                chosen[sampled_idx] = self._sample(x, rows, sampled_idx)
 
         # Reported logprobs: log-softmax of the raw logits, as raw - logsumexp(raw), one
         # formula for the chosen token and the alternatives so that both agree exactly.
@@ -177,22 +177,45 @@ class Sampler:
         idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not idx:
             return
-        device, vocab = x.device, x.shape[1]
+        device = x.device
         idx_t = torch.tensor(idx, device=device)
         sub = x[idx_t]
         ps = [rows[i].params for i in idx]
-        if any(p.repetition_penalty != 1.0 for p in ps):
-            seen = _token_counts([list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids)
-                                  for i in idx], vocab, device) > 0
-            rep = torch.tensor([p.repetition_penalty for p in ps], device=device)[:, None]
-            # HF's RepetitionPenaltyLogitsProcessor, verbatim in semantics.
-            penalised = torch.where(sub < 0, sub * rep, sub / rep)
-            sub = torch.where(seen, penalised, sub)
-        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps):
-            counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
-            freq = torch.tensor([p.frequency_penalty for p in ps], device=device)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in ps], device=device)[:, None]
-            sub = sub - freq * counts - pres * (counts > 0).float()
+        # Both penalties touch only the tokens a row has seen: gather those logits, change
+        # them, scatter them back (O(tokens) per row rather than O(vocab)). Each row's ids are
+        # unique, so every scatter is deterministic.
+        rep_rows = [j for j, p in enumerate(ps) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            seen = [sorted(set(rows[idx[j]].prompt_token_ids) | set(rows[idx[j]].output_token_ids))
+                    for j in rep_rows]
+            keep = [j for j, ids in zip(rep_rows, seen) if ids]
+            if keep:
+                ids_t, _ = _padded_rows([ids for ids in seen if ids], None, device)
+                keep_t = torch.tensor(keep, device=device)
+                rep = torch.tensor([ps[j].repetition_penalty for j in keep], device=device)[:, None]
+                logits = sub[keep_t].gather(1, ids_t)
+                # HF's RepetitionPenaltyLogitsProcessor: negative logits are multiplied by the
+                # penalty, the others divided by it.
+                penalised = torch.where(logits < 0, logits * rep, logits / rep)
+                sub[keep_t] = sub[keep_t].scatter_(1, ids_t, penalised)
+        fp_rows = [j for j, p in enumerate(ps)
+                   if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+                   and len(rows[idx[j]].output_token_ids) > 0]
+        if fp_rows:
+            id_lists: list[list[int]] = []
+            amounts: list[list[float]] = []
+            for j in fp_rows:
+                counts = Counter(rows[idx[j]].output_token_ids)
+                p = ps[j]
+                id_lists.append(list(counts))
+                amounts.append([p.frequency_penalty * c + p.presence_penalty
+                                for c in counts.values()])
+            ids_t, amount_t = _padded_rows(id_lists, amounts, device)
+            assert amount_t is not None
+            fp_t = torch.tensor(fp_rows, device=device)
+            rows_sub = sub[fp_t]
+            rows_sub.scatter_(1, ids_t, rows_sub.gather(1, ids_t) - amount_t)
+            sub[fp_t] = rows_sub
         x[idx_t] = sub
 
     @staticmethod
@@ -230,66 +253,151 @@ class Sampler:
     @staticmethod
     def _apply_filters(x: torch.Tensor, params: list[SamplingParams],
                        sampled_idx: list[int]) -> None:
-        """Top-k, top-p then min-p on the sampled rows that use them, vectorised."""
+        """Top-k, top-p then min-p on the sampled rows that use them (see :func:`apply_filters`)."""
         vocab = x.shape[1]
-        device = x.device
-
-        def top_k_of(p: SamplingParams) -> int:
-            return p.top_k if 0 < p.top_k < vocab else vocab  # 0 / -1 / >= vocab: off
-
-        kp_idx = [i for i in sampled_idx if top_k_of(params[i]) < vocab or params[i].top_p < 1.0]
-        if kp_idx:
-            idx_t = torch.tensor(kp_idx, device=device)
-            sub = x[idx_t]
-            ks = torch.tensor([top_k_of(params[i]) for i in kp_idx], device=device)
-            if all(params[i].top_p >= 1.0 for i in kp_idx):
-                # top-k only: the k-th largest logit via topk, cheaper than a full sort.
-                top_vals = torch.topk(sub, int(ks.max()), dim=-1).values
-                kth = top_vals.gather(1, (ks - 1)[:, None])
-                sub = sub.masked_fill(sub < kth, -torch.inf)  # ties with the k-th are kept
-            else:
-                vals, order = torch.sort(sub, dim=-1, descending=True)
-                kth = vals.gather(1, (ks - 1)[:, None])
-                vals = vals.masked_fill(vals < kth, -torch.inf)
-                # top-p over the top-k-renormalised distribution: drop a token when the mass
-                # of the strictly better tokens already reaches top_p (the best is always kept).
-                top_p = torch.tensor(
-                    [params[i].top_p if params[i].top_p < 1.0 else torch.inf for i in kp_idx],
-                    device=device)[:, None]
-                probs = torch.softmax(vals, dim=-1)
-                mass_before = torch.cumsum(probs, dim=-1) - probs
-                vals = vals.masked_fill(mass_before >= top_p, -torch.inf)
-                sub = torch.empty_like(sub).scatter_(1, order, vals)
-            x[idx_t] = sub
-
-        mp_idx = [i for i in sampled_idx if params[i].min_p > 0.0]
-        if mp_idx:
-            idx_t = torch.tensor(mp_idx, device=device)
-            sub = x[idx_t]
-            probs = torch.softmax(sub, dim=-1)
-            min_p = torch.tensor([params[i].min_p for i in mp_idx], device=device)[:, None]
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p
-            x[idx_t] = sub.masked_fill(probs < threshold, -torch.inf)
+        idx = [i for i in sampled_idx
+               if 0 < params[i].top_k < vocab or params[i].top_p < 1.0 or params[i].min_p > 0.0]
+        if not idx:
+            return
+        idx_t = torch.tensor(idx, device=x.device)
+        x[idx_t] = apply_filters(x[idx_t], [params[i].top_k for i in idx],
+                                 [params[i].top_p for i in idx], [params[i].min_p for i in idx])
 
     @staticmethod
     def _sample(x: torch.Tensor, rows: list[SamplingRow], sampled_idx: list[int]) -> torch.Tensor:
-        """Exponential race over the sampled rows; returns their chosen token ids."""
+        """Inverse-CDF draws for the sampled rows; returns their chosen token ids.
+
+        Each row needs one uniform number: a seeded row draws it from its own generator (so its
+        token does not depend on the batch), the others share one draw from the global RNG.
+        The token is the first whose cumulative probability exceeds ``u * total``; a token of
+        probability 0 spans an empty interval and can never be chosen.
+        """
         device = x.device
         probs = torch.softmax(x[torch.tensor(sampled_idx, device=device)], dim=-1)
-        q = torch.empty_like(probs)
+        u = torch.empty(len(sampled_idx), device=device)
         unseeded = [j for j, i in enumerate(sampled_idx) if rows[i].generator is None]
         if unseeded:
-            q[torch.tensor(unseeded, device=device)] = torch.empty(
-                (len(unseeded), probs.shape[1]), device=device).exponential_()
+            u[torch.tensor(unseeded, device=device)] = torch.rand(len(unseeded), device=device)
         for j, i in enumerate(sampled_idx):
             gen = rows[i].generator
             if gen is not None:
-                # Exactly `vocab` draws from this row's generator, whatever the batch holds.
-                q[j].exponential_(generator=gen)
-        # q can be 0 in float32; 0/0 would be NaN, which argmax would pick. A tiny floor keeps
-        # masked tokens (prob 0) at 0 and changes nothing else measurably.
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return torch.argmax(probs / q, dim=-1)
+                u[j] = torch.rand(1, device=device, generator=gen)[0]
+        cdf = torch.cumsum(probs, dim=-1)
+        target = (u * cdf[:, -1])[:, None]
+        chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        chosen.clamp_(max=probs.shape[1] - 1)
+        # Rounding can put the target at the very top of the cdf, past the last token of
+        # non-zero probability; such (rare) rows take that last token, never a masked one.
+        off = probs.gather(1, chosen[:, None]).squeeze(1) == 0
+        if bool(off.any()):
+            rows = off.nonzero().flatten()
+            positions = torch.arange(probs.shape[1], device=device)
+            chosen[rows] = torch.where(probs[rows] > 0, positions, 0).amax(dim=-1)
+        return chosen
+
+
+#: Candidates examined before a full sort in :func:`apply_filters`; enough for the usual
+#: top-k values and for top-p on a peaked distribution.
+_FAST_FILTER_WIDTH = 256
+
+
+def apply_filters(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float],
+                  min_p: Sequence[float]) -> torch.Tensor:
+    """Mask ``logits`` ([rows, vocab], float32) to ``-inf`` outside each row's top-k, then
+    top-p, then min-p set, and return the result (a new tensor).
+
+    * top-k (``0`` / ``-1`` / ``>= vocab``: off) keeps the tokens whose logit is at least the
+      k-th largest (ties with it are kept, as HF does);
+    * top-p (``1``: off) keeps, over the top-k-renormalised distribution, each token whose
+      strictly better tokens hold less than ``top_p`` of the mass (the best token always stays);
+    * min-p (``0``: off) drops tokens whose probability is below ``min_p`` times the largest.
+
+    Top-k / top-p first look at the best :data:`_FAST_FILTER_WIDTH` logits of each row (a
+    ``topk``, far cheaper than sorting the vocabulary); a row whose kept set may reach beyond
+    them is redone with a full sort, so the result is the same either way.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    out = logits
+    kp = [r for r in range(rows) if ks[r] < vocab or top_p[r] < 1.0]
+    if kp:
+        out = logits.clone()
+        kp_t = torch.tensor(kp, device=device)
+        k_t = torch.tensor([ks[r] for r in kp], device=device)
+        # top-p thresholds; +inf switches it off for rows with top_p == 1 (float sums may
+        # exceed 1 and would otherwise drop tail tokens).
+        p_t = torch.tensor([top_p[r] if top_p[r] < 1.0 else torch.inf for r in kp],
+                           device=device)[:, None]
+        width = min(vocab, max(_FAST_FILTER_WIDTH, max(ks[r] for r in kp if ks[r] < vocab)
+                               if any(ks[r] < vocab for r in kp) else 0))
+        sub = logits[kp_t]
+        if width < vocab:
+            vals, order = torch.topk(sub, width, dim=-1)
+            # Normaliser of the top-k-renormalised distribution: the kept top-k logits, or the
+            # whole row when top-k is off.
+            full_lse = torch.logsumexp(sub, dim=-1, keepdim=True)
+        else:
+            vals, order = torch.sort(sub, dim=-1, descending=True)
+            full_lse = None
+        kept, complete = _mask_sorted(vals, k_t, p_t, full_lse, vocab)
+        new_rows = torch.full_like(sub, -torch.inf).scatter_(1, order, kept)
+        if not bool(complete.all()):
+            # Rows whose kept set may extend past `width`: redo them exactly with a full sort.
+            redo = (~complete).nonzero().flatten()
+            vals_f, order_f = torch.sort(sub[redo], dim=-1, descending=True)
+            kept_f, _ = _mask_sorted(vals_f, k_t[redo], p_t[redo], None, vocab)
+            new_rows[redo] = torch.full_like(vals_f, -torch.inf).scatter_(1, order_f, kept_f)
+        out[kp_t] = new_rows
+
+    mp = [r for r in range(rows) if min_p[r] > 0.0]
+    if mp:
+        if out is logits:
+            out = logits.clone()
+        mp_t = torch.tensor(mp, device=device)
+        sub = out[mp_t]
+        probs = torch.softmax(sub, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+            [min_p[r] for r in mp], device=device)[:, None]
+        out[mp_t] = sub.masked_fill(probs < threshold, -torch.inf)
+    return out
+
+
+def _mask_sorted(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                 full_lse: torch.Tensor | None, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k and top-p to each row's best logits ``vals`` (sorted descending).
+
+    ``vals`` holds the first ``width`` entries of rows of ``vocab`` logits; when ``width <
+    vocab``, ``full_lse`` is the logsumexp of each whole row. ``k == vocab`` means top-k is off.
+    Returns the masked values and, per row, whether the answer is certain from these entries
+    alone (always True when ``width == vocab``).
+    """
+    width = vals.shape[1]
+    is_full = width == vocab
+    rows = torch.arange(vals.shape[0], device=vals.device)
+    k_in = k.clamp(max=width)
+    kth = vals[rows, k_in - 1][:, None]
+    topk_on = k < vocab
+    masked = torch.where(topk_on[:, None] & (vals < kth), -torch.inf, vals)
+    # The renormalised distribution over the kept top-k set (or the whole row).
+    if is_full:
+        lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    else:
+        assert full_lse is not None
+        lse = torch.where(topk_on[:, None], torch.logsumexp(masked, dim=-1, keepdim=True),
+                          full_lse)
+    probs = torch.exp(masked - lse)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    masked = masked.masked_fill(mass_before >= top_p, -torch.inf)
+    if is_full:
+        return masked, torch.ones(vals.shape[0], dtype=torch.bool, device=vals.device)
+    # Certain when every token past `width` is dropped. With top-k on: when the last window
+    # logit is strictly below the k-th, so that no tie spills over (the top-k set, and so the
+    # top-p normaliser, lies inside the window). With top-k off: when the window already holds
+    # top_p of the mass (the normaliser is the whole row's).
+    by_k = vals[:, -1] < kth.squeeze(1)
+    by_p = probs.sum(dim=-1) >= top_p.squeeze(1)
+    return masked, torch.where(topk_on, by_k, by_p)
 
 
 def top_candidates(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:

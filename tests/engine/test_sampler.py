@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from batchgen.sampling import Sampler, SamplingParams, SamplingRow
-from batchgen.sampling.sampler import top_candidates
+from batchgen.sampling.sampler import apply_filters, top_candidates
 
 VOCAB = 24
 
@@ -307,3 +307,62 @@ def test_top_k_one_rows_are_scaled_by_temperature_before_processors() -> None:
     assert seen[0].tolist() == [[1.0, -2.0, 0.5]]
     assert out.token_ids == [0]
     assert logits.tolist() == [[2.0, -4.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p", "min_p"),
+    [
+        (4.0, 0, 0.9, 0.0),     # peaked: top-p settles within the first 256 logits
+        (0.3, 0, 0.9, 0.0),     # flat: top-p needs most of the vocabulary (full sort)
+        (0.3, 256, 1.0, 0.0),   # k equal to the window: ties could spill, exact either way
+        (0.3, 300, 0.95, 0.0),  # k beyond the window, renormalised top-p inside it
+        (1.0, 40, 0.5, 0.05),
+        (1.0, -1, 1.0, 0.2),
+    ],
+)
+def test_apply_filters_matches_the_definition_on_a_large_vocabulary(
+        scale: float, top_k: int, top_p: float, min_p: float) -> None:
+    vocab = 2000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    logits[2, 100:700] = logits[2, 5]  # a wide tie around the boundary
+    out = apply_filters(logits, [top_k] * 3, [top_p] * 3, [min_p] * 3)
+    for r in range(3):
+        expected = _expected_distribution(logits[r].tolist(), 1.0, max(top_k, 0), top_p, min_p)
+        kept = set(torch.isfinite(out[r]).nonzero().flatten().tolist())
+        expected_support = {t for t, p in enumerate(expected) if p > 0}
+        if r < 2 or top_p >= 1.0:
+            assert kept == expected_support
+        else:  # top-p cuts among exact ties in an arbitrary order: same count, same sure part
+            assert len(kept) == len(expected_support)
+            assert {t for t in expected_support if logits[r, t] > logits[r, 5]} <= kept
+        assert torch.equal(out[r][torch.isfinite(out[r])], logits[r][torch.isfinite(out[r])])
+
+
+def test_penalties_match_a_dense_reference_on_random_rows() -> None:
+    gen = torch.Generator().manual_seed(12)
+    vocab, num_rows = 64, 8
+    logits = torch.randn(num_rows, vocab, generator=gen) * 2
+    captured: list[torch.Tensor] = []
+
+    def capture(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
+        captured.append(x.clone())
+        return x
+
+    rows, expected = [], logits.clone()
+    for r in range(num_rows):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        output = torch.randint(0, 8, (r * 2,), generator=gen).tolist()  # repeats likely
+        params = SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.4, 0.7][r % 3],
+                                frequency_penalty=[0.0, 0.3, -0.4, 1.1][r % 4],
+                                presence_penalty=[0.6, 0.0, -1.0][r % 3] if r != 5 else 0.0,
+                                logits_processors=[capture])
+        rows.append(_row(params, prompt=prompt, output=output))
+        for t in set(prompt) | set(output):
+            v = expected[r, t]
+            expected[r, t] = v * params.repetition_penalty if v < 0 else v / params.repetition_penalty
+        for t in set(output):
+            expected[r, t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    Sampler()(logits, rows)
+    got = torch.cat(captured)  # one processor list per row: rows come back in order
+    assert torch.allclose(got, expected, atol=1e-6)
