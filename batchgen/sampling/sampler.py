@@ -193,10 +193,10 @@ class Sampler:
                 ids_t, _ = _padded_rows([ids for ids in seen if ids], None, device)
                 keep_t = torch.tensor(keep, device=device)
                 rep = torch.tensor([ps[j].repetition_penalty for j in keep], device=device)[:, None]
-                logits = sub[keep_t].gather(1, ids_t)
+                seen_logits = sub[keep_t].gather(1, ids_t)
                 # HF's RepetitionPenaltyLogitsProcessor: negative logits are multiplied by the
                 # penalty, the others divided by it.
-                penalised = torch.where(logits < 0, logits * rep, logits / rep)
+                penalised = torch.where(seen_logits < 0, seen_logits * rep, seen_logits / rep)
                 sub[keep_t] = sub[keep_t].scatter_(1, ids_t, penalised)
         fp_rows = [j for j, p in enumerate(ps)
                    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
