@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import harness_ops
+from kernel_runners import harness_ops
 
 from batchgen.kernels import get_ops, reference, resolve_backend
 from batchgen.kernels import cuda as kcuda

@@ -16,9 +16,9 @@ def test_greedy_tokens_match_the_torch_backend(smollm2_path: str) -> None:
     llm = LLM(model=smollm2_path, attention_backend="torch", kv_cache_memory=32 * 2**20,
               block_size=16)
     prompts = ["The capital of France is", "def fib(n):"]
-    params = SamplingParams(temperature=0.0, max_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.runner.ops = KernelOps(HarnessBackend(schedule="warp", poison="nan"))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert all(len(t) == 4 for t in got)
+    assert all(len(t) == 3 for t in got)

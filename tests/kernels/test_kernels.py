@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Runner, prebuild
+from kernel_runners import Runner, prebuild
 from kernel_cases import (
     DecodeCase,
     assert_close_to_reference,
@@ -133,7 +133,7 @@ def test_decode_cow_forked_block_tables(runner: Runner, dtype, head_size, block_
 @pytest.mark.parametrize("schedule", ["round_robin", "random"])
 def test_decode_other_schedules_agree(schedule: str) -> None:
     # Interleaving threads at every synchronisation point must not change a single bit.
-    from conftest import harness_ops
+    from kernel_runners import harness_ops
 
     case = make_decode_case(dtype=F16, head_size=128, block_size=16, context_lens=[70, 300, 9],
                             seed=5)

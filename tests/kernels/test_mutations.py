@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_SCHEDULES
+from kernel_runners import CPU_SCHEDULES
 from kernel_cases import TOLERANCES, make_decode_case, reference_decode
 
 from batchgen.kernels.cpu_harness import HarnessError

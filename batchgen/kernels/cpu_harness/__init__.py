@@ -57,7 +57,14 @@ _KERNEL_RE = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)\s*\{',
     re.S,
 )
-_build_lock = threading.Lock()
+_locks_guard = threading.Lock()
+_build_locks: dict[Path, threading.Lock] = {}
+
+
+def _lock_for(path: Path) -> threading.Lock:
+    """One lock per artifact: the same module is built once, different ones in parallel."""
+    with _locks_guard:
+        return _build_locks.setdefault(path, threading.Lock())
 
 
 class HarnessError(RuntimeError):
@@ -176,7 +183,9 @@ def build(
     out = cache_dir() / f"{source.stem}-{key}{'.' + sanitizer if sanitizer else '.so'}"
     if out.exists():
         return out, kernels
-    with _build_lock, tempfile.TemporaryDirectory() as tmp:
+    with _lock_for(out), tempfile.TemporaryDirectory() as tmp:
+        if out.exists():  # built by another thread while this one waited
+            return out, kernels
         thunk = Path(tmp) / "thunks.cpp"
         thunk.write_text(_thunk_source(source, kernels))
         partial = Path(tmp) / out.name
