@@ -145,3 +145,53 @@ def test_cupy_source_inlines_the_header() -> None:
     text = kcuda.full_source()
     assert '#include "paged_attention.cuh"' not in text
     assert "#define BG_NUM_THREADS 128" in text and "paged_decode_reduce" in text
+
+
+def test_cupy_backend_plumbing_with_a_stand_in_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a GPU, check what CupyBackend hands to cupy: the compile options, the inlined
+    # source, bfloat16 passed as int16 through DLPack, and launches scoped to torch's stream.
+    import types
+
+    calls: list[tuple] = []
+
+    class Ctx:
+        def __init__(self, kind: str, value: object) -> None:
+            self.kind, self.value = kind, value
+
+        def __enter__(self):
+            calls.append(("enter", self.kind, self.value))
+            return self
+
+        def __exit__(self, *exc):
+            calls.append(("exit", self.kind, self.value))
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple) -> None:
+            self.code, self.options = code, options
+
+    fake = types.ModuleType("cupy")
+    fake.RawModule = RawModule
+    fake.from_dlpack = lambda t: ("dlpack", t.dtype, t.data_ptr())
+    fake.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        Device=lambda i: Ctx("device", i),
+        ExternalStream=lambda ptr: Ctx("stream", ptr))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=4242))
+    monkeypatch.setenv("CUDA_PATH", "/nonexistent")
+    if not kcuda.nvrtc_include_dirs():
+        pytest.skip("no cuda_fp16.h on this machine to point NVRTC at")
+
+    backend = kcuda.CupyBackend()
+    mod = backend.module(torch.bfloat16, 128, 16)
+    assert backend.module(torch.bfloat16, 128, 16) is mod  # compiled once per variant
+    assert {"-DBG_DTYPE=2", "-DBG_HEAD_SIZE=128", "-DBG_BLOCK_SIZE=16", "-std=c++17"} <= set(mod.options)
+    assert any(o.startswith("-I") for o in mod.options)
+    assert mod.code == kcuda.full_source()
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    assert backend.arg(t) == ("dlpack", torch.int16, t.data_ptr())
+    with backend.launch_context(torch.device("cuda", 0)):
+        pass
+    assert calls == [("enter", "device", 0), ("enter", "stream", 4242),
+                     ("exit", "stream", 4242), ("exit", "device", 0)]
