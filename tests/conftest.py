@@ -58,3 +58,30 @@ def save_tiny_model(tmp_dir: Path, model_type: str, tokenizer, **overrides) -> s
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def cached_oracle(key: object, compute):
+    """Memoise an expensive HF reference computation on disk.
+
+    The key must name everything the result depends on; the torch and transformers versions
+    are added here. The cache lives under ``$BATCHGEN_CACHE_DIR/test-oracle`` (fresh CI
+    machines recompute it once per run).
+    """
+    import hashlib
+    import json
+
+    import torch
+    import transformers
+
+    from batchgen.models import cache_dir
+
+    blob = json.dumps([key, torch.__version__, transformers.__version__], sort_keys=True, default=str)
+    path = cache_dir() / "test-oracle" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result

@@ -102,14 +102,15 @@ def paged_decode_attention(
     max_len = int(context_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
     k, v = gather_kv(k_cache, v_cache, block_tables, num_blocks)
-    group = num_heads // num_kv_heads
-    # [S, KVH, L, D] -> repeat per query head, as HF's repeat_kv does.
-    k = k.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
-    v = v.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    # [S, KVH, L, D]; SDPA maps query head h to KV head h // group itself (enable_gqa), which
+    # gives the same numbers as HF's repeat_kv without materialising the repeated K/V.
+    k = k.permute(0, 2, 1, 3)
+    v = v.permute(0, 2, 1, 3)
     positions = torch.arange(k.shape[2], device=query.device)
     mask = positions[None, :] < context_lens.to(query.device).long()[:, None]  # [S, L]
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale
+        query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
     )
     return out.squeeze(2)
 
@@ -140,7 +141,7 @@ def paged_prefill_attention(
     """
     num_heads = query.shape[1]
     block_size = k_cache.shape[1]
-    group = num_heads // k_cache.shape[2]
+    gqa = num_heads != k_cache.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -152,15 +153,17 @@ def paged_prefill_attention(
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
         k, v = gather_kv(k_cache, v_cache, block_tables[s : s + 1], num_blocks)
-        k = k[0, :ctx_len].permute(1, 0, 2).repeat_interleave(group, dim=0)  # [H, L, D]
-        v = v[0, :ctx_len].permute(1, 0, 2).repeat_interleave(group, dim=0)
-        q = query[q0:q1].permute(1, 0, 2)  # [H, q_len, D]
+        # 4-D [1, heads, len, D], the shapes HF's own SDPA call uses: CPU SDPA picks its
+        # kernel by rank, and only the same kernel gives bit-identical results.
+        k = k[:, :ctx_len].permute(0, 2, 1, 3)  # [1, KVH, L, D]
+        v = v[:, :ctx_len].permute(0, 2, 1, 3)
+        q = query[q0:q1].unsqueeze(0).permute(0, 2, 1, 3)  # [1, H, q_len, D]
         if q_len == ctx_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             k_pos = torch.arange(ctx_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[q0:q1] = o.permute(1, 0, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[q0:q1] = o[0].permute(1, 0, 2)
     return out

@@ -67,9 +67,15 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos_ids: list[in
 def hf_reference(smollm2_path, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    return hf_greedy(model, prompts, MAX_TOKENS, [eos] if isinstance(eos, int) else list(eos))
+    from conftest import cached_oracle
+
+    def compute() -> list[list[int]]:
+        model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+        eos = model.generation_config.eos_token_id
+        return hf_greedy(model, prompts, MAX_TOKENS, [eos] if isinstance(eos, int) else list(eos))
+
+    weights = Path(smollm2_path, "model.safetensors").stat().st_size
+    return cached_oracle(["greedy", weights, prompts, MAX_TOKENS], compute)
 
 
 def _run(path: str, prompts, **engine_kwargs):
@@ -105,9 +111,12 @@ def test_greedy_equals_hf_under_preemption(smollm2_path, prompts, hf_reference):
 def test_greedy_equals_hf_with_chunked_prefill(smollm2_path, prompts, hf_reference):
     budget = 48
     assert max(len(p) for p in prompts) > 4 * budget  # long prompts take several chunks
-    llm, ours = _run(smollm2_path, prompts, block_size=16, max_num_batched_tokens=budget)
+    llm, ours = _run(smollm2_path, prompts, block_size=16, max_num_batched_tokens=budget,
+                     enable_prefix_caching=False)
     _assert_same(ours, hf_reference)
-    assert llm.stats().num_prefill_tokens == sum(len(p) for p in prompts)
+    stats = llm.stats()
+    assert stats.num_prefill_tokens == sum(len(p) for p in prompts)  # every prompt token once
+    assert stats.num_steps > sum(len(p) for p in prompts) // budget
 
 
 def test_greedy_equals_hf_with_prefix_cache_hits(smollm2_path, prompts, hf_reference):
