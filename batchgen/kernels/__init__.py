@@ -43,6 +43,23 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "cuda"
 
 
+def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int) -> str | None:
+    """Why the CUDA kernels cannot serve a model with this cache shape, or None if they can.
+
+    Lets ``auto`` fall back to ``torch`` (and ``cuda`` fail early) instead of the first launch
+    raising. Does not import cupy.
+    """
+    from .cuda import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
+
+    if dtype not in DTYPE_CODES:
+        return f"dtype {dtype} unsupported; the kernels support float32, float16 and bfloat16"
+    if head_size not in HEAD_SIZES:
+        return f"head_size {head_size} unsupported; supported: {HEAD_SIZES}"
+    if block_size not in BLOCK_SIZES:
+        return f"block_size {block_size} unsupported; supported: {BLOCK_SIZES}"
+    return None
+
+
 def get_ops(backend: str) -> ModuleType | Any:
     """The ops of a resolved backend: ``reshape_and_cache``, ``paged_decode_attention``,
     ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures."""

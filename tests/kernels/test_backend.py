@@ -52,6 +52,15 @@ def test_resolve_backend_rules_for_a_cuda_device(monkeypatch: pytest.MonkeyPatch
                 resolve_backend("cuda", gpu)
 
 
+def test_cuda_unsupported_reason_names_the_offending_parameter() -> None:
+    from batchgen.kernels import cuda_unsupported_reason
+
+    assert cuda_unsupported_reason(torch.bfloat16, 64, 16) is None
+    assert "block_size 64 unsupported" in cuda_unsupported_reason(torch.float16, 128, 64)
+    assert "head_size 72 unsupported" in cuda_unsupported_reason(torch.float16, 72, 16)
+    assert "dtype torch.float64 unsupported" in cuda_unsupported_reason(torch.float64, 64, 16)
+
+
 def test_get_ops_exposes_the_reference_signatures() -> None:
     assert get_ops("torch") is reference
     with pytest.raises(ValueError, match="resolve 'auto' first"):
