@@ -122,3 +122,6 @@ def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     write_json_atomic(path, {"a": 2, "inf": math.inf})
     assert json.loads(path.read_text()) == {"a": 2, "inf": None}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.summary.json"]
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
