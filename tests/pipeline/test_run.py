@@ -242,3 +242,23 @@ def test_hook_crash_fails_the_run_naming_the_plugin(job_config, tiny_llm, plugin
         _run(path, tiny_llm)
     summary = json.loads((path.parent / "out" / "results.summary.json").read_text())
     assert summary["status"] == "failed" and "no thanks" in summary["error"]
+
+
+def test_interrupt_leaves_valid_lines_and_an_interrupted_summary(job_config, tiny_llm, tmp_path: Path) -> None:
+    (tmp_path / "stop_after_two.py").write_text(
+        "from batchgen.plugins import hookimpl\n\nSEEN = []\n\n"
+        "@hookimpl\ndef batchgen_record_finished(record):\n"
+        "    SEEN.append(record['id'])\n"
+        "    if len(SEEN) == 2:\n        raise KeyboardInterrupt\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        path = job_config(plugins=["stop_after_two"])
+        with pytest.raises(KeyboardInterrupt):
+            _run(path, tiny_llm)
+    finally:
+        sys.path.remove(str(tmp_path))
+    records = _read(path.parent / "out" / "results.jsonl")
+    assert len(records) == 2
+    summary = json.loads((path.parent / "out" / "results.summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["records"]["this_run"] == 2
