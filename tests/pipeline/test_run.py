@@ -244,7 +244,11 @@ def test_hook_crash_fails_the_run_naming_the_plugin(job_config, tiny_llm, plugin
     assert summary["status"] == "failed" and "no thanks" in summary["error"]
 
 
-def test_interrupt_leaves_valid_lines_and_an_interrupted_summary(job_config, tiny_llm, tmp_path: Path) -> None:
+def test_interrupt_leaves_valid_lines_and_an_interrupted_summary(job_config, tiny_llama: str, tmp_path: Path) -> None:
+    from batchgen import LLM
+
+    # Its own engine: an interrupted stream leaves requests behind in the engine it ran on.
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory=8 * 2**20, max_num_seqs=4)
     (tmp_path / "stop_after_two.py").write_text(
         "from batchgen.plugins import hookimpl\n\nSEEN = []\n\n"
         "@hookimpl\ndef batchgen_record_finished(record):\n"
@@ -255,7 +259,7 @@ def test_interrupt_leaves_valid_lines_and_an_interrupted_summary(job_config, tin
     try:
         path = job_config(plugins=["stop_after_two"])
         with pytest.raises(KeyboardInterrupt):
-            _run(path, tiny_llm)
+            _run(path, llm)
     finally:
         sys.path.remove(str(tmp_path))
     records = _read(path.parent / "out" / "results.jsonl")
