@@ -1,0 +1,1 @@
+"""The batchgen benchmark suite: ``python -m bench`` (see bench/README.md)."""

