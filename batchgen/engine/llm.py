@@ -415,7 +415,15 @@ class LLM:
             done.text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
                                               clean_up_tokenization_spaces=False)
             done.cumulative_logprob = h.cumulative_logprob
-            done.finish_reason = "stop" if h.finish_token_id is not None or len(ids) < params.max_tokens else "length"
+            done.finish_reason = "length"
+            if h.finish_token_id is not None:
+                done.finish_reason = "stop"
+                done.stop_reason = h.finish_token_id if h.finish_token_id in params.stop_token_ids else None
+            hits = [(done.text.find(stop), stop) for stop in params.stop if stop in done.text]
+            if hits:  # ended by a stop string: the string is not emitted
+                pos, stop = min(hits)
+                done.text = done.text[:pos]
+                done.finish_reason, done.stop_reason = "stop", stop
             done.score = h.score
             done.status = SequenceStatus.FINISHED
             group.finished_seqs.append(done)
