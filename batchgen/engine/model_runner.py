@@ -143,8 +143,16 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         from batchgen import kernels
 
-        self.attention_backend = kernels.resolve_backend(attention_backend, self.device)
-        self.ops = kernels.get_ops(self.attention_backend)
+        backend = kernels.resolve_backend(attention_backend, self.device)
+        if backend == "cuda":
+            why = kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
+            if why is not None:
+                if attention_backend == "cuda":
+                    raise ValueError(f"attention_backend='cuda' cannot serve this model: {why}")
+                logger.warning("the CUDA kernels cannot serve this model (%s); using the torch backend", why)
+                backend = "torch"
+        self.attention_backend = backend
+        self.ops = kernels.get_ops(backend)
         self.generation_config = getattr(self.model, "generation_config", None)
 
     @property
