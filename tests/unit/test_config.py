@@ -98,6 +98,13 @@ def test_mode_specific_keys_rejected_in_other_modes() -> None:
     assert config.generation.num_outputs == 3
 
 
+def test_beam_rejects_per_token_sampler_knobs() -> None:
+    (error,) = _errors(_with(generation={"mode": "beam", "repetition_penalty": 1.2, "sampler": {"name": "typical"}}))
+    assert error == "generation: beam search does not support 'repetition_penalty', 'sampler'; use mode 'sample' or 'greedy' for them"
+    (error,) = _errors(_with(generation={"max_tokens": 4, "min_tokens": 5}))
+    assert error == "generation: min_tokens (5) must be <= max_tokens (4)"
+
+
 def test_prompt_section_rules() -> None:
     (error,) = _errors(_with(prompt={"column": "q", "template": "{{ q }}"}))
     assert error == "prompt: set either 'column' or 'template', not both"
