@@ -33,7 +33,6 @@ class Progress:
         self._bar: Any = tqdm(
             total=num_records * tokens_per_record,
             unit="tok",
-            unit_scale=True,
             dynamic_ncols=True,
             disable=not enabled,
             desc="generating",
