@@ -155,7 +155,7 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from batchgen.config import ConfigError, ConfigIssue
-    from batchgen.data import DataError, PromptBuilder
+    from batchgen.data import PromptBuilder
     from batchgen.pipeline import SETUP_ERRORS, plan
 
     try:
@@ -174,7 +174,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
         if issues:
             raise ConfigError(issues, str(args.config))
-    except (DataError, *SETUP_ERRORS) as exc:
+    except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
     if note:
