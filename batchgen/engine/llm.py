@@ -133,8 +133,25 @@ class LLM:
         ``error`` set; the others go on.
         """
         source = iter(requests)
-        exhausted = False
         lookahead = max(self.scheduler.max_num_seqs, 8)
+        try:
+            yield from self._run(source, lookahead, on_tokens)
+        finally:
+            # The caller stopped early (an exception, Ctrl-C, or it closed the generator): drop
+            # what this stream left behind so that the next stream starts clean.
+            self.abort_all()
+
+    def abort_all(self) -> int:
+        """Drop every queued and running request, freeing their blocks; returns how many."""
+        groups = list(self.scheduler.waiting) + list(self.scheduler.running)
+        for group in groups:
+            self.scheduler.finish_group(group)
+        self.scheduler.waiting.clear()
+        return len(groups)
+
+    def _run(self, source: Iterator[Request], lookahead: int,
+             on_tokens: Callable[[int], None] | None) -> Iterator[RequestOutput]:
+        exhausted = False
         while True:
             while not exhausted and len(self.scheduler.waiting) < lookahead:
                 try:

@@ -127,3 +127,17 @@ def test_bad_arguments_are_clear(llm, w32):
         llm.generate(w32[:3], [SamplingParams(), SamplingParams()])
     out = llm.generate([[10**7]], SamplingParams(max_tokens=2))[0]
     assert out.error is not None and "vocabulary" in out.error
+
+
+def test_a_stream_closed_early_leaves_nothing_behind(llm, w32):
+    from batchgen import Request
+
+    requests = [Request(f"r{i}", w32[i], SamplingParams(temperature=0.0, max_tokens=30)) for i in range(6)]
+    stream = llm.stream(requests)
+    first = next(stream)
+    stream.close()  # what an exception or Ctrl-C in the caller does
+    assert first.request_id.startswith("r")
+    assert not llm.scheduler.has_unfinished
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    later = llm.generate([w32[7]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert [o.request_id for o in later] == ["0"]
