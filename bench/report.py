@@ -110,6 +110,7 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
                     label="parallel sampling (n)" if kind == "n" else "beam search (width)")
         ax.axhspan(6.1, 9.8, color="tab:blue", alpha=0.12, label="paper, sampling (Alpaca)")
         ax.axhspan(37.6, 55.2, color="tab:orange", alpha=0.12, label="paper, beams (Alpaca)")
+        ax.set_xticks(sorted({r["k"] for r in rows}))
         ax.set_xlabel("n / beam width")
         ax.set_ylabel("KV blocks saved by sharing, %")
         ax.set_title(f"Sharing saving (1 - physical/logical), W32, max_tokens {sharing['max_tokens']}")
@@ -130,7 +131,7 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
             axes[0].set_xlabel("reserved but unused KV slots, %")
             axes[0].set_title("KV waste, W32 greedy")
         if conc:
-            names = ["paged (batchgen)", "dense S_max=2048", "dense, per-batch max len"]
+            names = ["paged\n(batchgen)", "dense\nS_max = 2048", "dense, longest\nprompt + max_tokens"]
             vals = [conc["paged_seqs"], conc["dense_smax_seqs"], conc["dense_wmax_seqs"]]
             axes[1].bar(names, vals, color=["tab:green", "tab:red", "tab:gray"])
             for x, v in enumerate(vals):
