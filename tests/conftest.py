@@ -60,6 +60,13 @@ def save_tiny_model(tmp_dir: Path, model_type: str, tokenizer, **overrides) -> s
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def oracle_cache():
+    """``oracle_cache(key, compute)``: see :func:`cached_oracle` (a fixture, because test
+    modules cannot import this conftest by name when several conftest files are loaded)."""
+    return cached_oracle
+
+
 def cached_oracle(key: object, compute):
     """Memoise an expensive HF reference computation on disk.
 

@@ -64,10 +64,8 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos_ids: list[in
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path, prompts) -> list[list[int]]:
+def hf_reference(smollm2_path, prompts, oracle_cache) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
-
-    from conftest import cached_oracle
 
     def compute() -> list[list[int]]:
         model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
@@ -75,7 +73,7 @@ def hf_reference(smollm2_path, prompts) -> list[list[int]]:
         return hf_greedy(model, prompts, MAX_TOKENS, [eos] if isinstance(eos, int) else list(eos))
 
     weights = Path(smollm2_path, "model.safetensors").stat().st_size
-    return cached_oracle(["greedy", weights, prompts, MAX_TOKENS], compute)
+    return oracle_cache(["greedy", weights, prompts, MAX_TOKENS], compute)
 
 
 def _run(path: str, prompts, **engine_kwargs):
