@@ -119,8 +119,15 @@ def part_throughput(args, out: Path) -> dict:
     result: dict = {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens,
                     "threads": args.threads, "vllm": {"available": use_vllm, "detail": why},
                     "machine": machine(), "modes": {}}
+    if args.merge and (out / "throughput.json").is_file():
+        previous = json.loads((out / "throughput.json").read_text())
+        previous["modes"].update(result["modes"])
+        result["modes"] = previous["modes"]
+        for k in ("workload", "max_tokens", "machine", "vllm"):  # the main run's header stays
+            result[k] = previous.get(k, result[k])
+        result["reruns"] = previous.get("reruns", [])
     for mode_name in args.modes:
-        mode = MODES[mode_name]
+        mode = dict(MODES[mode_name])
         # KV budget sized to the mode (W32 greedy peaks near 180 MiB, n=4 / beam 4 near 600 MiB),
         # the same for batchgen and generate_batch; HF generate sizes its own dense cache.
         budget = 256 * MIB if mode_name == "greedy" else GIB
@@ -129,6 +136,10 @@ def part_throughput(args, out: Path) -> dict:
             peers["hf_generate_batch"] = {"kv_cache_memory": budget}
         if use_vllm:
             peers["vllm"] = {"kv_gib": 1}
+        if args.peers:
+            peers = {k: v for k, v in peers.items() if k in args.peers}
+        if args.no_request_seed:
+            mode["request_seed"] = False
         reps = args.repeats_greedy if mode_name == "greedy" else args.repeats
         log(f"throughput {mode_name}: {list(peers)} x {reps} repeats")
         res = runner.interleaved(peers, prompts, mode, args.max_tokens, reps, args.log_dir, args.threads,
@@ -147,7 +158,10 @@ def part_throughput(args, out: Path) -> dict:
                 extra["hf_static_batch_waste"] = static_batch_waste(
                     prompts, hf["runs"][0]["outputs"], hf["runs"][0]["kv_bytes"], bpb // bg["setup"]["block_size"])
         strip_outputs(res)
-        result["modes"][mode_name] = {"mode": mode, "repeats": reps, "peers": res,
+        key = mode_name + args.tag
+        if args.tag:
+            result.setdefault("reruns", []).append({"mode": key, "peers": list(peers), "at": time.strftime("%H:%M:%S")})
+        result["modes"][key] = {"mode": mode, "repeats": reps, "num_prompts": len(prompts), "peers": res,
                                       "ratios": runner.ratios(res), **extra}
         save("throughput", result, out)
     return result
@@ -273,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per peer (default 1)")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds before a run is killed")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--peers", default="", help="throughput: only these peers (comma-separated)")
+    ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
+    ap.add_argument("--merge", action="store_true", help="throughput: add to the existing throughput.json")
+    ap.add_argument("--no-request-seed", action="store_true",
+                    help="sampling without a per-request seed (vLLM's CPU build fails with one)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild plots and summary.md")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -281,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_prompts, args.max_tokens, args.repeats_greedy, args.repeats = 8, 16, 1, 1
         args.scaling_prompts, args.scaling_max_tokens = 32, 8
     args.modes = [m for m in args.modes.split(",") if m]
+    args.peers = [p for p in args.peers.split(",") if p]
     bad = [m for m in args.modes if m not in MODES]
     parts = [p for p in args.parts.split(",") if p]
     bad += [p for p in parts if p not in ALL_PARTS]

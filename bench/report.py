@@ -24,6 +24,15 @@ PEER_LABELS = {"batchgen": "batchgen", "hf_generate": "HF generate (static)",
 MODE_LABELS = {"greedy": "greedy", "n4": "n=4 sampling", "beam4": "beam width 4"}
 
 
+def label(mode_key: str) -> str:
+    """``n4`` -> "n=4 sampling"; a tagged rerun such as ``n4_rerun`` -> "n=4 sampling (rerun)"."""
+    import re
+
+    base, _, tag = mode_key.partition("_")
+    tag = re.sub(r"(\d)([a-z])", r"\1 \2", tag)
+    return MODE_LABELS.get(base, base) + (f" ({tag.replace('_', ' ')})" if tag else "")
+
+
 def load(out: Path, name: str) -> dict | None:
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -78,9 +87,9 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
 
     made = []
     if tp:
-        modes = [m for m in ("greedy", "n4", "beam4") if m in tp["modes"]]
+        modes = list(tp["modes"])
         peers = ["batchgen", "hf_generate", "hf_generate_batch", "vllm"]
-        fig, ax = plt.subplots(figsize=(8, 4.2))
+        fig, ax = plt.subplots(figsize=(2.6 * len(modes) + 1, 4.2))
         width = 0.2
         for i, p in enumerate(peers):
             xs, ys, lo, hi = [], [], [], []
@@ -93,7 +102,7 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
                     hi.append(s["tokens_per_s_max"] - s["tokens_per_s_median"])
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=PEER_LABELS[p])
-        ax.set_xticks(range(len(modes)), [MODE_LABELS[m] for m in modes])
+        ax.set_xticks(range(len(modes)), [label(m).replace(" (", "\n(") for m in modes], fontsize=8)
         ax.set_ylabel("generated tokens/s (median, min–max)")
         ax.set_title(f"W32, max_tokens {tp['max_tokens']}, SmolLM2-135M fp32, CPU, {tp['threads']} thread(s)/peer")
         ax.legend(fontsize=8)
@@ -202,12 +211,12 @@ def waste_rows(tp: dict | None) -> list[tuple[str, float]]:
         runs = rec.get("peers", {}).get("batchgen", {}).get("runs", [])
         if runs and runs[0].get("observer"):
             o = runs[0]["observer"]
-            rows.append((f"batchgen paged, {MODE_LABELS[m]}", o["paged_waste_mean"]))
+            rows.append((f"batchgen paged, {label(m)}", o["paged_waste_mean"]))
             if m == "greedy":
-                rows.append((f"dense S_max=2048, {MODE_LABELS[m]}", o["dense_smax_waste_mean"]))
+                rows.append((f"dense S_max=2048, {label(m)}", o["dense_smax_waste_mean"]))
         hw = rec.get("hf_static_batch_waste")
         if hw and hw.get("waste") is not None:
-            rows.append((f"HF static batch, {MODE_LABELS[m]}", hw["waste"]))
+            rows.append((f"HF static batch, {label(m)}", hw["waste"]))
     return rows
 
 
@@ -239,7 +248,7 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
             r = rec.get("ratios", {})
             hf = r.get("hf_generate", {})
             vl = r.get("vllm", {})
-            L.append(f"| {MODE_LABELS[m]} | {rec['repeats']} | " + " | ".join(cells) +
+            L.append(f"| {label(m)} | {rec['repeats']} | " + " | ".join(cells) +
                      f" | {fmt(hf.get('of_medians'), '.2f')}× | {fmt(vl.get('of_medians'), '.2f')}{'×' if vl else ''} |")
         L.append("")
         rss = []
@@ -251,7 +260,7 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
                     kv = pr.get("kv_bytes")
                     parts.append(f"{PEER_LABELS[p]} {pr['peak_rss_mib']:.0f} MiB RSS, KV {fmt(kv / MIB if kv else None, '.0f')} MiB")
             if parts:
-                rss.append(f"* {MODE_LABELS[m]}: " + "; ".join(parts))
+                rss.append(f"* {label(m)}: " + "; ".join(parts))
         if rss:
             L.append("Peak RSS of each peer's process and the KV bytes it used (batchgen: peak blocks in use; "
                      "HF generate: its final dense cache; generate_batch and vLLM: their preallocated cache):\n")
@@ -267,7 +276,7 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
         for m, rec in tp["modes"].items():
             for p, pr in rec["peers"].items():
                 if pr.get("status", "ok") != "ok":
-                    notes.append(f"* {MODE_LABELS[m]}, {PEER_LABELS.get(p, p)}: {pr['status'][:400]}")
+                    notes.append(f"* {label(m)}, {PEER_LABELS.get(p, p)}: {pr['status'][:400]}")
         v = tp.get("vllm", {})
         if not v.get("available"):
             notes.append(f"* ¹ vLLM not run: {v.get('detail')}")

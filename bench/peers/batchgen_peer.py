@@ -128,7 +128,7 @@ class BatchgenPeer:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens)
         if mode["kind"] == "sample":
             return SamplingParams(n=mode["n"], temperature=mode["temperature"], top_p=mode["top_p"],
-                                  max_tokens=max_tokens, seed=seed)
+                                  max_tokens=max_tokens, seed=seed if mode.get("request_seed", True) else None)
         if mode["kind"] == "beam":
             return BeamSearchParams(beam_width=mode["beam_width"], max_tokens=max_tokens)
         raise ValueError(f"unknown mode {mode!r}")

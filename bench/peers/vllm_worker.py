@@ -60,8 +60,12 @@ def main() -> None:
         if mode["kind"] == "greedy":
             sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         else:
+            # A per-request seed makes vLLM 0.32's CPU path fail ("CPU Generator does not use
+            # offset", in gpu_model_runner._bookkeeping_sync); mode["request_seed"] = False
+            # leaves sampling to the engine's global seed (LLM(seed=0)).
             sp = SamplingParams(n=mode["n"], temperature=mode["temperature"], top_p=mode["top_p"],
-                                max_tokens=max_tokens, seed=seed)
+                                max_tokens=max_tokens,
+                                seed=seed if mode.get("request_seed", True) else None)
         outs = llm.generate(tp, sp, use_tqdm=False)
         # vLLM keeps the EOS that ended a sequence in token_ids; the other peers do not count it.
         return [[_strip_eos(list(c.token_ids)) for c in o.outputs] for o in outs]
