@@ -33,6 +33,14 @@ def label(mode_key: str) -> str:
     return MODE_LABELS.get(base, base) + (f" ({tag.replace('_', ' ')})" if tag else "")
 
 
+def timed_out(status: str) -> float | None:
+    """The time limit a run hit, read from its status ("... no answer within 600 s ..."), else None."""
+    import re
+
+    m = re.search(r"no answer within (\d+) s", status or "")
+    return float(m.group(1)) if m else None
+
+
 def load(out: Path, name: str) -> dict | None:
     path = out / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -232,24 +240,35 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
                  "on this shared machine; the ratios are taken within one run, with peers interleaved per repeat. "
                  f"Run at {mach.get('utc')}.\n")
         L.append("## Throughput on W32 (generated tokens/s, median over repeats)\n")
-        L.append("| mode | repeats | batchgen | HF generate (static) | HF generate_batch (CB) | vLLM CPU | batchgen / HF generate | batchgen / vLLM |")
-        L.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        L.append("| mode | prompts | repeats | batchgen | HF generate (static) | HF generate_batch (CB) | vLLM CPU | batchgen / HF generate | batchgen / vLLM |")
+        L.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for m, rec in tp["modes"].items():
             cells = []
             for p in ("batchgen", "hf_generate", "hf_generate_batch", "vllm"):
                 pr = rec["peers"].get(p)
                 if pr is None:
-                    cells.append("not run" if p != "vllm" else "not run¹")
+                    cells.append("not run")
                 elif pr.get("summary", {}).get("ok"):
                     cells.append(fmt(pr["summary"]["tokens_per_s_median"]))
                 else:
                     st = pr.get("status", "failed")
-                    cells.append("unsupported" if st.startswith("unsupported") else "failed²")
+                    limit = timed_out(st)
+                    if st.startswith("unsupported"):
+                        cells.append("unsupported")
+                    elif limit:
+                        cells.append(f"timed out (no result in {limit:.0f} s)")
+                    else:
+                        cells.append("failed (see notes)")
             r = rec.get("ratios", {})
             hf = r.get("hf_generate", {})
             vl = r.get("vllm", {})
-            L.append(f"| {label(m)} | {rec['repeats']} | " + " | ".join(cells) +
-                     f" | {fmt(hf.get('of_medians'), '.2f')}× | {fmt(vl.get('of_medians'), '.2f')}{'×' if vl else ''} |")
+            vcell = f"{fmt(vl.get('of_medians'), '.2f')}×" if vl else "–"
+            limit = timed_out(rec["peers"].get("vllm", {}).get("status", ""))
+            ours = rec["peers"].get("batchgen", {}).get("summary", {})
+            if limit and ours.get("ok"):
+                vcell = f"> {limit / ours['seconds_median']:.1f}× (by wall time)"
+            L.append(f"| {label(m)} | {rec.get('num_prompts', 32)} | {rec['repeats']} | " + " | ".join(cells) +
+                     f" | {fmt(hf.get('of_medians'), '.2f')}{'×' if hf else ''} | {vcell} |")
         L.append("")
         rss = []
         for m, rec in tp["modes"].items():
