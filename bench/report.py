@@ -182,7 +182,12 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
         fig, ax = plt.subplots(figsize=(7, 3.4))
         share = prof["timers_share"]
         names = list(share)
-        ax.barh(names, [100 * share[k] for k in names], color="tab:purple")
+        pretty = {"schedule": "scheduler", "prepare": "input packing", "copy_blocks": "copy-on-write copies",
+                  "attention": "paged attention ops\n(cache write, block gather, SDPA)",
+                  "model_other": "rest of the model forward\n(matmuls, norms, RoPE, MLP)",
+                  "sampling": "sampling", "python_other": "Python bookkeeping"}
+        ax.barh([pretty.get(k, k) for k in names], [100 * share[k] for k in names], color="tab:purple")
+        ax.tick_params(axis="y", labelsize=8)
         for y, k in enumerate(names):
             ax.text(100 * share[k] + 0.5, y, f"{100 * share[k]:.1f}%", va="center", fontsize=8)
         ax.set_xlim(0, 105)
