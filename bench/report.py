@@ -244,6 +244,12 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
                  f"W32 = 32 chat prompts (22–119 tokens), max_tokens {tp['max_tokens']}. Absolute tokens/s are noisy "
                  "on this shared machine; the ratios are taken within one run, with peers interleaved per repeat. "
                  f"Run at {mach.get('utc')}.\n")
+        if tp.get("reruns"):
+            L.append("Rows with a tag in brackets come from later sessions merged into the same file "
+                     "(`--tag ... --merge`), each with its own peers interleaved: " +
+                     ", ".join(f"{r['mode']} finished {r['at']} UTC ({', '.join(r['peers'])})" for r in tp["reruns"]) +
+                     ". Compare ratios within a row, not tokens/s across rows: the machine's load changed "
+                     "between sessions.\n")
         L.append("## Throughput on W32 (generated tokens/s, median over repeats)\n")
         L.append("| mode | prompts | repeats | batchgen | HF generate (static) | HF generate_batch (CB) | vLLM CPU | batchgen / HF generate | batchgen / vLLM |")
         L.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
