@@ -97,7 +97,7 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
     if tp:
         modes = list(tp["modes"])
         peers = ["batchgen", "hf_generate", "hf_generate_batch", "vllm"]
-        fig, ax = plt.subplots(figsize=(2.6 * len(modes) + 1, 4.2))
+        fig, ax = plt.subplots(figsize=(min(13.0, 1.6 * len(modes) + 2), 4.6))
         width = 0.2
         for i, p in enumerate(peers):
             xs, ys, lo, hi = [], [], [], []
