@@ -9,7 +9,8 @@ Policy
   skipping, so a large request is never starved by smaller ones behind it).
 * Long prompts are prefilled in chunks (chunked prefill). A group with several sequences
   (samples or beams) steps all of them together, so that beams always see the same step.
-* Admission needs free blocks beyond a small watermark.
+* Admission needs free blocks beyond a small watermark, and stops for the step in which a
+  preemption happened (admitting then would only preempt again).
 * When blocks run out, the newest running group is preempted by recompute: all its blocks are
   freed and it goes back to the head of the waiting queue, to be prefilled again later. The
   oldest group therefore always progresses: no deadlock, and never an out-of-memory crash.
@@ -167,7 +168,9 @@ class Scheduler:
             take(plan)
             i += 1
 
-        while self.waiting and budget > 0:
+        # After a preemption, admit nothing this step: the blocks just freed are what the
+        # running groups need to grow, and admitting now would only preempt again (thrashing).
+        while self.waiting and budget > 0 and not out.preempted:
             group = self.waiting[0]
             if self.running and self.num_running_seqs + _max_seqs(group) > self.max_num_seqs:
                 break
