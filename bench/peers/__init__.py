@@ -14,6 +14,14 @@ dict`` returning at least ``seconds`` (the timed ``generate`` call only), ``toke
 
 from __future__ import annotations
 
+def strip_at_eos(seq: list[int], eos_ids: "set[int] | list[int]") -> list[int]:
+    """Cut at the first EOS (excluded): what follows is padding of a finished row."""
+    for i, t in enumerate(seq):
+        if t in eos_ids:
+            return seq[:i]
+    return seq
+
+
 WARMUP_PROMPT = list(range(1000, 1024))
 """Warm-up prompt shared by all peers: unrelated to any workload prompt, so a prefix cache
 cannot carry anything from the warm-up into the timed run."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.peers import WARMUP_PROMPT
+from bench.peers import WARMUP_PROMPT, strip_at_eos
 
 
 def cache_bytes(cache: Any) -> int:
@@ -101,15 +101,8 @@ class HFGenerate:
             seqs = out.sequences[:, width:].tolist()
             per = len(seqs) // len(chunk)
             for i in range(len(chunk)):
-                results.append([self._strip(s) for s in seqs[i * per:(i + 1) * per]])
+                results.append([strip_at_eos(s, self.eos_ids) for s in seqs[i * per:(i + 1) * per]])
         return results, kv_peak
-
-    def _strip(self, seq: list[int]) -> list[int]:
-        """Cut at the first EOS (excluded): what follows is padding of a finished row."""
-        for i, t in enumerate(seq):
-            if t in self.eos_ids:
-                return seq[:i]
-        return seq
 
     def run(self, prompts: list[list[int]], mode: dict, max_tokens: int, seed: int) -> dict:
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.peers import WARMUP_PROMPT, UnsupportedMode
+from bench.peers import WARMUP_PROMPT, strip_at_eos, UnsupportedMode
 
 PAGE_SIZE = 256
 
@@ -80,16 +80,10 @@ class HFGenerateBatch:
         errors = [r.error for r in ordered if r.error]
         outputs: list[list[list[int]]] = []
         for i in range(len(prompts)):
-            outputs.append([self._strip(list(r.generated_tokens)) for r in ordered[i * n:(i + 1) * n]])
+            outputs.append([strip_at_eos(list(r.generated_tokens), self.eos_ids) for r in ordered[i * n:(i + 1) * n]])
         if len(ordered) != len(prompts) * n:
             errors.append(f"{len(ordered)} results for {len(prompts) * n} expected sequences")
         return outputs, kv, errors
-
-    def _strip(self, seq: list[int]) -> list[int]:
-        for i, t in enumerate(seq):
-            if t in self.eos_ids:
-                return seq[:i]
-        return seq
 
     def run(self, prompts: list[list[int]], mode: dict, max_tokens: int, seed: int) -> dict:
         t0 = time.perf_counter()
