@@ -133,9 +133,13 @@ class BlockManager:
 
     def _uncache(self, block_id: int) -> None:
         block = self.blocks[block_id]
-        if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+        if self._is_cached(block):
             del self._cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
+
+    def _is_cached(self, block: Block) -> bool:
+        """The block is the prefix cache's entry for its hash."""
+        return block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -149,10 +153,10 @@ class BlockManager:
         assert block.ref_count > 0, f"block {block_id} freed twice"
         block.ref_count -= 1
         if block.ref_count == 0:
-            if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+            if self._is_cached(block):
                 self._evictable[block_id] = None  # most recently used at the end
             else:
-                block.block_hash = block.parent_hash = block.token_ids = None
+                self._uncache(block_id)
                 self._free.append(block_id)
 
     def _cow_indices(self, seq: Sequence, start: int, num_new_tokens: int) -> list[int]:

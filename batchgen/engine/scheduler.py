@@ -202,7 +202,7 @@ class Scheduler:
             return
         assert lead.num_computed_tokens == num_prompt
         for seq in seqs[1:]:
-            if not seq.block_table and seq.num_computed_tokens == 0:
+            if seq.is_fresh:
                 self.bm.fork(lead, seq, num_tokens=num_prompt)
                 seq.num_computed_tokens = num_prompt
                 seq.block_hashes = lead.block_hashes[: num_prompt // self.bm.block_size]
@@ -211,7 +211,7 @@ class Scheduler:
 
     def _lookup(self, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
         """(prefix hits, first token to compute) of a sequence; hits only for a fresh one."""
-        if not seq.block_table and seq.num_computed_tokens == 0:
+        if seq.is_fresh:
             return self.bm.get_computed_blocks(seq, max_num_tokens)
         return [], seq.num_computed_tokens
 
@@ -260,7 +260,7 @@ class Scheduler:
         if not self.bm.can_allocate(self.bm.num_blocks_needed_for_group(plan), admit=admit):
             return None
         for seq, _, hits in plan:
-            if not seq.block_table and seq.num_computed_tokens == 0:
+            if seq.is_fresh:
                 self.bm.take_computed_blocks(seq, hits)
                 self.bm.record_prefix_lookup(seq.num_tokens, seq.num_computed_tokens)
                 if seq.num_output_tokens == 0:

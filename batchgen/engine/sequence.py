@@ -80,6 +80,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def is_fresh(self) -> bool:
+        """Nothing of it is cached yet: the only state in which prefix-cache hits apply."""
+        return not self.block_table and self.num_computed_tokens == 0
+
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.cumulative_logprob += logprob
