@@ -321,7 +321,7 @@ class EngineSection(_Section):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
     seed: int = Field(
         0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
     )

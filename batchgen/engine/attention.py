@@ -35,6 +35,8 @@ class AttentionMetadata:
         prefill_query_start_loc: ``[num_prefills + 1]``, offsets into the prefill tokens.
         prefill_context_lens: ``[num_prefills]``, tokens in context after this step.
         ops: the attention backend (``batchgen.kernels.get_ops``).
+        workspace: scratch buffers the torch backend gathers K/V into, kept by the runner
+            across steps (``batchgen.kernels.reference.Workspace``).
     """
 
     kv_cache: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
     ops: Any
+    workspace: Any = None
 
 
 def paged_attention_forward(
@@ -87,19 +90,21 @@ def paged_attention_forward(
     num_tokens = q.shape[0]
     if num_decode == num_tokens:
         out = meta.ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+            workspace=meta.workspace)
     elif num_decode == 0:
         out = meta.ops.paged_prefill_attention(
             q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_context_lens, scale)
+            meta.prefill_context_lens, scale, workspace=meta.workspace)
     else:
         out = torch.empty_like(q)
         out[:num_decode] = meta.ops.paged_decode_attention(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale)
+            meta.decode_context_lens, scale, workspace=meta.workspace)
         out[num_decode:] = meta.ops.paged_prefill_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-            meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+            meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+            workspace=meta.workspace)
     return out.unsqueeze(0), None
 
 

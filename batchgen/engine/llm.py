@@ -44,7 +44,7 @@ class LLM:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_prefix_caching: share full prompt blocks across requests.
-        attention_backend: ``"auto"``, ``"torch"`` or ``"cuda"``.
+        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
         seed: derives a per-request seed for requests that give none, so whole runs repeat.
     """
 

@@ -99,7 +99,7 @@ class ModelRunner:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ... (``"auto"``: cuda when available).
         block_size: tokens per KV block.
         kv_cache_memory: KV budget in bytes (None: 0.9 of free GPU memory, or 512 MiB on CPU).
-        attention_backend: ``"auto"``, ``"torch"`` or ``"cuda"``.
+        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
     """
 
     def __init__(
@@ -144,15 +144,24 @@ class ModelRunner:
         from batchgen import kernels
 
         backend = kernels.resolve_backend(attention_backend, self.device)
+        why = None
         if backend == "cuda":
             why = kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
-            if why is not None:
-                if attention_backend == "cuda":
-                    raise ValueError(f"attention_backend='cuda' cannot serve this model: {why}")
-                logger.warning("the CUDA kernels cannot serve this model (%s); using the torch backend", why)
-                backend = "torch"
+        elif backend == "cpu":
+            why = kernels.cpu_unsupported_reason(self.dtype, head_size, num_heads, num_kv_heads)
+        if why is not None:
+            if attention_backend == backend:
+                raise ValueError(f"attention_backend={backend!r} cannot serve this model: {why}")
+            # A float16/bfloat16 model on the CPU is an expected case; anything else is news.
+            log = logger.info if backend == "cpu" and self.dtype != torch.float32 else logger.warning
+            log("the %s attention kernel cannot serve this model (%s); using the torch backend",
+                backend, why.splitlines()[0])
+            backend = "torch"
         self.attention_backend = backend
         self.ops = kernels.get_ops(backend)
+        from batchgen.kernels.reference import Workspace
+
+        self.workspace = Workspace()
         self.generation_config = getattr(self.model, "generation_config", None)
 
     @property
@@ -222,6 +231,7 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
             ops=self.ops,
+            workspace=self.workspace,
         )
         return StepInput(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=dev),

@@ -1,4 +1,5 @@
-"""Attention backends: ``torch`` (``reference.py``) and ``cuda`` (runtime-compiled kernels).
+"""Attention backends: ``torch`` (``reference.py``), ``cpu`` (a C decode kernel compiled at run
+time, ``cpu.py``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda.py``).
 
 Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, lazily, when the
 ``cuda`` backend is first used.
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("auto", "cuda", "torch")
+BACKENDS = ("auto", "cpu", "cuda", "torch")
 
 
 def cupy_available() -> bool:
@@ -21,19 +22,28 @@ def cupy_available() -> bool:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """Turn ``attention_backend`` into ``"torch"`` or ``"cuda"``.
+    """Turn ``attention_backend`` into ``"torch"``, ``"cpu"`` or ``"cuda"``.
 
     ``auto`` picks ``cuda`` when ``device`` is a CUDA device, torch sees a GPU and cupy is
-    installed, else ``torch``. ``cuda`` raises ``RuntimeError`` saying what is missing.
+    installed; ``cpu`` on a CPU device; else ``torch``. Whether the ``cpu`` kernel can serve the
+    model (dtype, shape, a C compiler) is the caller's next check
+    (:func:`cpu_unsupported_reason`), with ``torch`` as the fallback. ``cuda`` and ``cpu`` raise
+    ``RuntimeError`` when the device does not fit, saying what is missing.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     device = torch.device(device)
     if name == "torch":
         return "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"attention_backend='cpu' needs the model on the CPU; it runs on {device}")
+        return "cpu"
     usable = device.type == "cuda" and torch.cuda.is_available() and cupy_available()
     if name == "auto":
-        return "cuda" if usable else "torch"
+        if usable:
+            return "cuda"
+        return "cpu" if device.type == "cpu" else "torch"
     if device.type != "cuda":
         raise RuntimeError(f"attention_backend='cuda' needs a CUDA device; the model runs on {device}")
     if not torch.cuda.is_available():
@@ -60,6 +70,23 @@ def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int)
     return None
 
 
+def cpu_unsupported_reason(dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the ``cpu`` kernel cannot serve a model, or None once it is built and loaded.
+
+    Builds the kernel for this shape on first call (about a second; cached on disk after).
+    """
+    from . import cpu
+
+    why = cpu.unsupported_reason(dtype, head_size, num_heads, num_kv_heads)
+    if why is not None:
+        return why
+    try:
+        cpu.load(head_size, num_heads // num_kv_heads)
+    except cpu.CpuKernelError as exc:
+        return str(exc)
+    return None
+
+
 def get_ops(backend: str) -> ModuleType | Any:
     """The ops of a resolved backend: ``reshape_and_cache``, ``paged_decode_attention``,
     ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures."""
@@ -67,8 +94,12 @@ def get_ops(backend: str) -> ModuleType | Any:
         from . import reference
 
         return reference
+    if backend == "cpu":
+        from .cpu import get_cpu_ops
+
+        return get_cpu_ops()
     if backend == "cuda":
         from .cuda import get_cuda_ops
 
         return get_cuda_ops()
-    raise ValueError(f"backend must be 'torch' or 'cuda' (resolve 'auto' first); got {backend!r}")
+    raise ValueError(f"backend must be 'torch', 'cpu' or 'cuda' (resolve 'auto' first); got {backend!r}")

@@ -346,8 +346,10 @@ class KernelOps:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        workspace: reference.Workspace | None = None,
     ) -> torch.Tensor:
-        """See :func:`reference.paged_decode_attention`.
+        """See :func:`reference.paged_decode_attention`. ``workspace`` is unused: the kernel
+        reads the blocks in place.
 
         The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
         partitions, an upper bound known without reading ``context_lens`` back from the device;

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.kernels.cpu import compiler as cpu_compiler
 
 pytestmark = pytest.mark.slow
 
@@ -91,11 +92,20 @@ def _assert_same(ours: list[list[int]], ref: list[list[int]]) -> None:
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 def test_greedy_equals_hf_for_block_sizes(smollm2_path, prompts, hf_reference, block_size):
     llm, ours = _run(smollm2_path, prompts, block_size=block_size, kv_cache_memory=256 * 2**20)
+    # The default on a CPU is the compiled kernel, when there is a compiler to build it.
+    assert llm.runner.attention_backend == ("cpu" if cpu_compiler() else "torch")
     _assert_same(ours, hf_reference)
     stats = llm.stats()
     assert stats.num_preemptions == 0
     # Every block went back: nothing leaks across requests.
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_greedy_equals_hf_on_the_torch_backend(smollm2_path, prompts, hf_reference):
+    """The portable backend (no C compiler, or non-float32 dtypes) gives the same tokens."""
+    llm, ours = _run(smollm2_path, prompts, block_size=16, attention_backend="torch")
+    assert llm.runner.attention_backend == "torch"
+    _assert_same(ours, hf_reference)
 
 
 def test_greedy_equals_hf_under_preemption(smollm2_path, prompts, hf_reference):

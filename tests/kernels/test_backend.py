@@ -26,10 +26,13 @@ def test_importing_the_package_does_not_import_cupy() -> None:
 def test_resolve_backend_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert resolve_backend("torch", cpu) == "torch"
-    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("auto", cpu) == "cpu"
+    assert resolve_backend("cpu", cpu) == "cpu"
     with pytest.raises(RuntimeError, match="needs a CUDA device; the model runs on cpu"):
         resolve_backend("cuda", cpu)
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, cuda, torch; got 'tpu'"):
+    with pytest.raises(RuntimeError, match="needs the model on the CPU; it runs on cuda:0"):
+        resolve_backend("cpu", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, cpu, cuda, torch; got 'tpu'"):
         resolve_backend("tpu", cpu)
 
 
@@ -65,13 +68,13 @@ def test_get_ops_exposes_the_reference_signatures() -> None:
     assert get_ops("torch") is reference
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         get_ops("auto")
-    ops = harness_ops("warp", "nan")
     import inspect
 
-    for name in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
-                 "copy_blocks"):
-        want = list(inspect.signature(getattr(reference, name)).parameters)
-        assert list(inspect.signature(getattr(ops, name)).parameters) == want, name
+    for ops in (harness_ops("warp", "nan"), get_ops("cpu")):
+        for name in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
+                     "copy_blocks"):
+            want = list(inspect.signature(getattr(reference, name)).parameters)
+            assert list(inspect.signature(getattr(ops, name)).parameters) == want, (ops, name)
 
 
 def test_python_constants_mirror_the_kernel_header() -> None:

@@ -1,0 +1,158 @@
+"""The ``cpu`` backend: the C decode kernel against the torch reference, its checks, its build.
+
+The kernel is built here by the system C compiler exactly as the engine builds it; a machine
+without one skips these tests with that reason (the engine then falls back to ``torch``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kernel_cases import assert_close_to_reference, make_decode_case, reference_decode
+
+from batchgen.kernels import cpu as kcpu
+from batchgen.kernels import cpu_unsupported_reason, get_ops, reference
+
+pytestmark = pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_size,group,block_size", [
+    (64, 3, 16),    # SmolLM2
+    (64, 1, 8),     # plain multi-head
+    (128, 4, 16),
+    (80, 8, 32),    # head size not a power of two, a wide group
+    (32, 2, 1),     # one token per block
+    (96, 16, 16),   # the largest group
+])
+def test_decode_matches_the_reference(head_size: int, group: int, block_size: int) -> None:
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 137, 300]
+    case = make_decode_case(dtype=torch.float32, head_size=head_size, block_size=block_size,
+                            context_lens=lens, num_kv_heads=2, group=group, seed=head_size + group)
+    out = get_ops("cpu").paged_decode_attention(*case.args())
+    assert out.shape == case.query.shape and out.dtype == torch.float32
+    assert_close_to_reference(out, reference_decode(case), torch.float32, f"h{head_size} g{group}")
+
+
+def test_shared_prefix_blocks_and_strided_query() -> None:
+    """Forked sequences read the same physical blocks; the query arrives as a transposed view."""
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,
+                            context_lens=[40, 70, 33, 64], num_kv_heads=3, group=3,
+                            shared_prefix_blocks=2, seed=7)
+    strided = case.query.transpose(0, 1).contiguous().transpose(0, 1)  # [S, H, D], S-stride D
+    assert not strided.is_contiguous()
+    ops = get_ops("cpu")
+    out = ops.paged_decode_attention(strided, *case.args()[1:])
+    assert_close_to_reference(out, reference_decode(case), torch.float32, "strided")
+    assert torch.equal(out, ops.paged_decode_attention(*case.args()))
+
+
+def test_a_sequence_result_does_not_depend_on_the_batch() -> None:
+    """Each sequence is computed on its own: alone or in a batch, bit for bit."""
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,
+                            context_lens=[5, 200, 17, 64, 90], num_kv_heads=3, group=3, seed=3)
+    ops = get_ops("cpu")
+    together = ops.paged_decode_attention(*case.args())
+    for row in range(5):
+        alone = ops.paged_decode_attention(*case.select([row]).args())
+        assert torch.equal(alone[0], together[row]), row
+
+
+def test_threads_split_the_batch_without_changing_the_result() -> None:
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,
+                            context_lens=[3, 250, 40, 41, 120, 7, 64, 65, 199], num_kv_heads=3, group=3,
+                            seed=11)
+    ops = get_ops("cpu")
+    one = ops.paged_decode_attention(*case.args())
+    torch.set_num_threads(3)
+    workspace = reference.Workspace()
+    three = ops.paged_decode_attention(*case.args(), workspace=workspace)
+    assert torch.equal(one, three)
+    assert workspace.num_bytes > 0  # the per-thread score scratch came from the workspace
+
+
+def test_split_balances_context_and_covers_every_sequence() -> None:
+    lens = torch.tensor([100, 1, 1, 1, 100, 1, 1, 100], dtype=torch.int32)
+    parts = kcpu._split(lens, 3)
+    assert parts[0][0] == 0 and parts[-1][1] == 8
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    assert len(parts) == 3
+    assert max(int(lens[a:b].sum()) for a, b in parts) <= 103
+    assert kcpu._split(torch.tensor([5], dtype=torch.int32), 4) == [(0, 1)]
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.__setattr__("context_lens", torch.tensor([0, 5], dtype=torch.int32)), "context_lens must be in"),
+    (lambda c: c.__setattr__("context_lens", torch.tensor([5, 999], dtype=torch.int32)), "context_lens must be in"),
+    (lambda c: c.block_tables.__setitem__((0, 0), 10_000), "block table entries must be in"),
+    (lambda c: c.block_tables.__setitem__((1, 0), -1), "block table entries must be in"),
+    (lambda c: c.__setattr__("query", c.query.double()), "query must be a float32 CPU tensor"),
+    (lambda c: c.__setattr__("query", c.query[:, :, :32]), "does not fit the cache"),
+    (lambda c: c.__setattr__("context_lens", c.context_lens[:1]), "2 queries but"),
+])
+def test_inputs_outside_the_contract_are_refused(change, message: str) -> None:
+    """The kernel follows raw indices, so every one it would follow is checked first."""
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16, context_lens=[20, 30],
+                            num_kv_heads=2, group=2, seed=1)
+    change(case)
+    with pytest.raises(ValueError, match=message):
+        get_ops("cpu").paged_decode_attention(*case.args())
+
+
+def test_unsupported_reason_names_what_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_unsupported_reason(torch.float32, 64, 9, 3) is None
+    assert "float32 only" in cpu_unsupported_reason(torch.bfloat16, 64, 9, 3)
+    assert "at most 16" in cpu_unsupported_reason(torch.float32, 64, 34, 2)
+    assert "not a multiple" in cpu_unsupported_reason(torch.float32, 64, 9, 2)
+    assert "head_size 1024 unsupported" in cpu_unsupported_reason(torch.float32, 1024, 8, 8)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert "no C compiler" in cpu_unsupported_reason(torch.float32, 64, 9, 3)
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(kcpu, "KERNEL_SOURCE", broken)
+    monkeypatch.setattr(kcpu, "_libraries", {})
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(kcpu.CpuKernelError, match="could not build the CPU attention kernel"):
+        kcpu.load(64, 3)
+    assert not list((tmp_path / "cache" / "cpu_kernels").glob("*.so"))  # nothing half-written
+
+
+def test_builds_are_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kcpu, "_libraries", {})
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    kcpu.load(48, 2)
+    built = list((tmp_path / "cpu_kernels").glob("paged_attention_cpu-h48-g2-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(kcpu, "_libraries", {})
+    kcpu.load(48, 2)  # a new process would find the file and not compile again
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, monkeypatch, caplog) -> None:
+    from batchgen.engine.model_runner import ModelRunner
+
+    path = tiny_model("llama")
+    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+    assert runner.attention_backend == "cpu"
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
+        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+    assert runner.attention_backend == "torch"
+    assert "no C compiler" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot serve this model: no C compiler"):
+        ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu")
+    bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20)
+    assert bf16.attention_backend == "torch"
