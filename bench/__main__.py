@@ -254,18 +254,22 @@ def part_scaling(args, out: Path) -> dict:
 
 
 def part_profile(args, out: Path) -> dict:
-    log("profile of decode steps (batchgen, W32 greedy)")
-    path = out / "profile.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.profile_step", "--out", str(path),
-                           "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
-                           "--max-tokens", str(min(args.max_tokens, 24))],
-                          cwd=runner.REPO, capture_output=True, text=True, timeout=args.run_timeout * 2)
-    if proc.returncode != 0:
-        data = {"error": proc.stderr[-3000:]}
-        save("profile", data, out)
-        return data
-    log(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "profile done")
-    return json.loads(path.read_text())
+    """Profile greedy (``profile.json``) and beam width 4 (``profile_beam4.json``) decode steps."""
+    results: dict = {}
+    for mode, name in (("greedy", "profile"), ("beam4", "profile_beam4")):
+        log(f"profile of decode steps (batchgen, W32 {mode})")
+        path = out / f"{name}.json"
+        proc = subprocess.run([sys.executable, "-m", "bench.profile_step", "--out", str(path), "--mode", mode,
+                               "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
+                               "--max-tokens", str(min(args.max_tokens, 24))],
+                              cwd=runner.REPO, capture_output=True, text=True, timeout=args.run_timeout * 2)
+        if proc.returncode != 0:
+            results[mode] = {"error": proc.stderr[-3000:]}
+            save(name, results[mode], out)
+            continue
+        log(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "profile done")
+        results[mode] = json.loads(path.read_text())
+    return results["greedy"]
 
 
 def main(argv: list[str] | None = None) -> int:

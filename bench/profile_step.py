@@ -1,6 +1,7 @@
 """Where a batchgen decode step spends its time: ``python -m bench.profile_step --out FILE``.
 
-Two passes over W32 greedy, both observing the engine from outside (instance attributes are
+``--mode greedy`` (default) or ``--mode beam4`` (beam width 4: 4 sequences per prompt, so a
+decode step runs 4× the rows). Two passes over W32, both observing the engine from outside (instance attributes are
 wrapped; no engine code changes):
 
 1. *Timers* (no profiler overhead): every step is split into scheduling
@@ -70,10 +71,16 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--profiled-steps", type=int, default=3)
+    ap.add_argument("--mode", choices=["greedy", "beam4"], default="greedy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from batchgen import LLM, SamplingParams
+    from batchgen import LLM, BeamSearchParams, SamplingParams
     from bench.workload import w32_prompts
+
+    def params_for(max_tokens: int) -> SamplingParams | BeamSearchParams:
+        if args.mode == "beam4":
+            return BeamSearchParams(beam_width=4, max_tokens=max_tokens)
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     prompts = w32_prompts()[: args.num_prompts]
     llm = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
@@ -85,6 +92,7 @@ def main() -> None:
     wrap(llm.runner, "copy_blocks", clock, "copy_blocks")
     wrap(llm.runner, "_forward", clock, "forward")
     wrap(llm, "sampler", clock, "sampling")  # the Sampler instance is called as llm.sampler(...)
+    wrap(llm, "_beam_step", clock, "sampling")  # beam search's top-k, forks and frees
 
     steps: list[dict[str, float]] = []
     inner_step = llm.step
@@ -112,8 +120,8 @@ def main() -> None:
         steps.append(rec)
         return result
     llm.step = step
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate([list(range(1000, 1024))], SamplingParams(temperature=0.0, max_tokens=4))
+    params = params_for(args.max_tokens)
+    llm.generate([list(range(1000, 1024))], params_for(4))
     steps.clear()
     llm.generate(prompts, params)
 
@@ -151,7 +159,7 @@ def main() -> None:
             return r
         return inner2()
     llm2.step = step2
-    llm2.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3 + args.profiled_steps))
+    llm2.generate(prompts, params_for(3 + args.profiled_steps))
     by_cat: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     for e in events:
@@ -174,7 +182,10 @@ def main() -> None:
             by_cat["other model ops (norms, RoPE, activations, copies)"] += self_us
     prof_total = sum(by_cat.values())
     result = {
-        "workload": f"W32 ({len(prompts)} prompts) greedy, max_tokens {args.max_tokens}",
+        "workload": f"W32 ({len(prompts)} prompts) {'beam width 4' if args.mode == 'beam4' else 'greedy'}, "
+                    f"max_tokens {args.max_tokens}",
+        "mode": args.mode,
+        "attention_backend": llm.runner.attention_backend,
         "threads": args.threads,
         "decode_steps_timed": len(decode),
         "step_seconds_median": total_med,

@@ -87,7 +87,7 @@ def concurrency(throughput: dict | None, scaling: dict | None) -> dict | None:
 
 
 def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, scaling: dict | None,
-          prof: dict | None, conc: dict | None) -> list[str]:
+          prof: dict | None, conc: dict | None, prof_beam: dict | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,20 +179,28 @@ def plots(out: Path, tp: dict | None, sharing: dict | None, bsz: dict | None, sc
             plt.close(fig)
             made.append("blocksize.png")
     if prof and prof.get("timers_share"):
-        fig, ax = plt.subplots(figsize=(7, 3.4))
-        share = prof["timers_share"]
-        names = list(share)
+        profiles = [("greedy", prof)] + ([("beam width 4", prof_beam)] if prof_beam and prof_beam.get("timers_share") else [])
+        names = list(prof["timers_share"])
+        fig, ax = plt.subplots(figsize=(7.5, 3.8))
         pretty = {"schedule": "scheduler", "prepare": "input packing", "copy_blocks": "copy-on-write copies",
-                  "attention": "paged attention ops\n(cache write, block gather, SDPA)",
+                  "attention": "paged attention ops\n(cache write, decode kernel,\nprefill SDPA)",
                   "model_other": "rest of the model forward\n(matmuls, norms, RoPE, MLP)",
-                  "sampling": "sampling", "python_other": "Python bookkeeping"}
-        ax.barh([pretty.get(k, k) for k in names], [100 * share[k] for k in names], color="tab:purple")
+                  "sampling": "sampling / beam step", "python_other": "Python bookkeeping"}
+        height = 0.8 / len(profiles)
+        for i, (mode_label, p) in enumerate(profiles):
+            share = p["timers_share"]
+            ys = [y + (i - (len(profiles) - 1) / 2) * height for y in range(len(names))]
+            vals = [100 * share.get(k, 0.0) for k in names]
+            ax.barh(ys, vals, height=height, label=f"{mode_label}: {p['step_seconds_median'] * 1000:.0f} ms/step")
+            for y, v in zip(ys, vals):
+                ax.text(v + 0.5, y, f"{v:.1f}%", va="center", fontsize=7)
+        ax.set_yticks(range(len(names)), [pretty.get(k, k) for k in names])
         ax.tick_params(axis="y", labelsize=8)
-        for y, k in enumerate(names):
-            ax.text(100 * share[k] + 0.5, y, f"{100 * share[k]:.1f}%", va="center", fontsize=8)
+        ax.invert_yaxis()
         ax.set_xlim(0, 105)
         ax.set_xlabel("% of a decode step (median)")
-        ax.set_title(f"batchgen decode step: {prof['step_seconds_median'] * 1000:.0f} ms median, W32 greedy")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.set_title(f"batchgen decode step, W32 (attention backend: {prof.get('attention_backend', 'torch')})")
         fig.tight_layout()
         fig.savefig(out / "profile.png", dpi=120)
         plt.close(fig)
@@ -233,7 +241,7 @@ def waste_rows(tp: dict | None) -> list[tuple[str, float]]:
     return rows
 
 
-def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
+def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam: dict | None = None) -> str:
     L: list[str] = []
     L.append("# Benchmark summary\n")
     if tp:
@@ -375,14 +383,17 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str]) -> str:
             else:
                 L.append(f"| {r['block_size']} | failed: {str(r.get('error'))[:200]} | | | |")
         L.append("")
-    if prof and prof.get("timers_share"):
-        L.append(f"## Profile of a decode step (batchgen, {prof['workload']})\n")
-        L.append(f"Median decode step {prof['step_seconds_median'] * 1000:.0f} ms: " +
-                 ", ".join(f"{k} {100 * v:.1f} %" for k, v in prof["timers_share"].items()) + ".")
-        if prof.get("profiler_self_cpu_share"):
-            L.append(" torch.profiler (self CPU time of aten ops): " +
-                     ", ".join(f"{k} {100 * v:.0f} %" for k, v in prof["profiler_self_cpu_share"].items()) + ".")
-        L.append("")
+    for p in (prof, prof_beam):
+        if p and p.get("timers_share"):
+            backend = p.get("attention_backend", "torch")
+            L.append(f"## Profile of a decode step (batchgen, {p['workload']}, attention backend `{backend}`)\n")
+            L.append(f"Median decode step {p['step_seconds_median'] * 1000:.0f} ms: " +
+                     ", ".join(f"{k} {100 * v:.1f} %" for k, v in p["timers_share"].items()) + ".")
+            if p.get("profiler_self_cpu_share"):
+                L.append(" torch.profiler (self CPU time of aten ops; a C kernel called through ctypes is not an "
+                         "aten op and shows only in the timers): " +
+                         ", ".join(f"{k} {100 * v:.0f} %" for k, v in p["profiler_self_cpu_share"].items()) + ".")
+            L.append("")
     if made:
         L.append("Plots: " + ", ".join(f"[{m}]({m})" for m in made) + ".\n")
     return "\n".join(L) + "\n"
@@ -413,11 +424,11 @@ def build(out: Path) -> None:
     """Write the plots and ``summary.md`` (and ``memory.json``) into ``out``."""
     tp, sharing, bsz = load(out, "throughput"), load(out, "sharing"), load(out, "blocksize")
     sharing = merge_sharing(sharing, tp)
-    scaling, prof = load(out, "scaling"), load(out, "profile")
+    scaling, prof, prof_beam = load(out, "scaling"), load(out, "profile"), load(out, "profile_beam4")
     conc = concurrency(tp, scaling)
     memory = {"waste": [{"cache": n, "waste": w} for n, w in waste_rows(tp)], "concurrency": conc,
               "sharing": sharing}
     (out / "memory.json").write_text(json.dumps(memory, indent=1))
-    made = plots(out, tp, sharing, bsz, scaling, prof, conc)
-    (out / "summary.md").write_text(summary_md(tp, sharing, bsz, scaling, prof, conc, made))
+    made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
+    (out / "summary.md").write_text(summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")

@@ -15,21 +15,49 @@
  *          given (attention layers hand over transposed views).
  *   out:   [num_seqs, num_kv_heads * GROUP, HEAD_SIZE], contiguous.
  *   block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32, >= 1.
- *   scratch: at least max(context_lens) * GROUP floats, private to this call.
+ *   scratch: at least max(context_lens) * GROUP floats, private to this call
+ *            (the scores of one KV head's group, [GROUP][context_len]).
  *
  * Work is split by sequence: a caller may run several calls on disjoint sequence ranges at
  * once (each with its own scratch); a call touches only its own rows of out.
  */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if !defined(HEAD_SIZE) || !defined(GROUP)
 #error "compile with -DHEAD_SIZE=<n> -DGROUP=<n>"
 #endif
 
+/* Never built with -ffast-math: linking a shared library with it sets flush-to-zero for the
+ * whole process. The reductions that may be reordered say so with `omp simd reduction`
+ * (-fopenmp-simd: vectorisation only, no OpenMP runtime). */
+#define LANES 16
+
+/* exp(x) for x <= 0 (softmax numerators), in plain arithmetic so that it vectorises:
+ * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf
+ * coefficients), 2^n through the exponent bits. Relative error about 2e-7. */
+static inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  /* round to nearest by adding and subtracting 1.5 * 2^23 */
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
 static inline float dot_head(const float *restrict a, const float *restrict b) {
   float s = 0.f;
+#pragma omp simd reduction(+ : s)
   for (int d = 0; d < HEAD_SIZE; ++d) s += a[d] * b[d];
   return s;
 }
@@ -55,7 +83,7 @@ void batchgen_paged_decode_f32(
         const float *src = query + s * q_stride_seq + (h * GROUP + g) * q_stride_head;
         for (int d = 0; d < HEAD_SIZE; ++d) q[g][d] = src[d] * scale;
       }
-      /* Pass 1: scores[p][g] = q_g . k_p, and each head's running maximum. */
+      /* Pass 1: scores[g][p] = q_g . k_p, and each head's maximum. */
       float *scores = scratch;
       float max_score[GROUP];
       for (int g = 0; g < GROUP; ++g) max_score[g] = -FLT_MAX;
@@ -67,20 +95,32 @@ void batchgen_paged_decode_f32(
           const float *kp = kb + o * tok_stride;
           for (int g = 0; g < GROUP; ++g) {
             const float v = dot_head(q[g], kp);
-            scores[p * GROUP + g] = v;
+            scores[g * ctx + p] = v;
             max_score[g] = v > max_score[g] ? v : max_score[g];
           }
         }
       }
-      /* Softmax numerators in place, and their sums. */
+      /* Softmax numerators in place, and their sums (LANES partial sums, then added). */
       float sum[GROUP];
-      for (int g = 0; g < GROUP; ++g) sum[g] = 0.f;
-      for (int64_t i = 0; i < ctx; ++i) {
-        for (int g = 0; g < GROUP; ++g) {
-          const float e = expf(scores[i * GROUP + g] - max_score[g]);
-          scores[i * GROUP + g] = e;
-          sum[g] += e;
+      for (int g = 0; g < GROUP; ++g) {
+        float *sc = scores + g * ctx;
+        const float mg = max_score[g];
+        float lanes[LANES] = {0.f};
+        int64_t i = 0;
+        for (; i + LANES <= ctx; i += LANES) {
+          for (int j = 0; j < LANES; ++j) {
+            const float e = exp_nonpos(sc[i + j] - mg);
+            sc[i + j] = e;
+            lanes[j] += e;
+          }
         }
+        float total = 0.f;
+        for (; i < ctx; ++i) {
+          sc[i] = exp_nonpos(sc[i] - mg);
+          total += sc[i];
+        }
+        for (int j = 0; j < LANES; ++j) total += lanes[j];
+        sum[g] = total;
       }
       /* Pass 2: out_g = sum_p w_pg v_p / sum_g. */
       float acc[GROUP][HEAD_SIZE];
@@ -93,7 +133,7 @@ void batchgen_paged_decode_f32(
         for (int64_t o = 0; o < n; ++o, ++p) {
           const float *vp = vb + o * tok_stride;
           for (int g = 0; g < GROUP; ++g) {
-            const float w = scores[p * GROUP + g];
+            const float w = scores[g * ctx + p];
             for (int d = 0; d < HEAD_SIZE; ++d) acc[g][d] += w * vp[d];
           }
         }

@@ -1,7 +1,8 @@
 """batchgen's ``LLM.generate`` on the paged cache, with per-step KV accounting.
 
 Setup: ``LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=1 GiB,
-max_num_seqs=256, max_num_batched_tokens=2048)`` (prefix caching on, the default). A fresh
+max_num_seqs=256, max_num_batched_tokens=2048)`` (prefix caching on and attention backend
+``auto``, the defaults; on this CPU ``auto`` is the C decode kernel). A fresh
 ``LLM`` is built for every timed run, so no run finds the previous run's prompts in the prefix
 cache (the model load is not timed).
 

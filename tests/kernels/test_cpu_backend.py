@@ -156,3 +156,12 @@ def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, mon
         ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu")
     bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20)
     assert bf16.attention_backend == "torch"
+
+
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """A library built with -ffast-math would switch the process to flush-to-zero on load."""
+    kcpu.load(64, 3)
+    kcpu.load(32, 1)
+    assert 2.2250738585072014e-308 / 4.0 != 0.0
+    assert (torch.tensor([1.0e-38]) / 100.0).item() != 0.0
+    assert kcpu._subnormals_work()
