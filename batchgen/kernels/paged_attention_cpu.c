@@ -18,8 +18,8 @@
  *   scratch: at least max(context_lens) * GROUP floats, private to this call
  *            (the scores of one KV head's group, [GROUP][context_len]).
  *
- * Work is split by sequence: a caller may run several calls on disjoint sequence ranges at
- * once (each with its own scratch); a call touches only its own rows of out.
+ * Sequences are computed one after another, each on its own, so a sequence's output does not
+ * depend on the rest of the batch.
  */
 #include <float.h>
 #include <stdint.h>
@@ -68,13 +68,13 @@ int batchgen_group(void) { return GROUP; }
 void batchgen_paged_decode_f32(
     float *restrict out, const float *restrict query, const float *restrict k_cache,
     const float *restrict v_cache, const int32_t *restrict block_tables,
-    const int32_t *restrict context_lens, int64_t seq_begin, int64_t seq_end,
+    const int32_t *restrict context_lens, int64_t num_seqs,
     int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, int64_t q_stride_seq,
     int64_t q_stride_head, float scale, float *restrict scratch) {
   const int64_t num_heads = num_kv_heads * GROUP;
   const int64_t tok_stride = num_kv_heads * HEAD_SIZE;
   const int64_t blk_stride = block_size * tok_stride;
-  for (int64_t s = seq_begin; s < seq_end; ++s) {
+  for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t ctx = context_lens[s];
     const int32_t *table = block_tables + s * max_blocks;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
