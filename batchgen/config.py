@@ -322,6 +322,10 @@ class EngineSection(_Section):
     max_num_batched_tokens: PositiveInt = 2048
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
+    linear_backend: Literal["auto", "torch", "cpu"] = Field(
+        "auto", description="'cpu': the model's linear layers through batchgen's C GEMM; "
+        "'auto' = 'cpu' for float32 on the CPU with one torch thread, else 'torch'"
+    )
     seed: int = Field(
         0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
     )

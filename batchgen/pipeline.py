@@ -308,6 +308,7 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 enable_prefix_caching=engine.enable_prefix_caching,
                 attention_backend=engine.attention_backend,
+                linear_backend=engine.linear_backend,
                 seed=engine.seed,
             )
             timings["load_model_s"] = time.perf_counter() - t

@@ -45,6 +45,8 @@ class LLM:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_prefix_caching: share full prompt blocks across requests.
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
+        linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"``: the model's linear layers through
+            batchgen's CPU GEMM (``auto``: for float32 on the CPU with one torch thread).
         seed: derives a per-request seed for requests that give none, so whole runs repeat.
     """
 
@@ -59,6 +61,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
         seed: int | None = 0,
         trust_remote_code: bool = False,
     ) -> None:
@@ -72,7 +75,7 @@ class LLM:
         self.runner = ModelRunner(
             resolved.path, dtype=dtype, device=device, block_size=block_size,
             kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
-            trust_remote_code=trust_remote_code,
+            linear_backend=linear_backend, trust_remote_code=trust_remote_code,
         )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
@@ -87,9 +90,10 @@ class LLM:
         self._num_steps = 0
         self._physical_blocks = 0
         self._logical_blocks = 0
-        logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend %s",
-                    model, self.runner.num_blocks, block_size,
-                    self.runner.kv_cache.num_bytes / 2**20, self.runner.attention_backend)
+        logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend %s, "
+                    "linear backend %s", model, self.runner.num_blocks, block_size,
+                    self.runner.kv_cache.num_bytes / 2**20, self.runner.attention_backend,
+                    self.runner.linear_backend)
 
     # ------------------------------------------------------------------ public API
     def generate(

@@ -100,6 +100,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         kv_cache_memory: KV budget in bytes (None: 0.9 of free GPU memory, or 512 MiB on CPU).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
+        linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"`` (the model's ``nn.Linear`` layers
+            through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu_linear`).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class ModelRunner:
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
         trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -162,7 +165,20 @@ class ModelRunner:
         from batchgen.kernels.reference import Workspace
 
         self.workspace = Workspace()
+        self.linear_backend = self._setup_linears(linear_backend)
         self.generation_config = getattr(self.model, "generation_config", None)
+
+    def _setup_linears(self, name: str) -> str:
+        """Resolve ``linear_backend`` and, for ``cpu``, pack the model's linear layers."""
+        from batchgen.kernels import cpu_linear
+
+        backend, why = cpu_linear.resolve(name, self.device, self.dtype)
+        if backend == "cpu":
+            count = cpu_linear.pack_linears(self.model)
+            logger.info("linear backend cpu: %d layers packed for the C GEMM", count)
+        elif why is not None and self.device.type == "cpu":
+            logger.info("linear backend torch: %s", why.splitlines()[0])
+        return backend
 
     @property
     def num_blocks(self) -> int:

@@ -102,16 +102,64 @@ _build_lock = threading.Lock()
 _libraries: dict[tuple[int, int], Any] = {}
 
 
-def _compile(cc: str, flags: tuple[str, ...], defines: list[str], out: Path) -> str | None:
-    """Compile to ``out`` atomically; return the compiler's error text on failure."""
+def _compile(cc: str, source: Path, flags: tuple[str, ...], defines: list[str], out: Path) -> str | None:
+    """Compile ``source`` to ``out`` atomically; return the compiler's error text on failure."""
     with tempfile.TemporaryDirectory() as tmp:
         partial = Path(tmp) / out.name
-        cmd = [cc, *_COMMON_FLAGS, *flags, *defines, str(KERNEL_SOURCE), "-o", str(partial)]
+        cmd = [cc, *_COMMON_FLAGS, *flags, *defines, str(source), "-o", str(partial)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             return f"{' '.join(cmd)}\n{proc.stderr[-2000:]}"
         os.replace(partial, out)  # concurrent builders never see a half-written file
     return None
+
+
+def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: str = "") -> tuple[Any, tuple[str, ...]]:
+    """Compile ``source`` (``what`` names it in errors) with the first flag set that works,
+    cached on disk, and load it.
+
+    The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source, compiler
+    version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
+    loaded library (it is then skipped, like a failed compile). Call with ``_build_lock`` held.
+
+    Returns:
+        ``(library, flags)``.
+
+    Raises:
+        CpuKernelError: no compiler, no flag set compiled, or loading changed the FP mode.
+    """
+    cc = compiler()
+    if cc is None:
+        raise CpuKernelError("no C compiler found (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    identity = [source.read_text(), version, _machine_tag(), *_COMMON_FLAGS]
+    folder = cache_dir() / "cpu_kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAG_SETS:
+        digest = hashlib.sha256("\0".join([*identity, *flags, *defines]).encode()).hexdigest()[:20]
+        path = folder / f"{source.stem}{'-' + tag if tag else ''}-{digest}.so"
+        if not path.exists():
+            error = _compile(cc, source, flags, defines, path)
+            if error is not None:
+                errors.append(error)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        if not _subnormals_work():
+            # The load switched this process to flush-to-zero (a compiler that links
+            # fast-math start files). Too late to undo for this process; say so plainly.
+            raise CpuKernelError(f"loading {path} turned on flush-to-zero for the process; "
+                                 "use the torch backends or another compiler (CC)")
+        rejected = accept(lib) if accept is not None else None
+        if rejected:
+            errors.append(f"{path}: {rejected}")
+            continue
+        return lib, flags
+    raise CpuKernelError(f"could not build {what}:\n" + "\n".join(errors))
 
 
 def load(head_size: int, group: int) -> Any:
@@ -128,44 +176,21 @@ def load(head_size: int, group: int) -> Any:
         lib = _libraries.get(key)
         if lib is not None:
             return lib
-        cc = compiler()
-        if cc is None:
-            raise CpuKernelError("no C compiler found (set CC, or install gcc)")
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        identity = [KERNEL_SOURCE.read_text(), version, _machine_tag(), *_COMMON_FLAGS]
+
+        def accept(lib: Any) -> str | None:
+            ok = lib.batchgen_head_size() == head_size and lib.batchgen_group() == group
+            return None if ok else "built for another shape"
+
         defines = [f"-DHEAD_SIZE={head_size}", f"-DGROUP={group}"]
-        folder = cache_dir() / "cpu_kernels"
-        folder.mkdir(parents=True, exist_ok=True)
-        errors = []
-        for flags in _FLAG_SETS:
-            digest = hashlib.sha256("\0".join([*identity, *flags, *defines]).encode()).hexdigest()[:20]
-            path = folder / f"paged_attention_cpu-h{head_size}-g{group}-{digest}.so"
-            if not path.exists():
-                error = _compile(cc, flags, defines, path)
-                if error is not None:
-                    errors.append(error)
-                    continue
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as exc:
-                errors.append(f"{path}: {exc}")
-                continue
-            if not _subnormals_work():
-                # The load switched this process to flush-to-zero (a compiler that links
-                # fast-math start files). Too late to undo for this process; say so plainly.
-                raise CpuKernelError(f"loading {path} turned on flush-to-zero for the process; "
-                                     "use attention_backend='torch' or another compiler (CC)")
-            if lib.batchgen_head_size() != head_size or lib.batchgen_group() != group:
-                errors.append(f"{path}: built for another shape")
-                continue
-            fn = lib.batchgen_paged_decode_f32
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
-            logger.info("CPU paged-attention kernel: head_size %d, group %d, flags %s",
-                        head_size, group, " ".join(flags))
-            _libraries[key] = lib
-            return lib
-        raise CpuKernelError("could not build the CPU attention kernel:\n" + "\n".join(errors))
+        lib, flags = build("the CPU attention kernel", KERNEL_SOURCE, defines, accept,
+                           tag=f"h{head_size}-g{group}")
+        fn = lib.batchgen_paged_decode_f32
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        logger.info("CPU paged-attention kernel: head_size %d, group %d, flags %s",
+                    head_size, group, " ".join(flags))
+        _libraries[key] = lib
+        return lib
 
 
 class CpuOps:

@@ -108,6 +108,20 @@ def test_greedy_equals_hf_on_the_torch_backend(smollm2_path, prompts, hf_referen
     _assert_same(ours, hf_reference)
 
 
+def test_greedy_equals_hf_on_the_cpu_linear_backend(smollm2_path, prompts, hf_reference):
+    """batchgen's own GEMM for every linear layer (the default with one torch thread) sums in
+    another order than MKL; the tokens stay HF's."""
+    from batchgen.kernels.cpu_linear import PackedLinear, unsupported_reason
+
+    why = unsupported_reason(torch.float32, torch.device("cpu"))
+    if why is not None:
+        pytest.skip(f"the CPU linear kernel cannot run here: {why}")
+    llm, ours = _run(smollm2_path, prompts, block_size=16, linear_backend="cpu")
+    assert llm.runner.linear_backend == "cpu"
+    assert isinstance(llm.runner.model.lm_head, PackedLinear)
+    _assert_same(ours, hf_reference)
+
+
 def test_greedy_equals_hf_under_preemption(smollm2_path, prompts, hf_reference):
     # ~1,100 token slots for 24 sequences that grow to ~4,000 tokens: preemption must happen.
     bytes_per_token = 2 * 30 * 3 * 64 * 4

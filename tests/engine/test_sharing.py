@@ -88,9 +88,11 @@ def hf_beam(model, prompt, width, length_penalty, early_stopping, max_tokens):
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("length_penalty", [1.0, 0.6])
 @pytest.mark.parametrize("early_stopping", [True, False])
-def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalty, early_stopping):
+def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalty, early_stopping,
+                               linear_backend="torch"):
     prompts = w32[:8]
-    llm = LLM(smollm2_path, dtype="float32", block_size=16)
+    llm = LLM(smollm2_path, dtype="float32", block_size=16, linear_backend=linear_backend)
+    assert llm.runner.linear_backend == linear_backend
     params = BeamSearchParams(beam_width=width, max_tokens=BEAM_TOKENS, length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=width)
     outs = llm.generate(prompts, params)
@@ -102,6 +104,17 @@ def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalt
     stats = llm.stats()
     assert stats.saving > 0.2, "beams must share their prompt blocks"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_equals_hf_on_the_cpu_linear_backend(smollm2_path, hf_model, w32, width):
+    """batchgen's own GEMM for every linear layer: beams and scores stay HF's."""
+    from batchgen.kernels.cpu_linear import unsupported_reason
+
+    why = unsupported_reason(torch.float32, torch.device("cpu"))
+    if why is not None:
+        pytest.skip(f"the CPU linear kernel cannot run here: {why}")
+    test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, 1.0, False, linear_backend="cpu")
 
 
 @pytest.mark.parametrize("kind", ["beam", "sample"])

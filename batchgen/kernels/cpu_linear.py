@@ -1,0 +1,172 @@
+"""PackedLinear: a float32 ``nn.Linear`` on the CPU through batchgen's own GEMM (``linear_cpu.c``).
+
+Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and at
+that shape torch's GEMM (MKL) runs far below the core's peak (on the development machine, an
+AVX2 AMD EPYC, about 35-45 GFLOP/s for SmolLM2's ``lm_head`` and 55-70 for its layers at 32
+rows). The kernel packs each weight once, at model load, into panels of 16 output columns and
+runs a 6 x 16 register tile over them; at 32 rows it measured 1.2-1.3x MKL on the layer shapes
+and 1.5-1.7x on ``lm_head`` (``docs/kernels.md``), and about even at a prefill's thousands.
+
+Numerics: every output is one fused multiply-add chain over the input features, in order, plus
+the bias. So a row's result does not depend on the other rows of the call (batch-invariant),
+and reruns are bit-identical. It differs from MKL's sums by float32 rounding (about 1e-6
+relative); greedy and beam output still match HF ``generate``, which the oracle tests check.
+
+Threads: the kernel runs on the calling thread. With more than one torch intra-op thread,
+MKL's threaded GEMM is faster, so ``linear_backend="auto"`` uses the kernel only when torch
+runs one thread. It needs x86-64 with AVX2 and FMA (checked by building it) and a C compiler;
+anything else keeps torch's layers. Inference only: there is no backward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import cpu
+
+logger = logging.getLogger(__name__)
+
+LINEAR_SOURCE = Path(__file__).resolve().parent / "linear_cpu.c"
+LINEAR_BACKENDS = ("auto", "cpu", "torch")
+_library: Any = None
+
+
+def load_linear() -> Any:
+    """The compiled GEMM library (built on first use, cached on disk like the attention kernel).
+
+    Raises:
+        cpu.CpuKernelError: no compiler, or it would not build here (no AVX2/FMA).
+    """
+    global _library
+    if _library is not None:
+        return _library
+    with cpu._build_lock:
+        if _library is not None:
+            return _library
+        lib, flags = cpu.build("the CPU linear kernel", LINEAR_SOURCE, [])
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.batchgen_linear_packed_numel.restype = i64
+        lib.batchgen_linear_packed_numel.argtypes = [i64, i64]
+        lib.batchgen_linear_panel_width.restype = i64
+        lib.batchgen_linear_pack_f32.restype = None
+        lib.batchgen_linear_pack_f32.argtypes = [p, p, i64, i64]
+        lib.batchgen_linear_f32.restype = None
+        lib.batchgen_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
+        logger.info("CPU linear kernel: flags %s", " ".join(flags))
+        _library = lib
+        return lib
+
+
+def unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernel cannot run this model's layers, or None once it is built and loaded."""
+    if torch.device(device).type != "cpu":
+        return f"the model runs on {device}; the linear kernel is for the CPU"
+    if dtype != torch.float32:
+        return f"dtype {dtype} unsupported; the CPU linear kernel is float32 only"
+    try:
+        load_linear()
+    except cpu.CpuKernelError as exc:
+        return str(exc)
+    return None
+
+
+class PackedLinear(torch.nn.Module):
+    """A float32 CPU ``nn.Linear`` whose weight is stored packed for ``linear_cpu.c``.
+
+    ``forward(x)`` takes ``[..., in_features]`` float32 CPU input and returns
+    ``[..., out_features]``, equal to ``F.linear(x, weight, bias)`` within float32 rounding.
+    The unpacked weight is not kept (a weight tied to an embedding stays with the embedding).
+
+    Raises:
+        ValueError: (construction) a weight that is not float32 on the CPU; (forward) input of
+            another dtype, device or width.
+        RuntimeError: (forward) input that requires grad: the kernel has no backward.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear needs a float32 CPU weight, got {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        lib = load_linear()
+        weight = weight.contiguous()
+        packed = torch.empty(lib.batchgen_linear_packed_numel(self.out_features, self.in_features))
+        lib.batchgen_linear_pack_f32(weight.data_ptr(), packed.data_ptr(), self.out_features, self.in_features)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        bias = None
+        if linear.bias is not None:
+            width = lib.batchgen_linear_panel_width()
+            bias = torch.zeros(-(-self.out_features // width) * width)  # padded to whole panels
+            bias[:self.out_features] = linear.bias.detach().float()
+        self.register_buffer("padded_bias", bias, persistent=False)
+        self._fn = lib.batchgen_linear_f32
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.padded_bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1:] != (self.in_features,):
+            raise ValueError(f"PackedLinear({self.in_features} -> {self.out_features}) needs float32 CPU "
+                             f"input [..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError("PackedLinear is inference only (no backward); run under torch.no_grad()")
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        if rows.stride(-1) != 1 or (m > 1 and rows.stride(0) < self.in_features):
+            rows = rows.contiguous()
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            bias = self.padded_bias
+            self._fn(rows.data_ptr(), rows.stride(0), self.packed_weight.data_ptr(),
+                     bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                     self.out_features, m, self.out_features, self.in_features)
+        return out.view(*lead, self.out_features)
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replace every float32 CPU ``nn.Linear`` of ``model`` (exact type) by a PackedLinear.
+
+    Subclasses of ``nn.Linear`` are left alone: they may change ``forward``. Returns how many
+    layers were replaced.
+    """
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+               and module.weight.device.type == "cpu"]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(module))
+    return len(targets)
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """Turn ``linear_backend`` into ``"cpu"`` or ``"torch"``, with the reason when ``auto``
+    settles on ``torch``.
+
+    ``auto`` picks ``cpu`` for a float32 model on the CPU when torch runs one intra-op thread
+    and the kernel builds here; else ``torch``.
+
+    Raises:
+        ValueError: an unknown name, or ``"cpu"`` asked for where it cannot run (the message
+            says why).
+    """
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {name!r}")
+    if name == "torch":
+        return "torch", None
+    if name == "auto" and torch.device(device).type == "cpu" and torch.get_num_threads() > 1:
+        return "torch", (f"torch runs {torch.get_num_threads()} threads, where its threaded GEMM beats "
+                         "the single-threaded CPU linear kernel")
+    why = unsupported_reason(dtype, device)
+    if why is None:
+        return "cpu", None
+    if name == "cpu":
+        raise ValueError(f"linear_backend='cpu' cannot serve this model: {why}")
+    return "torch", why
