@@ -7,12 +7,14 @@ wrapped; no engine code changes):
 1. *Timers* (no profiler overhead): every step is split into scheduling
    (``scheduler.schedule``), input packing (``runner.prepare``), the model forward
    (``runner._forward``) and, inside it, the paged-attention ops (the ``ops`` object the runner
-   hands to the attention function is replaced by a timing proxy), then sampling
+   hands to the attention function is replaced by a timing proxy) and the linear layers (each
+   layer's ``forward`` is wrapped, whether torch's or batchgen's CPU GEMM), then sampling
    (``sampler``) and the rest of the step (Python bookkeeping: appends, stop checks,
    detokenising, block accounting). Only decode steps (every scheduled sequence adds one
    token) are aggregated.
 2. *torch.profiler* over a few decode steps splits the forward into matmuls (``aten::mm``,
-   ``addmm``, ``bmm``, ``matmul``, ``linear`` outside attention), attention and other ops.
+   ``addmm``, ``bmm``, ``matmul``, ``linear`` outside attention, and the time inside the
+   linear layers' ranges), attention and other ops.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
 ATTENTION_RANGE = "bench::paged_attention"
+LINEAR_RANGE = "bench::linear"
 
 
 class TimedOps:
@@ -50,6 +53,25 @@ class TimedOps:
             self._clock["attention"] += time.perf_counter() - t0
             return out
         return timed
+
+
+def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
+    """Time every linear layer (``nn.Linear`` or batchgen's ``PackedLinear``) into
+    ``clock["linear"]``, inside a profiler range: a C kernel called through ctypes is no aten
+    op, so the profiler sees it only through the range."""
+    from batchgen.kernels.cpu_linear import PackedLinear
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear or isinstance(module, PackedLinear):
+            inner = module.forward
+
+            def timed(x: torch.Tensor, inner: Callable = inner) -> torch.Tensor:
+                t0 = time.perf_counter()
+                with torch.profiler.record_function(LINEAR_RANGE):
+                    out = inner(x)
+                clock["linear"] += time.perf_counter() - t0
+                return out
+            module.forward = timed
 
 
 def wrap(obj: Any, attr: str, clock: dict[str, float], key: str) -> None:
@@ -87,6 +109,7 @@ def main() -> None:
               max_num_seqs=256, max_num_batched_tokens=2048)
     clock: dict[str, float] = defaultdict(float)
     llm.runner.ops = TimedOps(llm.runner.ops, clock)
+    time_linears(llm.runner.model, clock)
     wrap(llm.scheduler, "schedule", clock, "schedule")
     wrap(llm.runner, "prepare", clock, "prepare")
     wrap(llm.runner, "copy_blocks", clock, "copy_blocks")
@@ -126,15 +149,17 @@ def main() -> None:
     llm.generate(prompts, params)
 
     decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
-    keys = ["schedule", "prepare", "copy_blocks", "attention", "model_other", "sampling", "python_other"]
+    keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "model_other", "sampling",
+            "python_other"]
     per_step: dict[str, list[float]] = {k: [] for k in keys}
     totals = []
     for s in decode:
         fwd = s.get("forward", 0.0)
         att = s.get("attention", 0.0)
+        lin = s.get("linear", 0.0)
         parts = {"schedule": s.get("schedule", 0.0), "prepare": s.get("prepare", 0.0),
-                 "copy_blocks": s.get("copy_blocks", 0.0), "attention": att,
-                 "model_other": fwd - att, "sampling": s.get("sampling", 0.0)}
+                 "copy_blocks": s.get("copy_blocks", 0.0), "attention": att, "linear": lin,
+                 "model_other": fwd - att - lin, "sampling": s.get("sampling", 0.0)}
         parts["python_other"] = s["total"] - sum(parts.values())
         for k in keys:
             per_step[k].append(parts[k])
@@ -146,6 +171,7 @@ def main() -> None:
     llm2 = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
                max_num_seqs=256, max_num_batched_tokens=2048)
     llm2.runner.ops = TimedOps(llm2.runner.ops, defaultdict(float))
+    time_linears(llm2.runner.model, defaultdict(float))
     inner2 = llm2.step
     count = {"n": 0}
     events: list[Any] = []
@@ -163,20 +189,22 @@ def main() -> None:
     by_cat: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
     for e in events:
+        self_us = e.self_cpu_time_total
+        if e.name == LINEAR_RANGE:  # the range's own time: a C GEMM (or the wrapper's overhead)
+            top["linear layers outside aten"] += self_us
+            by_cat["matmuls (linear layers, lm_head)"] += self_us
+            continue
         if not e.name.startswith("aten::"):
             continue
-        under_attention = False
+        ranges = set()
         p = e.cpu_parent
         while p is not None:
-            if p.name == ATTENTION_RANGE:
-                under_attention = True
-                break
+            ranges.add(p.name)
             p = p.cpu_parent
-        self_us = e.self_cpu_time_total
         top[e.name] += self_us
-        if under_attention:
+        if ATTENTION_RANGE in ranges:
             by_cat["attention ops"] += self_us
-        elif e.name in MATMUL_OPS:
+        elif e.name in MATMUL_OPS or LINEAR_RANGE in ranges:
             by_cat["matmuls (linear layers, lm_head)"] += self_us
         else:
             by_cat["other model ops (norms, RoPE, activations, copies)"] += self_us
@@ -186,6 +214,7 @@ def main() -> None:
                     f"max_tokens {args.max_tokens}",
         "mode": args.mode,
         "attention_backend": llm.runner.attention_backend,
+        "linear_backend": llm.runner.linear_backend,
         "threads": args.threads,
         "decode_steps_timed": len(decode),
         "step_seconds_median": total_med,
@@ -195,8 +224,8 @@ def main() -> None:
         "profiler_self_cpu_share": {k: v / prof_total for k, v in by_cat.items()} if prof_total else {},
         "profiler_top_ops_ms": dict(sorted(((k, v / 1000) for k, v in top.items()), key=lambda kv: -kv[1])[:15]),
         "notes": "timers: medians over decode steps with at least half the prompts running; "
-                 "model_other = forward minus attention ops; python_other = step minus all timed parts. "
-                 "Profiler shares are self CPU time of aten ops (profiler overhead included).",
+                 "linear = the model's linear layers incl. lm_head; model_other = forward minus attention ops and linear layers; python_other = step minus all timed parts. "
+                 "Profiler shares are self CPU time of aten ops and of the linear-layer ranges (profiler overhead included).",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
