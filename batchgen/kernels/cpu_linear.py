@@ -106,28 +106,35 @@ class PackedLinear(torch.nn.Module):
             bias[:self.out_features] = linear.bias.detach().float()
         self.register_buffer("padded_bias", bias, persistent=False)
         self._fn = lib.batchgen_linear_f32
+        self._packed_ptr = packed.data_ptr()
+        self._bias_ptr = bias.data_ptr() if bias is not None else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.padded_bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1:] != (self.in_features,):
-            raise ValueError(f"PackedLinear({self.in_features} -> {self.out_features}) needs float32 CPU "
-                             f"input [..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+        # Called ~200 times per decode step: the checks stay cheap attribute reads.
+        k = self.in_features
+        if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != k:
+            raise ValueError(f"PackedLinear({k} -> {self.out_features}) needs float32 CPU "
+                             f"input [..., {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("PackedLinear is inference only (no backward); run under torch.no_grad()")
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, k)
         m = rows.shape[0]
-        if rows.stride(-1) != 1 or (m > 1 and rows.stride(0) < self.in_features):
+        if rows.stride(1) != 1 or (m > 1 and rows.stride(0) < k):
             rows = rows.contiguous()
-        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
         if m:
-            bias = self.padded_bias
-            self._fn(rows.data_ptr(), rows.stride(0), self.packed_weight.data_ptr(),
-                     bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                     self.out_features, m, self.out_features, self.in_features)
-        return out.view(*lead, self.out_features)
+            self._fn(rows.data_ptr(), rows.stride(0), self._packed_ptr, self._bias_ptr, out.data_ptr(),
+                     self.out_features, m, self.out_features, k)
+        return out
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+        # The kernel holds raw pointers to the packed buffers: moving or casting them would
+        # leave those dangling, so refuse (a PackedLinear lives on the CPU, in float32).
+        raise RuntimeError("a PackedLinear cannot be moved or cast; load the model with "
+                           "linear_backend='torch' to change its device or dtype")
 
 
 def pack_linears(model: torch.nn.Module) -> int:
