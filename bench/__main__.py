@@ -10,6 +10,8 @@ Parts (``--parts``, comma-separated; default all):
   batchgen (at a 256 MiB KV budget, which also measures concurrency) against HF ``generate``.
 * ``sharing``: block sharing for n = 2/4/6 and beam width 2/4/6 on W32 (no timing).
 * ``blocksize``: batchgen greedy on W32 with block sizes 8/16/32/64: throughput and waste.
+* ``lengths``: KV waste at the default block size as sequences grow (W32 greedy, ``ignore_eos``,
+  max_tokens 64/256/512).
 * ``profile``: where a decode step's time goes (``bench.profile_step``).
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
@@ -30,7 +32,7 @@ from bench import runner
 from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL_PARTS = ["throughput", "sharing", "blocksize", "scaling", "profile"]
+ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -230,6 +232,42 @@ def part_blocksize(args, out: Path) -> dict:
     return result
 
 
+LENGTHS = (64, 256, 512)
+
+
+def part_lengths(args, out: Path) -> dict:
+    """KV waste against sequence length: W32 greedy at the default block size of 16 with
+    ``ignore_eos``, so every sequence grows to prompt + max_tokens (64, 256, 512). The waste of a
+    paged cache is the unfilled tail of each sequence's last block, so it shrinks as sequences
+    grow; W32 at max_tokens 64 ends at about 132 tokens, where the ShareGPT-like workloads of
+    the PagedAttention paper run to several hundred."""
+    prompts = w32_prompts()[: args.num_prompts]
+    log(f"KV waste vs length: batchgen greedy, block 16, ignore_eos, max_tokens {LENGTHS}")
+    result: dict = {"workload": f"W32 ({len(prompts)} prompts), greedy, ignore_eos", "block_size": 16,
+                    "rows": []}
+    w = runner.start_worker("batchgen", {"kv_cache_memory": GIB}, args.log_dir, args.threads)
+    try:
+        result["setup"] = w.wait_ready(900)
+        for max_tokens in LENGTHS:
+            mode = {"kind": "greedy", "ignore_eos": True}
+            res = w.run(prompts, mode, max_tokens, 0, args.run_timeout * 2)
+            row: dict = {"max_tokens": max_tokens}
+            if "seconds" in res:
+                row.update(tokens=res["tokens"], seconds=res["seconds"], observer=res["observer"],
+                           mean_final_tokens=(sum(map(len, prompts)) + res["tokens"]) / len(prompts))
+            else:
+                row["error"] = res.get("error")
+            log(f"  max_tokens {max_tokens}: waste {row.get('observer', {}).get('paged_waste_mean', row.get('error'))}")
+            result["rows"].append(row)
+            save("lengths", result, out)
+    except runner.WorkerError as exc:
+        result["error"] = str(exc)
+        save("lengths", result, out)
+    finally:
+        w.close()
+    return result
+
+
 def part_scaling(args, out: Path) -> dict:
     from transformers import AutoTokenizer
 
@@ -314,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         started = time.time()
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
-               "scaling": part_scaling, "profile": part_profile}
+               "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

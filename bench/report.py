@@ -371,6 +371,22 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam
             L.append(f" Measured: batchgen ran up to {m['max_concurrent_seqs']} sequences at once on {w} "
                      f"(max_tokens {m['max_tokens']}) in 256 MiB, with {m['num_preemptions']} preemptions.")
         L.append("")
+    lengths = load(out, "lengths")
+    if lengths and lengths.get("rows"):
+        L.append(f"KV waste against sequence length (batchgen, block size {lengths['block_size']}, "
+                 f"{lengths['workload']}; mean over engine steps): the paged cache wastes only the unfilled "
+                 "tail of each sequence's last block, so its share falls as sequences grow.\n")
+        L.append("| max_tokens | mean final length (tokens) | paged waste (mean) | paged waste (at peak) | "
+                 "dense S_max = 2048 waste (mean) |")
+        L.append("| --- | --- | --- | --- | --- |")
+        for r in lengths["rows"]:
+            if "observer" in r:
+                o = r["observer"]
+                L.append(f"| {r['max_tokens']} | {r['mean_final_tokens']:.0f} | {100 * o['paged_waste_mean']:.1f} % | "
+                         f"{100 * o['paged_waste_at_peak']:.1f} % | {100 * o['dense_smax_waste_mean']:.1f} % |")
+            else:
+                L.append(f"| {r['max_tokens']} | failed: {str(r.get('error'))[:200]} | | | |")
+        L.append("")
     if bsz and bsz.get("rows"):
         L.append("Block-size ablation (batchgen, W32 greedy, one run each):\n")
         L.append("| block size | tokens/s | KV waste (mean) | KV waste (at peak) | peak KV MiB |")

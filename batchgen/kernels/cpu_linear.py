@@ -140,17 +140,22 @@ class PackedLinear(torch.nn.Module):
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace every float32 CPU ``nn.Linear`` of ``model`` (exact type) by a PackedLinear.
 
-    Subclasses of ``nn.Linear`` are left alone: they may change ``forward``. Returns how many
-    layers were replaced.
+    Subclasses of ``nn.Linear`` are left alone: they may change ``forward``. Layers are packed
+    one at a time, each unpacked weight freed before the next is packed (unless something else
+    holds it, like an embedding tied to ``lm_head``), so the peak is one layer above the
+    model. Returns how many layers were replaced.
     """
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                and module.weight.device.type == "cpu"]
-    for name, module in targets:
+    count = len(targets)
+    while targets:  # drop each unpacked weight as soon as its packed copy is in place
+        name, module = targets.pop()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module))
-    return len(targets)
+        del module
+    return count
 
 
 def resolve(name: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:

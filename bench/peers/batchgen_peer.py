@@ -126,7 +126,8 @@ class BatchgenPeer:
         from batchgen import BeamSearchParams, SamplingParams
 
         if mode["kind"] == "greedy":
-            return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                  ignore_eos=mode.get("ignore_eos", False))
         if mode["kind"] == "sample":
             return SamplingParams(n=mode["n"], temperature=mode["temperature"], top_p=mode["top_p"],
                                   max_tokens=max_tokens, seed=seed if mode.get("request_seed", True) else None)

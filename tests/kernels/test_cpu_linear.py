@@ -9,6 +9,7 @@ where the kernel cannot be built (no compiler, no AVX2/FMA) skips with that reas
 from __future__ import annotations
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -117,7 +118,9 @@ def test_pack_linears_replaces_the_layers_of_a_model(tiny_model) -> None:
     with torch.no_grad():
         before = model(ids).logits
     linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    unpacked = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
     assert pack_linears(model) == len(linears) == 2 * 7 + 1  # 2 layers x (q k v o gate up down) + lm_head
+    assert unpacked() is None  # the unpacked weight is freed, not kept beside the packed one
     assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     assert isinstance(model.lm_head, PackedLinear)
     with torch.no_grad():
