@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bench import runner
 from bench.workload import w32_prompts, w256_prompts
@@ -125,8 +126,9 @@ def part_throughput(args, out: Path) -> dict:
         previous = json.loads((out / "throughput.json").read_text())
         previous["modes"].update(result["modes"])
         result["modes"] = previous["modes"]
-        for k in ("workload", "max_tokens", "machine", "vllm"):  # the main run's header stays
-            result[k] = previous.get(k, result[k])
+        if args.tag:  # a tagged rerun adds rows; the main run's header stays
+            for k in ("workload", "max_tokens", "machine", "vllm"):
+                result[k] = previous.get(k, result[k])
         result["reruns"] = previous.get("reruns", [])
     for mode_name in args.modes:
         mode = dict(MODES[mode_name])
@@ -162,10 +164,41 @@ def part_throughput(args, out: Path) -> dict:
         strip_outputs(res)
         key = mode_name + args.tag
         if args.tag:
-            result.setdefault("reruns", []).append({"mode": key, "peers": list(peers), "at": time.strftime("%H:%M:%S")})
+            result.setdefault("reruns", []).append({"mode": key, "peers": list(peers), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
         result["modes"][key] = {"mode": mode, "repeats": reps, "num_prompts": len(prompts), "peers": res,
                                       "ratios": runner.ratios(res), **extra}
         save("throughput", result, out)
+    return result
+
+
+def runs_on_one_worker(part: str, result: dict, args, out: Path, prompts: list[list[int]],
+                       jobs: list[tuple[dict, dict, int]], fields: Callable[[dict], dict],
+                       describe: Callable[[dict], str]) -> dict:
+    """Run each job ``(row, mode, max_tokens)`` in turn on one batchgen worker (1 GiB of KV).
+
+    A finished run adds ``fields(run_result)`` to its row, a failed one its error; the row goes
+    into ``result["rows"]``, which is saved to ``<part>.json`` after every run, and
+    ``describe(row)`` is logged.
+    """
+    result.setdefault("rows", [])
+    w = runner.start_worker("batchgen", {"kv_cache_memory": GIB}, args.log_dir, args.threads)
+    try:
+        result["setup"] = w.wait_ready(900)
+        for row, mode, max_tokens in jobs:
+            res = w.run(prompts, mode, max_tokens, 0, args.run_timeout * 2)
+            if "seconds" in res:
+                row.update(fields(res))
+            else:
+                row["error"] = res.get("error") or res.get("unsupported")
+                row["traceback"] = res.get("traceback")
+            log(f"  {describe(row)}")
+            result["rows"].append(row)
+            save(part, result, out)
+    except runner.WorkerError as exc:
+        result["error"] = str(exc)
+        save(part, result, out)
+    finally:
+        w.close()
     return result
 
 
@@ -175,33 +208,20 @@ def part_sharing(args, out: Path) -> dict:
     modes = [("n", k, {"kind": "sample", "n": k, "temperature": 0.8, "top_p": 0.95}) for k in ks]
     modes += [("beam", k, {"kind": "beam", "beam_width": k}) for k in ks]
     log(f"sharing: n and beam width {ks} (batchgen only, no timing)")
-    w = runner.start_worker("batchgen", {"kv_cache_memory": GIB}, args.log_dir, args.threads)
     result: dict = {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens, "rows": []}
-    try:
-        result["setup"] = w.wait_ready(900)
-        for kind, k, mode in modes:
-            res = w.run(prompts, mode, args.max_tokens, 0, args.run_timeout * 2)
-            row = {"kind": kind, "k": k}
-            if "seconds" not in res:
-                row["error"] = res.get("error") or res.get("unsupported")
-                row["traceback"] = res.get("traceback")
-            else:
-                stats = res["engine_stats"]
-                row.update(saving_per_request_mean=res["saving_per_request_mean"],
-                           saving_aggregate=res["saving_aggregate"],
-                           physical_blocks=stats["physical_blocks"], logical_blocks=stats["logical_blocks"],
-                           num_cow_copies=stats["num_cow_copies"], num_preemptions=stats["num_preemptions"],
-                           peak_blocks_used=stats["peak_blocks_used"], tokens=res["tokens"],
-                           seconds=res["seconds"], num_errors=res["num_errors"], observer=res["observer"])
-            log(f"  {kind}={k}: {row.get('saving_per_request_mean', row.get('error'))}")
-            result["rows"].append(row)
-            save("sharing", result, out)
-    except runner.WorkerError as exc:
-        result["error"] = str(exc)
-        save("sharing", result, out)
-    finally:
-        w.close()
-    return result
+
+    def fields(res: dict) -> dict:
+        stats = res["engine_stats"]
+        return dict(saving_per_request_mean=res["saving_per_request_mean"],
+                    saving_aggregate=res["saving_aggregate"],
+                    physical_blocks=stats["physical_blocks"], logical_blocks=stats["logical_blocks"],
+                    num_cow_copies=stats["num_cow_copies"], num_preemptions=stats["num_preemptions"],
+                    peak_blocks_used=stats["peak_blocks_used"], tokens=res["tokens"],
+                    seconds=res["seconds"], num_errors=res["num_errors"], observer=res["observer"])
+
+    jobs = [({"kind": kind, "k": k}, mode, args.max_tokens) for kind, k, mode in modes]
+    return runs_on_one_worker("sharing", result, args, out, prompts, jobs, fields,
+                              lambda r: f"{r['kind']}={r['k']}: {r.get('saving_per_request_mean', r.get('error'))}")
 
 
 def part_blocksize(args, out: Path) -> dict:
@@ -245,27 +265,15 @@ def part_lengths(args, out: Path) -> dict:
     log(f"KV waste vs length: batchgen greedy, block 16, ignore_eos, max_tokens {LENGTHS}")
     result: dict = {"workload": f"W32 ({len(prompts)} prompts), greedy, ignore_eos", "block_size": 16,
                     "rows": []}
-    w = runner.start_worker("batchgen", {"kv_cache_memory": GIB}, args.log_dir, args.threads)
-    try:
-        result["setup"] = w.wait_ready(900)
-        for max_tokens in LENGTHS:
-            mode = {"kind": "greedy", "ignore_eos": True}
-            res = w.run(prompts, mode, max_tokens, 0, args.run_timeout * 2)
-            row: dict = {"max_tokens": max_tokens}
-            if "seconds" in res:
-                row.update(tokens=res["tokens"], seconds=res["seconds"], observer=res["observer"],
-                           mean_final_tokens=(sum(map(len, prompts)) + res["tokens"]) / len(prompts))
-            else:
-                row["error"] = res.get("error")
-            log(f"  max_tokens {max_tokens}: waste {row.get('observer', {}).get('paged_waste_mean', row.get('error'))}")
-            result["rows"].append(row)
-            save("lengths", result, out)
-    except runner.WorkerError as exc:
-        result["error"] = str(exc)
-        save("lengths", result, out)
-    finally:
-        w.close()
-    return result
+    jobs = [({"max_tokens": m}, {"kind": "greedy", "ignore_eos": True}, m) for m in LENGTHS]
+
+    def fields(res: dict) -> dict:
+        return dict(tokens=res["tokens"], seconds=res["seconds"], observer=res["observer"],
+                    mean_final_tokens=(sum(map(len, prompts)) + res["tokens"]) / len(prompts))
+
+    return runs_on_one_worker("lengths", result, args, out, prompts, jobs, fields,
+                              lambda r: f"max_tokens {r['max_tokens']}: waste "
+                                        f"{r.get('observer', {}).get('paged_waste_mean', r.get('error'))}")
 
 
 def part_scaling(args, out: Path) -> dict:

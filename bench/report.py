@@ -241,7 +241,8 @@ def waste_rows(tp: dict | None) -> list[tuple[str, float]]:
     return rows
 
 
-def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam: dict | None = None) -> str:
+def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam: dict | None = None,
+               lengths: dict | None = None, lk: dict | None = None) -> str:
     L: list[str] = []
     L.append("# Benchmark summary\n")
     if tp:
@@ -371,7 +372,6 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam
             L.append(f" Measured: batchgen ran up to {m['max_concurrent_seqs']} sequences at once on {w} "
                      f"(max_tokens {m['max_tokens']}) in 256 MiB, with {m['num_preemptions']} preemptions.")
         L.append("")
-    lengths = load(out, "lengths")
     if lengths and lengths.get("rows"):
         L.append(f"KV waste against sequence length (batchgen, block size {lengths['block_size']}, "
                  f"{lengths['workload']}; mean over engine steps): the paged cache wastes only the unfilled "
@@ -379,40 +379,65 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam
         L.append("| max_tokens | mean final length (tokens) | paged waste (mean) | paged waste (at peak) | "
                  "dense S_max = 2048 waste (mean) |")
         L.append("| --- | --- | --- | --- | --- |")
-        for r in lengths["rows"]:
-            if "observer" in r:
-                o = r["observer"]
-                L.append(f"| {r['max_tokens']} | {r['mean_final_tokens']:.0f} | {100 * o['paged_waste_mean']:.1f} % | "
-                         f"{100 * o['paged_waste_at_peak']:.1f} % | {100 * o['dense_smax_waste_mean']:.1f} % |")
-            else:
-                L.append(f"| {r['max_tokens']} | failed: {str(r.get('error'))[:200]} | | | |")
+        L += table_rows(lengths["rows"], "max_tokens", "observer", lambda r: [
+            f"{r['mean_final_tokens']:.0f}", f"{100 * r['observer']['paged_waste_mean']:.1f} %",
+            f"{100 * r['observer']['paged_waste_at_peak']:.1f} %",
+            f"{100 * r['observer']['dense_smax_waste_mean']:.1f} %"])
         L.append("")
     if bsz and bsz.get("rows"):
         L.append("Block-size ablation (batchgen, W32 greedy, one run each):\n")
         L.append("| block size | tokens/s | KV waste (mean) | KV waste (at peak) | peak KV MiB |")
         L.append("| --- | --- | --- | --- | --- |")
-        for r in bsz["rows"]:
-            if "tokens_per_s" in r:
-                o = r["observer"]
-                L.append(f"| {r['block_size']} | {r['tokens_per_s']:.1f} | {100 * o['paged_waste_mean']:.1f} % | "
-                         f"{100 * o['paged_waste_at_peak']:.1f} % | {r['kv_bytes'] / MIB:.0f} |")
-            else:
-                L.append(f"| {r['block_size']} | failed: {str(r.get('error'))[:200]} | | | |")
+        L += table_rows(bsz["rows"], "block_size", "tokens_per_s", lambda r: [
+            f"{r['tokens_per_s']:.1f}", f"{100 * r['observer']['paged_waste_mean']:.1f} %",
+            f"{100 * r['observer']['paged_waste_at_peak']:.1f} %", f"{r['kv_bytes'] / MIB:.0f}"])
         L.append("")
     for p in (prof, prof_beam):
         if p and p.get("timers_share"):
             backend = p.get("attention_backend", "torch")
-            L.append(f"## Profile of a decode step (batchgen, {p['workload']}, attention backend `{backend}`)\n")
+            linear = p.get("linear_backend", "torch")
+            L.append(f"## Profile of a decode step (batchgen, {p['workload']}, attention backend `{backend}`, "
+                     f"linear backend `{linear}`)\n")
             L.append(f"Median decode step {p['step_seconds_median'] * 1000:.0f} ms: " +
                      ", ".join(f"{k} {100 * v:.1f} %" for k, v in p["timers_share"].items()) + ".")
             if p.get("profiler_self_cpu_share"):
-                L.append(" torch.profiler (self CPU time of aten ops; a C kernel called through ctypes is not an "
-                         "aten op and shows only in the timers): " +
+                L.append(" torch.profiler (self CPU time of aten ops, and of the linear layers' ranges, which hold "
+                         "the C GEMM; the C attention kernel is no aten op and shows only in the timers): " +
                          ", ".join(f"{k} {100 * v:.0f} %" for k, v in p["profiler_self_cpu_share"].items()) + ".")
             L.append("")
+    if lk and lk.get("results"):
+        L.append(f"## CPU linear kernel against torch's GEMM ({lk['threads']} thread, SmolLM2's shapes, "
+                 "fastest of interleaved calls)\n")
+        L.append(linear_kernel_table(lk))
+        L.append("")
     if made:
         L.append("Plots: " + ", ".join(f"[{m}]({m})" for m in made) + ".\n")
     return "\n".join(L) + "\n"
+
+
+def table_rows(rows: list[dict], key: str, ok_field: str, cells: Any) -> list[str]:
+    """Markdown rows ``| row[key] | cells(row)... |``; a row without ``ok_field`` says it failed."""
+    lines = []
+    for r in rows:
+        if ok_field in r:
+            lines.append(f"| {r[key]} | " + " | ".join(cells(r)) + " |")
+        else:
+            lines.append(f"| {r[key]} | failed: {str(r.get('error'))[:200]} | | | |")
+    return lines
+
+
+def linear_kernel_table(lk: dict) -> str:
+    """Markdown: one row per layer shape, one column per row count, cells "torch → cpu ms (×)"."""
+    rows_list = lk["rows"]
+    cells: dict[str, dict[int, str]] = {}
+    for r in lk["results"]:
+        cells.setdefault(r["layer"], {})[r["rows"]] = (
+            f"{r['torch_ms']:.3g} → {r['cpu_ms']:.3g} ms ({r['speedup']:.2f}×)")
+    lines = ["| layer | " + " | ".join(f"{m} rows" for m in rows_list) + " |",
+             "| --- |" + " --- |" * len(rows_list)]
+    for layer, by_rows in cells.items():
+        lines.append(f"| {layer} | " + " | ".join(by_rows.get(m, "–") for m in rows_list) + " |")
+    return "\n".join(lines)
 
 
 def merge_sharing(sharing: dict | None, tp: dict | None) -> dict | None:
@@ -446,5 +471,6 @@ def build(out: Path) -> None:
               "sharing": sharing}
     (out / "memory.json").write_text(json.dumps(memory, indent=1))
     made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
-    (out / "summary.md").write_text(summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam))
+    (out / "summary.md").write_text(summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam,
+                                               load(out, "lengths"), load(out, "linear_kernel")))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")
