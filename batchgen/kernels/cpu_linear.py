@@ -143,7 +143,9 @@ def pack_linears(model: torch.nn.Module) -> int:
     Subclasses of ``nn.Linear`` are left alone: they may change ``forward``. Layers are packed
     one at a time, each unpacked weight freed before the next is packed (unless something else
     holds it, like an embedding tied to ``lm_head``), so the peak is one layer above the
-    model. Returns how many layers were replaced.
+    model. The remaining parameters and buffers are then copied out of any memory-mapped
+    checkpoint, so that the mapping (which holds the unpacked weights too) is released. Returns
+    how many layers were replaced.
     """
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
@@ -155,6 +157,19 @@ def pack_linears(model: torch.nn.Module) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module))
         del module
+    if count:
+        # transformers may map the checkpoint file into memory, and the tensors left (the
+        # embedding, the norms) would keep the whole mapping, unpacked weights included,
+        # resident. Copies of their own let the mapping go.
+        # (A PackedLinear's own buffers are not touched: the kernel holds their addresses.)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    continue
+                tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+                for tensor in tensors:
+                    if tensor.device.type == "cpu":
+                        tensor.data = tensor.data.clone()
     return count
 
 

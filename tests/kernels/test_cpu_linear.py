@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,6 +177,9 @@ def test_the_engine_packs_its_layers(tiny_model, threads, caplog) -> None:
     assert runner.linear_backend == "cpu" and "layers packed" in caplog.text
     assert isinstance(runner.model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert runner.model.model.layers[0].self_attn.q_proj.padded_bias is not None
+    maps = Path("/proc/self/maps")
+    if maps.is_file():  # the checkpoint's memory map (unpacked weights included) is let go
+        assert str(Path(path) / "model.safetensors") not in maps.read_text()
     threads(2)
     runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
     assert runner.linear_backend == "torch"
