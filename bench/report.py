@@ -254,7 +254,7 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam
                  "on this shared machine; the ratios are taken within one run, with peers interleaved per repeat. "
                  f"Run at {mach.get('utc')}.\n")
         if tp.get("reruns"):
-            L.append("Rows with a tag in brackets come from later sessions merged into the same file "
+            L.append("Rows with a tag in brackets come from other invocations merged into the same file "
                      "(`--tag ... --merge`), each with its own peers interleaved: " +
                      ", ".join(f"{r['mode']} finished {r['at']} UTC ({', '.join(r['peers'])})" for r in tp["reruns"]) +
                      ". Compare ratios within a row, not tokens/s across rows: the machine's load changed "

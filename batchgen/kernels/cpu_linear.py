@@ -141,11 +141,10 @@ def pack_linears(model: torch.nn.Module) -> int:
     """Replace every float32 CPU ``nn.Linear`` of ``model`` (exact type) by a PackedLinear.
 
     Subclasses of ``nn.Linear`` are left alone: they may change ``forward``. Layers are packed
-    one at a time, each unpacked weight freed before the next is packed (unless something else
-    holds it, like an embedding tied to ``lm_head``), so the peak is one layer above the
-    model. The remaining parameters and buffers are then copied out of any memory-mapped
-    checkpoint, so that the mapping (which holds the unpacked weights too) is released. Returns
-    how many layers were replaced.
+    one at a time, each unpacked weight dropped before the next is packed (unless something
+    else holds it, like an embedding tied to ``lm_head``). The remaining parameters and
+    buffers are then copied out of any memory-mapped checkpoint, so that the mapping (which
+    holds the unpacked weights too) is released. Returns how many layers were replaced.
     """
     targets = [(name, module) for name, module in model.named_modules()
                if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
