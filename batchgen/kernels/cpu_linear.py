@@ -1,11 +1,11 @@
 """PackedLinear: a float32 ``nn.Linear`` on the CPU through batchgen's own GEMM (``linear_cpu.c``).
 
 Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and at
-that shape torch's GEMM (MKL) runs far below the core's peak (on the development machine, an
-AVX2 AMD EPYC, about 35-45 GFLOP/s for SmolLM2's ``lm_head`` and 55-70 for its layers at 32
-rows). The kernel packs each weight once, at model load, into panels of 16 output columns and
-runs a 6 x 16 register tile over them; at 32 rows it measured 1.2-1.3x MKL on the layer shapes
-and 1.5-1.7x on ``lm_head`` (``docs/kernels.md``), and about even at a prefill's thousands.
+that shape torch's GEMM (MKL) runs below the core's peak (on the development machine, an AVX2
+AMD EPYC, about 49 GFLOP/s for SmolLM2's ``lm_head`` and 72-74 for its layers at 32 rows). The
+kernel packs each weight once, at model load, into panels of 16 output columns and runs a
+6 x 16 register tile over them; at 32 rows it measured 1.04-1.24x MKL on the layer shapes and
+1.48x on ``lm_head``, and 1.05-1.09x at a prefill's 1,813 rows (``bench/results/linear_kernel.json``).
 
 Numerics: every output is one fused multiply-add chain over the input features, in order, plus
 the bias. So a row's result does not depend on the other rows of the call (batch-invariant),
