@@ -160,15 +160,13 @@ def pack_linears(model: torch.nn.Module) -> int:
         # transformers may map the checkpoint file into memory, and the tensors left (the
         # embedding, the norms) would keep the whole mapping, unpacked weights included,
         # resident. Copies of their own let the mapping go.
-        # (A PackedLinear's own buffers are not touched: the kernel holds their addresses.)
+        # (A PackedLinear's own buffers are not touched: the kernel holds their addresses.
+        # ``parameters()`` lists a tied weight once, so it is copied once.)
+        buffers = [b for m in model.modules() if not isinstance(m, PackedLinear) for b in m.buffers(recurse=False)]
         with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, PackedLinear):
-                    continue
-                tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-                for tensor in tensors:
-                    if tensor.device.type == "cpu":
-                        tensor.data = tensor.data.clone()
+            for tensor in [*model.parameters(), *buffers]:
+                if tensor.device.type == "cpu":
+                    tensor.data = tensor.data.clone()
     return count
 
 
@@ -187,8 +185,9 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> tuple[str, s
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {name!r}")
     if name == "torch":
         return "torch", None
-    if name == "auto" and torch.device(device).type == "cpu" and torch.get_num_threads() > 1:
-        return "torch", (f"torch runs {torch.get_num_threads()} threads, where its threaded GEMM beats "
+    threads = torch.get_num_threads()
+    if name == "auto" and torch.device(device).type == "cpu" and threads > 1:
+        return "torch", (f"torch runs {threads} threads, where its threaded GEMM beats "
                          "the single-threaded CPU linear kernel")
     why = unsupported_reason(dtype, device)
     if why is None:

@@ -119,7 +119,6 @@ void batchgen_linear_f32(const float *x, int64_t ldx, const float *packed, const
                 i += 4;
             }
             switch (i1 - i) {
-            case 6: tile(6, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
             case 5: tile(5, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
             case 4: tile(4, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
             case 3: tile(3, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
