@@ -11,6 +11,13 @@
  *
  * Loops: row blocks of MC rows (sized so that the block of x stays in L2), then panels, then
  * tiles of 6 rows. Each panel is read from memory once per row block.
+ *
+ * Prefetch: a model's weights are far larger than the caches, so at decode sizes (a few dozen
+ * rows) the first tile over a panel would wait on memory, needing the panel faster than one
+ * core can pull it. Instead, while the tiles of panel p run, they prefetch panel p + 1 into
+ * L2, one cache line (one k of a panel) every `ntiles` iterations, tile t taking the lines
+ * t, t + ntiles, ...: the whole next panel arrives spread over the current panel's time.
+ * (At 32 rows over SmolLM2's weights this measured 1.1-1.4x faster than without.)
  */
 #include <stdint.h>
 #include <string.h>
@@ -49,7 +56,8 @@ void batchgen_linear_pack_f32(const float *w, float *packed, int64_t n, int64_t 
 }
 
 /* Rows [0, mr) of a tile, mr <= MR a compile-time constant once inlined: the guarded rows
- * fold away, so every tile height keeps its accumulators in registers. */
+ * fold away, so every tile height keeps its accumulators in registers. `pf` (or NULL) is the
+ * first line this tile prefetches; it then prefetches every `pf_step`-th line of the panel. */
 #define ROW(r)                                                              \
     if (mr > r) {                                                           \
         __m256 av = _mm256_broadcast_ss(x + (r) * ldx + kk);                \
@@ -73,14 +81,19 @@ void batchgen_linear_pack_f32(const float *w, float *packed, int64_t n, int64_t 
 
 static inline __attribute__((always_inline)) void
 tile(const int mr, const float *x, int64_t ldx, const float *panel, int64_t k,
-     const float *bias, float *y, int64_t ldy, int64_t width)
+     const float *bias, float *y, int64_t ldy, int64_t width, const float *pf, int64_t pf_step)
 {
+    int64_t pf_next = 0;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t kk = 0; kk < k; kk++) {
         __m256 b0 = _mm256_loadu_ps(panel + kk * NR);
         __m256 b1 = _mm256_loadu_ps(panel + kk * NR + 8);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+        if (pf && kk == pf_next) {
+            _mm_prefetch((const char *)(pf + kk * NR), _MM_HINT_T1);
+            pf_next += pf_step;
+        }
     }
     __m256 bias0 = _mm256_setzero_ps(), bias1 = bias0;
     if (bias) {
@@ -112,20 +125,27 @@ void batchgen_linear_f32(const float *x, int64_t ldx, const float *packed, const
             /* A short last tile runs too few FMA chains to fill the pipes: 6 + 1..3 rows go
              * as two tiles of 4/3, 4/4 or 5/4 instead. */
             int64_t full = rows % MR >= 1 && rows % MR <= 3 && rows > MR ? rows / MR - 1 : rows / MR;
-            for (int64_t t = 0; t < full; t++, i += MR)
-                tile(6, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width);
+            int64_t rest = rows - full * MR;
+            int64_t ntiles = full + (rest > MR ? 2 : rest > 0 ? 1 : 0);
+            const float *next = p + 1 < num_panels ? panel + k * NR : NULL;
+            int64_t t = 0;
+/* the arguments that make tile number t prefetch its share of the next panel */
+#define PREFETCH_ARGS (next ? next + (t++) * NR : NULL), ntiles
+            for (int64_t f = 0; f < full; f++, i += MR)
+                tile(6, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS);
             if (i1 - i > MR) {
-                tile(4, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width);
+                tile(4, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS);
                 i += 4;
             }
             switch (i1 - i) {
-            case 5: tile(5, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
-            case 4: tile(4, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
-            case 3: tile(3, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
-            case 2: tile(2, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
-            case 1: tile(1, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width); break;
+            case 5: tile(5, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS); break;
+            case 4: tile(4, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS); break;
+            case 3: tile(3, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS); break;
+            case 2: tile(2, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS); break;
+            case 1: tile(1, x + i * ldx, ldx, panel, k, b, yp + i * ldy, ldy, width, PREFETCH_ARGS); break;
             default: break;
             }
+#undef PREFETCH_ARGS
         }
     }
 }
