@@ -6,6 +6,12 @@ For SmolLM2-135M's layer shapes (q/o 576->576, k/v 576->192, gate/up 576->1536, 
 float32 weights and input. The two are interleaved call by call and each keeps its fastest
 call, so a noisy machine slows both alike; the ratio is what to read. Also records the largest
 difference between the two (float32 rounding: the kernel sums in another order).
+
+One layer's weight stays in the caches from call to call, which a real step never sees: a
+step streams all 538 MB of SmolLM2's weights from memory. So a second part, ``model``, runs
+every linear layer of the model once, in order (30 x q, k, v, o, gate, up, down, then
+``lm_head``), on separate weights, and times the whole sweep, torch and kernel alternating;
+that is where the kernel's prefetch of the next weight panel shows.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+NUM_LAYERS = 30
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SHAPES = {  # name: (out_features, in_features)
     "q_proj/o_proj": (576, 576),
     "k_proj/v_proj": (192, 576),
@@ -47,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,8,32,128,1813")
+    ap.add_argument("--model-rows", default="1,8,32,128", help="row counts for the whole-model sweep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     why = unsupported_reason(torch.float32, torch.device("cpu"))
@@ -74,8 +83,43 @@ def main() -> None:
             result["results"].append(row)
             print(f"{name:18s} rows {m:5d}: torch {row['torch_ms']:8.3f} ms ({row['torch_gflops']:5.1f} GFLOP/s)"
                   f"  cpu {row['cpu_ms']:8.3f} ms ({row['cpu_gflops']:5.1f})  {row['speedup']:.2f}x", flush=True)
+    result["model"] = model_sweep([int(r) for r in args.model_rows.split(",")])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+
+
+def model_sweep(rows_list: list[int], repeats: int = 5) -> list[dict]:
+    """Every linear layer of SmolLM2 once, in order, torch against the kernel (see the module
+    docstring); the fastest of ``repeats`` sweeps each, the two alternating."""
+    from batchgen.kernels.cpu_linear import PackedLinear
+
+    shapes = LAYER_SHAPES * NUM_LAYERS + [SHAPES["lm_head"]]
+    weights, packed = [], []
+    for n, k in shapes:  # one at a time, so the unpacked and packed sets never coexist unfreed
+        layer = torch.nn.Linear(k, n, bias=False)
+        weights.append(layer.weight.detach())
+        packed.append(PackedLinear(layer))
+    rows_out = []
+    for m in rows_list:
+        inputs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+
+        def sweep_torch() -> None:
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+
+        def sweep_cpu() -> None:
+            for layer in packed:
+                layer(inputs[layer.in_features])
+        with torch.no_grad():
+            best = best_times({"torch": sweep_torch, "cpu": sweep_cpu}, repeats)
+        flop = 2 * m * sum(n * k for n, k in shapes)
+        row = {"rows": m, "layers": len(shapes), "torch_ms": best["torch"] * 1e3, "cpu_ms": best["cpu"] * 1e3,
+               "torch_gflops": flop / best["torch"] / 1e9, "cpu_gflops": flop / best["cpu"] / 1e9,
+               "speedup": best["torch"] / best["cpu"]}
+        rows_out.append(row)
+        print(f"whole model rows {m:4d}: torch {row['torch_ms']:8.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)"
+              f"  cpu {row['cpu_ms']:8.1f} ms ({row['cpu_gflops']:5.1f})  {row['speedup']:.2f}x", flush=True)
+    return rows_out
 
 
 if __name__ == "__main__":

@@ -437,6 +437,11 @@ def linear_kernel_table(lk: dict) -> str:
              "| --- |" + " --- |" * len(rows_list)]
     for layer, by_rows in cells.items():
         lines.append(f"| {layer} | " + " | ".join(by_rows.get(m, "–") for m in rows_list) + " |")
+    model = lk.get("model") or []
+    if model:
+        lines.append("| **whole model** (all layers in order, weights from memory) | " + " | ".join(
+            next((f"{r['torch_ms']:.3g} → {r['cpu_ms']:.3g} ms ({r['speedup']:.2f}×)"
+                  for r in model if r["rows"] == m), "–") for m in rows_list) + " |")
     return "\n".join(lines)
 
 

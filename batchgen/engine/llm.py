@@ -80,7 +80,7 @@ class LLM:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_greedy=self.runner.linear_backend == "cpu")
         self.eos_token_ids: list[int] = self.runner.eos_token_ids()
         self.seed = seed
         self._arrivals = 0

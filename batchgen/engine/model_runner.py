@@ -174,8 +174,13 @@ class ModelRunner:
 
         backend, why = cpu_linear.resolve(name, self.device, self.dtype)
         if backend == "cpu":
+            from batchgen.kernels import cpu_fused
+
+            fused = cpu_fused.fuse_modules(self.model)  # before packing: it packs gate+up as one
             count = cpu_linear.pack_linears(self.model)
-            logger.info("linear backend cpu: %d layers packed for the C GEMM", count)
+            logger.info("linear backend cpu: %d layers packed for the C GEMM; fused %d RMSNorms "
+                        "and %d gated MLPs (%d candidates left as they were)", count,
+                        fused["rms_norm"], fused["gated_mlp"], fused["rejected"])
         elif why is not None and self.device.type == "cpu":
             logger.info("linear backend torch: %s", why.splitlines()[0])
         return backend

@@ -185,8 +185,9 @@ def load(head_size: int, group: int) -> Any:
         lib, flags = build("the CPU attention kernel", KERNEL_SOURCE, defines, accept,
                            tag=f"h{head_size}-g{group}")
         fn = lib.batchgen_paged_decode_f32
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+                       + [ctypes.c_int64] * 2)
         logger.info("CPU paged-attention kernel: head_size %d, group %d, flags %s",
                     head_size, group, " ".join(flags))
         _libraries[key] = lib
@@ -233,27 +234,29 @@ class CpuOps:
             return out
         if query.stride(2) != 1:
             query = query.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()  # no copies for the engine's own
         lens = context_lens.to(torch.int32).contiguous()
-        if tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
             raise ValueError(f"paged_decode_attention (cpu): {num_seqs} queries but block_tables "
                              f"{tuple(tables.shape)} and context_lens {tuple(lens.shape)}")
-        max_len = int(lens.max())
         max_blocks = tables.shape[1]
-        if int(lens.min()) < 1 or max_len > max_blocks * block_size:
-            raise ValueError(f"paged_decode_attention (cpu): context_lens must be in [1, "
-                             f"{max_blocks * block_size}] (the block tables' width)")
-        # Only entries a sequence reads must be valid; padding is 0 by convention, also valid.
-        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-            raise ValueError(f"paged_decode_attention (cpu): block table entries must be in [0, {num_blocks})")
         group = num_heads // num_kv_heads
         fn = load(head_size, group).batchgen_paged_decode_f32
-        shape = (max_len * group,)
+        # Room for the longest context the tables allow, so no reduction over lens is needed.
+        shape = (max(max_blocks, 1) * block_size * group,)
         scratch = (workspace.get("cpu_scores", shape, torch.float32, k_cache.device)
                    if workspace is not None else torch.empty(shape, dtype=torch.float32))
-        fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-           lens.data_ptr(), num_seqs, num_kv_heads, block_size, max_blocks, query.stride(0),
-           query.stride(1), float(scale), scratch.data_ptr())
+        # The kernel checks every index it would follow before computing anything.
+        status = fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    tables.data_ptr(), lens.data_ptr(), num_seqs, num_kv_heads, block_size, max_blocks,
+                    query.stride(0), query.stride(1), float(scale), scratch.data_ptr(), num_blocks,
+                    shape[0])
+        if status == 1:
+            raise ValueError(f"paged_decode_attention (cpu): context_lens must be in [1, "
+                             f"{max_blocks * block_size}] (the block tables' width)")
+        if status == 2:
+            # Only entries a sequence reads must be valid; padding past them is never read.
+            raise ValueError(f"paged_decode_attention (cpu): block table entries must be in [0, {num_blocks})")
         return out
 
 

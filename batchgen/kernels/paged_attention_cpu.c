@@ -15,8 +15,14 @@
  *          given (attention layers hand over transposed views).
  *   out:   [num_seqs, num_kv_heads * GROUP, HEAD_SIZE], contiguous.
  *   block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32, >= 1.
- *   scratch: at least max(context_lens) * GROUP floats, private to this call
- *            (the scores of one KV head's group, [GROUP][context_len]).
+ *   scratch: scratch_len floats, private to this call (the scores of one KV head's group,
+ *            [GROUP][context_len]).
+ *
+ * Every index the kernel would follow is checked first, before anything is computed: it
+ * returns 0, or 1 for a context length outside [1, max_blocks * block_size] or longer than
+ * the scratch holds, or 2 for a block id outside [0, num_blocks) among the blocks a sequence
+ * reads (padding past them is never read). Checking here costs one pass over the tables
+ * instead of several torch reductions per layer.
  *
  * Sequences are computed one after another, each on its own, so a sequence's output does not
  * depend on the rest of the batch.
@@ -65,12 +71,20 @@ static inline float dot_head(const float *restrict a, const float *restrict b) {
 int batchgen_head_size(void) { return HEAD_SIZE; }
 int batchgen_group(void) { return GROUP; }
 
-void batchgen_paged_decode_f32(
+int batchgen_paged_decode_f32(
     float *restrict out, const float *restrict query, const float *restrict k_cache,
     const float *restrict v_cache, const int32_t *restrict block_tables,
     const int32_t *restrict context_lens, int64_t num_seqs,
     int64_t num_kv_heads, int64_t block_size, int64_t max_blocks, int64_t q_stride_seq,
-    int64_t q_stride_head, float scale, float *restrict scratch) {
+    int64_t q_stride_head, float scale, float *restrict scratch, int64_t num_blocks,
+    int64_t scratch_len) {
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ctx = context_lens[s];
+    if (ctx < 1 || ctx > max_blocks * block_size || ctx * GROUP > scratch_len) return 1;
+    const int32_t *table = block_tables + s * max_blocks;
+    for (int64_t b = 0; b * block_size < ctx; ++b)
+      if (table[b] < 0 || table[b] >= num_blocks) return 2;
+  }
   const int64_t num_heads = num_kv_heads * GROUP;
   const int64_t tok_stride = num_kv_heads * HEAD_SIZE;
   const int64_t blk_stride = block_size * tok_stride;
@@ -145,4 +159,5 @@ void batchgen_paged_decode_f32(
       }
     }
   }
+  return 0;
 }

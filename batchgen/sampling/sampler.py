@@ -87,7 +87,17 @@ def _padded_rows(per_row: list[list[int]], per_row_values: list[list[float]] | N
 
 
 class Sampler:
-    """Stateless batched sampler; see the module docstring for the exact semantics."""
+    """Stateless batched sampler; see the module docstring for the exact semantics.
+
+    Args:
+        fused_greedy: pick an all-greedy plain batch (no penalties, processors or requested
+            logprobs) with :func:`batchgen.kernels.cpu_fused.greedy` when the logits are
+            float32 on the CPU: the same tokens, and logprobs equal within float32 rounding.
+            The engine turns it on with ``linear_backend="cpu"``.
+    """
+
+    def __init__(self, fused_greedy: bool = False) -> None:
+        self.fused_greedy = fused_greedy
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Choose one token per row of ``logits`` ([len(rows), vocab], any float dtype).
@@ -118,6 +128,13 @@ class Sampler:
         sampled_idx = [i for i, g in enumerate(greedy) if not g]
         if sampled_idx:
             self._apply_filters(x, params, sampled_idx)
+
+        if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
+            from batchgen.kernels import cpu_fused
+
+            fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
+            if fast is not None:
+                return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * num_rows)
 
         dead = torch.isneginf(x.amax(dim=-1))
         if bool(dead.any()):

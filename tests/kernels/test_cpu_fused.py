@@ -1,0 +1,186 @@
+"""The fused CPU ops (``fused_cpu.c``): RMSNorm, SiLU·up, the greedy pick, module fusion.
+
+Each op is checked against the torch ops it replaces, including the edges of its ``exp``
+(overflow, underflow, NaN) and argmax ties across vector lanes; module fusion is checked on
+tiny HF models, including one whose norm and activation differ (Gemma), which the probe must
+leave alone. A machine where the library cannot be built skips with that reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels import cpu_fused
+from batchgen.kernels.cpu_fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
+from batchgen.sampling.params import SamplingParams
+from batchgen.sampling.sampler import Sampler, SamplingRow
+
+needs_lib = pytest.mark.skipif(not cpu_fused.available(), reason="the fused CPU ops cannot be built here")
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm, float32."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@needs_lib
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 64, 576])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_rms_norm_matches_torch(rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + width)
+    x = torch.randn(rows, width, generator=gen) * 3
+    weight = torch.randn(width, generator=gen)
+    got = cpu_fused.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, _torch_rms_norm(x, weight, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@needs_lib
+def test_rms_norm_strided_batched_and_batch_invariant() -> None:
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(2, 9, 100, generator=gen)
+    x = wide[..., 10:74]  # rows with a stride of 100
+    weight = torch.randn(64, generator=gen)
+    got = cpu_fused.rms_norm(x, weight, 1e-6)
+    assert got.shape == (2, 9, 64)
+    torch.testing.assert_close(got, _torch_rms_norm(x, weight, 1e-6), rtol=2e-6, atol=1e-6)
+    alone = cpu_fused.rms_norm(x[1, 4:5], weight, 1e-6)
+    assert torch.equal(alone[0], got[1, 4])
+
+
+@needs_lib
+def test_silu_mul_matches_torch_including_the_edges_of_exp() -> None:
+    g = torch.cat([torch.linspace(-110, 110, 20001),
+                   torch.tensor([-88.73, -88.72, -88.5, -87.4, -87.3, 87.4, 88.5, 88.8, 0.0, -0.0])])
+    gen = torch.Generator().manual_seed(2)
+    u = torch.randn(g.shape, generator=gen)
+    got = cpu_fused.silu_mul(torch.cat([g, u])[None])[0]
+    want = F.silu(g) * u
+    err = (got - want).abs()
+    assert bool((err <= 4e-7 * want.abs() + 1e-37).all()), f"max error {err.max():.3e}"
+    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 5.0, 1.0, 1.0, 1.0, float("nan")]])
+    got = cpu_fused.silu_mul(special)[0]
+    want = F.silu(special[0, :4]) * special[0, 4:]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@needs_lib
+def test_silu_mul_rows_and_shapes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    gu = torch.randn(3, 5, 2 * 48, generator=gen)
+    got = cpu_fused.silu_mul(gu)
+    assert got.shape == (3, 5, 48)
+    torch.testing.assert_close(got, F.silu(gu[..., :48]) * gu[..., 48:], rtol=4e-7, atol=1e-7)
+    assert torch.equal(cpu_fused.silu_mul(gu[2, 1:2])[0], got[2, 1])
+    assert cpu_fused.silu_mul(torch.empty(0, 8)).shape == (0, 4)
+
+
+@needs_lib
+def test_contract_violations_raise() -> None:
+    with pytest.raises(ValueError, match="even last dim"):
+        cpu_fused.silu_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="float32 CPU input"):
+        cpu_fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 4\]"):
+        cpu_fused.rms_norm(torch.zeros(2, 5), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="1-D float32 weight"):
+        cpu_fused.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match="inference only"):
+        cpu_fused.rms_norm(torch.zeros(2, 4, requires_grad=True), torch.ones(4), 1e-6)
+
+
+@needs_lib
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 49152])
+def test_greedy_equals_argmax_and_log_softmax(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen) * 4
+    ids, logprobs = cpu_fused.greedy(logits)
+    assert ids == torch.argmax(logits, dim=-1).tolist()
+    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), exact, rtol=0, atol=1e-6)
+
+
+@needs_lib
+def test_greedy_ties_take_the_first_index_across_lanes_and_tail() -> None:
+    logits = torch.zeros(4, 40)
+    logits[0, [20, 7, 33]] = 9.0   # in lanes 4 and 7 and in the tail: index 7 comes first
+    logits[1, [19, 3]] = 9.0       # twice in lane 3: the earlier block wins
+    logits[2, [35, 36]] = 9.0      # both in the tail (past the last whole block of 16)
+    logits[3, :] = -1.0            # every entry tied
+    ids, _ = cpu_fused.greedy(logits)
+    assert ids == torch.argmax(logits, dim=-1).tolist() == [7, 3, 35, 0]
+
+
+@needs_lib
+def test_greedy_leaves_nan_inf_and_other_dtypes_to_torch() -> None:
+    row = torch.randn(1, 64)
+    for bad in (float("nan"), float("inf")):
+        logits = row.clone()
+        logits[0, 5] = bad
+        assert cpu_fused.greedy(logits) is None
+    # an all -inf row: torch's path runs, so that the sampler's own error speaks
+    assert cpu_fused.greedy(torch.full((1, 64), float("-inf"))) is None
+    assert cpu_fused.greedy(row.double()) is None
+    assert cpu_fused.greedy(row.to(torch.bfloat16)) is None
+
+
+@needs_lib
+def test_sampler_fused_greedy_picks_what_torch_picks() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen) * 3
+
+    def rows(**kw):
+        return [SamplingRow(params=SamplingParams(temperature=0.0, **kw), prompt_token_ids=[1],
+                            output_token_ids=[], generator=None) for _ in range(6)]
+    plain = Sampler()(logits, rows())
+    fused = Sampler(fused_greedy=True)(logits, rows())
+    assert fused.token_ids == plain.token_ids
+    torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), rtol=0, atol=4e-6)
+    asked = Sampler(fused_greedy=True)(logits, rows(logprobs=2))  # top logprobs: torch's path
+    assert asked.top_logprobs[0] is not None and len(asked.top_logprobs[0]) == 2
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@needs_lib
+def test_fuse_modules_on_a_llama(tiny_model) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.kernels.cpu_linear import pack_linears
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 31, 77, 120, 7]])
+    before = _logits(model, ids)
+    gate = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
+    counts = fuse_modules(model)
+    assert counts == {"rms_norm": 2 * 2 + 1, "gated_mlp": 2, "rejected": 0}
+    assert isinstance(model.model.norm, FusedRMSNorm)
+    assert isinstance(model.model.layers[1].mlp, FusedGatedMLP)
+    assert gate() is None  # the unpacked gate weight is not kept
+    assert pack_linears(model) == 2 * 4 + 1  # what is left: q k v o per layer, and lm_head
+    after = _logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+@needs_lib
+def test_fuse_modules_leaves_other_semantics_alone(tiny_model) -> None:
+    """Gemma's norm scales by 1 + weight and its MLP uses GELU: the probe rejects both."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("gemma", head_dim=16), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 31, 77]])
+    before = _logits(model, ids)
+    counts = fuse_modules(model)
+    assert counts["rms_norm"] == counts["gated_mlp"] == 0
+    assert counts["rejected"] == 2 * 2 + 1 + 2
+    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in model.modules())
+    assert torch.equal(_logits(model, ids), before)
