@@ -164,7 +164,8 @@ def part_throughput(args, out: Path) -> dict:
         strip_outputs(res)
         key = mode_name + args.tag
         if args.tag:
-            result.setdefault("reruns", []).append({"mode": key, "peers": list(peers), "at": time.strftime("%Y-%m-%d %H:%M:%S")})
+            reruns = [r for r in result.get("reruns", []) if r["mode"] != key]  # a rerun replaces its row
+            result["reruns"] = reruns + [{"mode": key, "peers": list(peers), "at": time.strftime("%Y-%m-%d %H:%M:%S")}]
         result["modes"][key] = {"mode": mode, "repeats": reps, "num_prompts": len(prompts), "peers": res,
                                       "ratios": runner.ratios(res), **extra}
         save("throughput", result, out)

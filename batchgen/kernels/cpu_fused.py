@@ -2,8 +2,9 @@
 
 Why: in a decode step of a small model each of these is a chain of torch ops over a few dozen
 rows (RMSNorm alone is six), so dispatch and temporaries cost more than the arithmetic. One C
-pass per op removes that; on SmolLM2 at 32 sequences it measured about 10 ms of a 155 ms
-greedy step (``bench.profile_step``).
+pass per op removes that: on SmolLM2 at 32 sequences the model's non-linear, non-attention ops
+went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 ms
+(``bench.profile_step``).
 
 - :func:`fuse_modules` replaces, in a float32 CPU model, each RMSNorm by a
   :class:`FusedRMSNorm` and each gated MLP (``down(silu(gate(x)) * up(x))``) by a
