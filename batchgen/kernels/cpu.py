@@ -27,12 +27,13 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,8 +119,8 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     """Compile ``source`` (``what`` names it in errors) with the first flag set that works,
     cached on disk, and load it.
 
-    The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source, compiler
-    version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
+    The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source and the
+    local headers it includes, compiler version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
     loaded library (it is then skipped, like a failed compile). Call with ``_build_lock`` held.
 
     Returns:
@@ -132,7 +133,10 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     if cc is None:
         raise CpuKernelError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    identity = [source.read_text(), version, _machine_tag(), *_COMMON_FLAGS]
+    text = source.read_text()
+    # Local headers it includes ("..."), so that editing one rebuilds every user.
+    headers = [(source.parent / name).read_text() for name in re.findall(r'#include\s+"([^"]+)"', text)]
+    identity = [text, *headers, version, _machine_tag(), *_COMMON_FLAGS]
     folder = cache_dir() / "cpu_kernels"
     folder.mkdir(parents=True, exist_ok=True)
     errors = []
@@ -160,6 +164,30 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
             continue
         return lib, flags
     raise CpuKernelError(f"could not build {what}:\n" + "\n".join(errors))
+
+
+_loaded: dict[Path, Any] = {}
+
+
+def load_library(what: str, source: Path, declare: Callable[[Any], None]) -> Any:
+    """Build (or take from the disk cache) and load ``source`` once per process.
+
+    ``declare(lib)`` sets the ctypes signatures; ``what`` names the library in errors and logs.
+
+    Raises:
+        CpuKernelError: no compiler, or it would not build here.
+    """
+    lib = _loaded.get(source)
+    if lib is not None:
+        return lib
+    with _build_lock:
+        lib = _loaded.get(source)
+        if lib is None:
+            lib, flags = build(what, source, [])
+            declare(lib)
+            logger.info("%s: flags %s", what, " ".join(flags))
+            _loaded[source] = lib
+        return lib
 
 
 def load(head_size: int, group: int) -> Any:

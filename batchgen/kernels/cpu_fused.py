@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 FUSED_SOURCE = Path(__file__).resolve().parent / "fused_cpu.c"
 PROBE_ROWS = 5
-_library: Any = None
 _unavailable: str | None = None
 
 
@@ -48,30 +47,22 @@ def load_fused() -> Any:
     Raises:
         cpu.CpuKernelError: no compiler, or it would not build here.
     """
-    global _library
-    if _library is not None:
-        return _library
-    with cpu._build_lock:
-        if _library is not None:
-            return _library
-        lib, flags = cpu.build("the fused CPU ops", FUSED_SOURCE, [])
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.batchgen_rms_norm_f32.restype = None
-        lib.batchgen_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float]
-        lib.batchgen_silu_mul_f32.restype = None
-        lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
-        lib.batchgen_greedy_f32.restype = None
-        lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
-        logger.info("fused CPU ops: flags %s", " ".join(flags))
-        _library = lib
-        return lib
+    return cpu.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
+
+
+def _declare(lib: Any) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.batchgen_rms_norm_f32.restype = None
+    lib.batchgen_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float]
+    lib.batchgen_silu_mul_f32.restype = None
+    lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.batchgen_greedy_f32.restype = None
+    lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
 
 
 def available() -> bool:
     """Whether the library builds and loads here (the answer is remembered)."""
     global _unavailable
-    if _library is not None:
-        return True
     if _unavailable is not None:
         return False
     try:
@@ -149,7 +140,7 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     maxes = torch.empty(m, dtype=torch.float32)
     lse = torch.empty(m, dtype=torch.float32)
     if m:
-        _library.batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, n, ids.data_ptr(),
+        load_fused().batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, n, ids.data_ptr(),
                                      maxes.data_ptr(), lse.data_ptr())
     top = maxes.tolist()
     norm = lse.tolist()

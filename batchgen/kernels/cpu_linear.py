@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 LINEAR_SOURCE = Path(__file__).resolve().parent / "linear_cpu.c"
 LINEAR_BACKENDS = ("auto", "cpu", "torch")
-_library: Any = None
 
 
 def load_linear() -> Any:
@@ -42,24 +41,18 @@ def load_linear() -> Any:
     Raises:
         cpu.CpuKernelError: no compiler, or it would not build here (no AVX2/FMA).
     """
-    global _library
-    if _library is not None:
-        return _library
-    with cpu._build_lock:
-        if _library is not None:
-            return _library
-        lib, flags = cpu.build("the CPU linear kernel", LINEAR_SOURCE, [])
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.batchgen_linear_packed_numel.restype = i64
-        lib.batchgen_linear_packed_numel.argtypes = [i64, i64]
-        lib.batchgen_linear_panel_width.restype = i64
-        lib.batchgen_linear_pack_f32.restype = None
-        lib.batchgen_linear_pack_f32.argtypes = [p, p, i64, i64]
-        lib.batchgen_linear_f32.restype = None
-        lib.batchgen_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
-        logger.info("CPU linear kernel: flags %s", " ".join(flags))
-        _library = lib
-        return lib
+    return cpu.load_library("the CPU linear kernel", LINEAR_SOURCE, _declare)
+
+
+def _declare(lib: Any) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.batchgen_linear_packed_numel.restype = i64
+    lib.batchgen_linear_packed_numel.argtypes = [i64, i64]
+    lib.batchgen_linear_panel_width.restype = i64
+    lib.batchgen_linear_pack_f32.restype = None
+    lib.batchgen_linear_pack_f32.argtypes = [p, p, i64, i64]
+    lib.batchgen_linear_f32.restype = None
+    lib.batchgen_linear_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
 
 
 def unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:

@@ -16,31 +16,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_exp.h"
+
 #define LANES 16
 
-/* exp(x) in plain arithmetic so that loops over it vectorise: x = n ln2 + r, |r| <= ln2 / 2,
- * exp(r) by a degree-6 polynomial (Cephes' expf coefficients), then 2^n as two factors
- * 2^(n/2) 2^(n - n/2) built in the exponent bits (n reaches 128 just below the overflow).
- * Relative error about 2e-7. +inf above 88.72 (where expf overflows), 0 below -87.33 (where
- * expf goes subnormal, too small to matter in a sum or a denominator 1 + e); NaN stays NaN. */
+/* exp(x) over the whole float range (cpu_exp.h), relative error about 2e-7: +inf above 88.72
+ * (where expf overflows), 0 below -87.33 (where expf goes subnormal, too small to matter in a
+ * sum or a denominator 1 + e); NaN stays NaN. */
 static inline float exp_f32(float x) {
   const float lo = -87.33654475f, hi = 88.72283905f;
-  const float c = x < lo ? lo : (x > hi ? hi : x);
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
-  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  float s1, s2;
-  memcpy(&s1, &b1, sizeof s1);
-  memcpy(&s2, &b2, sizeof s2);
-  float e = p * s1 * s2;
+  float e = batchgen_exp_clamped(x < lo ? lo : (x > hi ? hi : x));
   e = x < lo ? 0.0f : e;
   e = x > hi ? INFINITY : e;
   return x != x ? x : e;

@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_exp.h"
+
 #if !defined(HEAD_SIZE) || !defined(GROUP)
 #error "compile with -DHEAD_SIZE=<n> -DGROUP=<n>"
 #endif
@@ -40,26 +42,8 @@
  * (-fopenmp-simd: vectorisation only, no OpenMP runtime). */
 #define LANES 16
 
-/* exp(x) for x <= 0 (softmax numerators), in plain arithmetic so that it vectorises:
- * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf
- * coefficients), 2^n through the exponent bits. Relative error about 2e-7. */
-static inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  /* round to nearest by adding and subtracting 1.5 * 2^23 */
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float two_n;
-  memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
+/* exp(x) for x <= 0 (softmax numerators); relative error about 2e-7 (cpu_exp.h). */
+static inline float exp_nonpos(float x) { return batchgen_exp_clamped(x < -87.0f ? -87.0f : x); }
 
 static inline float dot_head(const float *restrict a, const float *restrict b) {
   float s = 0.f;
