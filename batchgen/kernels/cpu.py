@@ -100,7 +100,6 @@ def _subnormals_work() -> bool:
 
 
 _build_lock = threading.Lock()
-_libraries: dict[tuple[int, int], Any] = {}
 
 
 def _compile(cc: str, source: Path, flags: tuple[str, ...], defines: list[str], out: Path) -> str | None:
@@ -166,28 +165,38 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     raise CpuKernelError(f"could not build {what}:\n" + "\n".join(errors))
 
 
-_loaded: dict[Path, Any] = {}
+_loaded: dict[tuple[Path, tuple[str, ...]], Any] = {}
 
 
-def load_library(what: str, source: Path, declare: Callable[[Any], None]) -> Any:
-    """Build (or take from the disk cache) and load ``source`` once per process.
+def load_library(what: str, source: Path, declare: Callable[[Any], None], defines: tuple[str, ...] = (),
+                 accept: Any = None, tag: str = "") -> Any:
+    """Build (or take from the disk cache) and load ``source`` with ``defines``, once per process.
 
-    ``declare(lib)`` sets the ctypes signatures; ``what`` names the library in errors and logs.
+    ``declare(lib)`` sets the ctypes signatures; ``what`` names the library in errors and logs;
+    ``accept`` and ``tag`` are passed to :func:`build`.
 
     Raises:
         CpuKernelError: no compiler, or it would not build here.
     """
-    lib = _loaded.get(source)
+    key = (source, defines)
+    lib = _loaded.get(key)
     if lib is not None:
         return lib
     with _build_lock:
-        lib = _loaded.get(source)
+        lib = _loaded.get(key)
         if lib is None:
-            lib, flags = build(what, source, [])
+            lib, flags = build(what, source, list(defines), accept, tag=tag)
             declare(lib)
-            logger.info("%s: flags %s", what, " ".join(flags))
-            _loaded[source] = lib
+            logger.info("%s%s: flags %s", what, f" ({tag})" if tag else "", " ".join(flags))
+            _loaded[key] = lib
         return lib
+
+
+def _declare_attention(lib: Any) -> None:
+    fn = lib.batchgen_paged_decode_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+                   + [ctypes.c_int64] * 2)
 
 
 def load(head_size: int, group: int) -> Any:
@@ -196,30 +205,13 @@ def load(head_size: int, group: int) -> Any:
     Raises:
         CpuKernelError: no compiler, or no flag set compiled; the message has the last error.
     """
-    key = (head_size, group)
-    lib = _libraries.get(key)
-    if lib is not None:
-        return lib
-    with _build_lock:
-        lib = _libraries.get(key)
-        if lib is not None:
-            return lib
+    def accept(lib: Any) -> str | None:
+        ok = lib.batchgen_head_size() == head_size and lib.batchgen_group() == group
+        return None if ok else "built for another shape"
 
-        def accept(lib: Any) -> str | None:
-            ok = lib.batchgen_head_size() == head_size and lib.batchgen_group() == group
-            return None if ok else "built for another shape"
-
-        defines = [f"-DHEAD_SIZE={head_size}", f"-DGROUP={group}"]
-        lib, flags = build("the CPU attention kernel", KERNEL_SOURCE, defines, accept,
-                           tag=f"h{head_size}-g{group}")
-        fn = lib.batchgen_paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
-                       + [ctypes.c_int64] * 2)
-        logger.info("CPU paged-attention kernel: head_size %d, group %d, flags %s",
-                    head_size, group, " ".join(flags))
-        _libraries[key] = lib
-        return lib
+    return load_library("the CPU attention kernel", KERNEL_SOURCE, _declare_attention,
+                        (f"-DHEAD_SIZE={head_size}", f"-DGROUP={group}"), accept,
+                        tag=f"h{head_size}-g{group}")
 
 
 class CpuOps:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import cpu
+from .cpu_linear import PackedLinear, as_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +75,6 @@ def available() -> bool:
     return True
 
 
-def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
-    """``x`` as ``[rows, width]`` with unit column stride (a copy only when needed)."""
-    if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != width:
-        raise ValueError(f"{what} needs float32 CPU input [..., {width}], got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
-    if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"{what} is inference only (no backward); run under torch.no_grad()")
-    rows = x if x.dim() == 2 else x.reshape(-1, width)
-    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < width):
-        rows = rows.contiguous()
-    return rows
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` over the last dim, float32 CPU.
 
@@ -96,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = weight.shape[-1]
     if weight.dtype is not torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
         raise ValueError(f"rms_norm needs a contiguous 1-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
-    rows = _rows(x, n, "rms_norm")
+    rows = as_rows(x, n, "rms_norm")
     out = torch.empty(x.shape, dtype=torch.float32)
     if rows.shape[0]:
         load_fused().batchgen_rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
@@ -113,7 +101,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = gate_up.shape[-1]
     if width % 2:
         raise ValueError(f"silu_mul needs an even last dim (gate, then up), got {width}")
-    rows = _rows(gate_up, width, "silu_mul")
+    rows = as_rows(gate_up, width, "silu_mul")
     n = width // 2
     out = torch.empty((*gate_up.shape[:-1], n), dtype=torch.float32)
     if rows.shape[0]:
@@ -170,8 +158,6 @@ class FusedGatedMLP(torch.nn.Module):
 
     def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear) -> None:
         super().__init__()
-        from .cpu_linear import PackedLinear
-
         both = torch.nn.Linear(gate.in_features, gate.out_features + up.out_features,
                                bias=gate.bias is not None, device="meta")
         both.weight = torch.nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]), requires_grad=False)

@@ -4,8 +4,10 @@ Why: a decode step multiplies a few dozen rows by every weight matrix of the mod
 that shape torch's GEMM (MKL) runs below the core's peak (on the development machine, an AVX2
 AMD EPYC, about 49 GFLOP/s for SmolLM2's ``lm_head`` and 72-74 for its layers at 32 rows). The
 kernel packs each weight once, at model load, into panels of 16 output columns and runs a
-6 x 16 register tile over them; at 32 rows it measured 1.04-1.24x MKL on the layer shapes and
-1.48x on ``lm_head``, and 1.05-1.09x at a prefill's 1,813 rows (``bench/results/linear_kernel.json``).
+6 x 16 register tile over them, prefetching the next panel while one runs. Over all of the
+model's layers in order (weights streamed from memory, as in a step) it measured 1.4x MKL at
+32 rows and 1.1x at 1 and 128 rows; per layer, with the weight in cache, 1.0-1.2x on the layer
+shapes and 1.6x on ``lm_head`` at 32 rows (``bench/results/linear_kernel.json``).
 
 Numerics: every output is one fused multiply-add chain over the input features, in order, plus
 the bias. So a row's result does not depend on the other rows of the call (batch-invariant),
@@ -68,6 +70,25 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
+def as_rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    """``x`` as ``[rows, width]`` with unit column stride (a copy only when needed), for the
+    C kernels; ``what`` names the caller in errors.
+
+    Raises:
+        ValueError: input of another dtype, device or width.
+        RuntimeError: input that requires grad (the kernels have no backward).
+    """
+    if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != width:
+        raise ValueError(f"{what} needs float32 CPU input [..., {width}], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{what} is inference only (no backward); run under torch.no_grad()")
+    rows = x if x.dim() == 2 else x.reshape(-1, width)
+    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < width):
+        rows = rows.contiguous()
+    return rows
+
+
 class PackedLinear(torch.nn.Module):
     """A float32 CPU ``nn.Linear`` whose weight is stored packed for ``linear_cpu.c``.
 
@@ -98,6 +119,7 @@ class PackedLinear(torch.nn.Module):
             bias = torch.zeros(-(-self.out_features // width) * width)  # padded to whole panels
             bias[:self.out_features] = linear.bias.detach().float()
         self.register_buffer("padded_bias", bias, persistent=False)
+        self._what = f"PackedLinear({self.in_features} -> {self.out_features})"
         self._fn = lib.batchgen_linear_f32
         self._packed_ptr = packed.data_ptr()
         self._bias_ptr = bias.data_ptr() if bias is not None else None
@@ -108,15 +130,8 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~200 times per decode step: the checks stay cheap attribute reads.
         k = self.in_features
-        if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != k:
-            raise ValueError(f"PackedLinear({k} -> {self.out_features}) needs float32 CPU "
-                             f"input [..., {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("PackedLinear is inference only (no backward); run under torch.no_grad()")
-        rows = x if x.dim() == 2 else x.reshape(-1, k)
+        rows = as_rows(x, k, self._what)
         m = rows.shape[0]
-        if rows.stride(1) != 1 or (m > 1 and rows.stride(0) < k):
-            rows = rows.contiguous()
         out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
         if m:
             self._fn(rows.data_ptr(), rows.stride(0), self._packed_ptr, self._bias_ptr, out.data_ptr(),

@@ -14,11 +14,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "cpu_exp.h"
-
-#define LANES 16
 
 /* exp(x) over the whole float range (cpu_exp.h), relative error about 2e-7: +inf above 88.72
  * (where expf overflows), 0 below -87.33 (where expf goes subnormal, too small to matter in a

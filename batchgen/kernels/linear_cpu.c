@@ -17,7 +17,7 @@
  * core can pull it. Instead, while the tiles of panel p run, they prefetch panel p + 1 into
  * L2, one cache line (one k of a panel) every `ntiles` iterations, tile t taking the lines
  * t, t + ntiles, ...: the whole next panel arrives spread over the current panel's time.
- * (At 32 rows over SmolLM2's weights this measured 1.1-1.4x faster than without.)
+ * (Over all of SmolLM2's layers this measured 1.07-1.4x faster than without at 8-128 rows.)
  */
 #include <stdint.h>
 #include <string.h>

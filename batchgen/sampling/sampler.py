@@ -118,6 +118,13 @@ class Sampler:
         modifies = not all(greedy) or any(
             r.suppress_token_ids or r.params.has_penalties or r.params.logits_processors
             or r.params.temperature not in (0.0, 1.0) for r in rows)
+        if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
+            # Nothing below would change the logits: pick in one C pass where it can run.
+            from batchgen.kernels import cpu_fused
+
+            fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
+            if fast is not None:
+                return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * num_rows)
         # The working copy that penalties, temperature and filters act on; `raw` and the
         # caller's `logits` stay untouched (an all-greedy plain batch needs no copy).
         x = raw.clone() if modifies else raw
@@ -128,13 +135,6 @@ class Sampler:
         sampled_idx = [i for i, g in enumerate(greedy) if not g]
         if sampled_idx:
             self._apply_filters(x, params, sampled_idx)
-
-        if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
-            from batchgen.kernels import cpu_fused
-
-            fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
-            if fast is not None:
-                return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * num_rows)
 
         dead = torch.isneginf(x.amax(dim=-1))
         if bool(dead.any()):
