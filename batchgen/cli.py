@@ -155,7 +155,7 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from batchgen.config import ConfigError, ConfigIssue
-    from batchgen.data import PromptBuilder
+    from batchgen.dataset import PromptBuilder
     from batchgen.pipeline import SETUP_ERRORS, plan
 
     try:

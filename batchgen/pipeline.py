@@ -4,7 +4,7 @@ The run is split in two so the CLI can tell the user's mistakes from runtime fai
 
 * :func:`plan` does every check that needs no model (plugins built with their options, the
   dataset loaded, its columns checked, the output prepared) and raises :class:`SetupError`
-  subclasses (:class:`~batchgen.config.ConfigError`, :class:`~batchgen.data.DataError`,
+  subclasses (:class:`~batchgen.config.ConfigError`, :class:`~batchgen.dataset.DataError`,
   :class:`~batchgen.output.OutputError`, :class:`~batchgen.plugins.PluginError`) for problems
   the user must fix: exit status 2.
 * :func:`execute` loads the model and generates; anything it raises is a runtime failure
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, GenerationSection, MetricRef, RunConfig, resolved_dict
-from batchgen.data import DataError, LoadedData, PromptBuilder, PromptRecord, check_columns, iter_prompts, load_rows
+from batchgen.dataset import DataError, LoadedData, PromptBuilder, PromptRecord, check_columns, iter_prompts, load_rows
 from batchgen.output import JsonlWriter, OutputError, check_writable, prepare_output, read_records, write_json_atomic
 from batchgen.progress import Progress
 

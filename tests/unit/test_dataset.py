@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from batchgen.config import ConfigError, validate_config
-from batchgen.data import (
+from batchgen.dataset import (
     DataError,
     PromptBuilder,
     check_columns,
