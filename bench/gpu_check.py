@@ -55,7 +55,7 @@ def environment() -> dict[str, Any]:
         env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
     except Exception as exc:  # noqa: BLE001 - recorded, not raised
         env["cupy_error"] = f"{type(exc).__name__}: {exc}"
-    from batchgen.kernels.cuda import nvrtc_include_dirs
+    from batchgen.kernels.cuda.attention import nvrtc_include_dirs
 
     env["nvrtc_include_dirs"] = nvrtc_include_dirs()
     return env
@@ -159,7 +159,7 @@ def sdpa_over_gathered(query, k_cache, v_cache, block_tables, context_lens, scal
 def bandwidth(iters: int, budget_s: float) -> dict[str, Any]:
     import torch
 
-    from batchgen.kernels.cuda import get_cuda_ops
+    from batchgen.kernels.cuda.attention import get_cuda_ops
 
     ops = get_cuda_ops()
     dev = torch.device("cuda")

@@ -2,7 +2,7 @@
 
 For SmolLM2-135M's layer shapes (q/o 576->576, k/v 576->192, gate/up 576->1536, down
 1536->576, lm_head 576->49152) and row counts from a lone decode to a prefill, times
-``F.linear`` (MKL) and :class:`batchgen.kernels.cpu_linear.PackedLinear` on the same random
+``F.linear`` (MKL) and :class:`batchgen.kernels.cpu.linear.PackedLinear` on the same random
 float32 weights and input. The two are interleaved call by call and each keeps its fastest
 call, so a noisy machine slows both alike; the ratio is what to read. Also records the largest
 difference between the two (float32 rounding: the kernel sums in another order).
@@ -49,7 +49,7 @@ def best_times(fns: dict, reps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from batchgen.kernels.cpu_linear import PackedLinear, unsupported_reason
+    from batchgen.kernels.cpu.linear import PackedLinear, unsupported_reason
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -91,7 +91,7 @@ def main() -> None:
 def model_sweep(rows_list: list[int], repeats: int = 5) -> list[dict]:
     """Every linear layer of SmolLM2 once, in order, torch against the kernel (see the module
     docstring); the fastest of ``repeats`` sweeps each, the two alternating."""
-    from batchgen.kernels.cpu_linear import PackedLinear
+    from batchgen.kernels.cpu.linear import PackedLinear
 
     shapes = LAYER_SHAPES * NUM_LAYERS + [SHAPES["lm_head"]]
     weights, packed = [], []

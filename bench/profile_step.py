@@ -59,7 +59,7 @@ def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
     """Time every linear layer (``nn.Linear`` or batchgen's ``PackedLinear``) into
     ``clock["linear"]``, inside a profiler range: a C kernel called through ctypes is no aten
     op, so the profiler sees it only through the range."""
-    from batchgen.kernels.cpu_linear import PackedLinear
+    from batchgen.kernels.cpu.linear import PackedLinear
 
     for module in model.modules():
         if type(module) is torch.nn.Linear or isinstance(module, PackedLinear):

@@ -101,7 +101,7 @@ class ModelRunner:
         kv_cache_memory: KV budget in bytes (None: 0.9 of free GPU memory, or 512 MiB on CPU).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
         linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"`` (the model's ``nn.Linear`` layers
-            through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu_linear`).
+            through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu.linear`).
     """
 
     def __init__(
@@ -170,11 +170,11 @@ class ModelRunner:
 
     def _setup_linears(self, name: str) -> str:
         """Resolve ``linear_backend`` and, for ``cpu``, pack the model's linear layers."""
-        from batchgen.kernels import cpu_linear
+        from batchgen.kernels.cpu import linear as cpu_linear
 
         backend, why = cpu_linear.resolve(name, self.device, self.dtype)
         if backend == "cpu":
-            from batchgen.kernels import cpu_fused
+            from batchgen.kernels.cpu import fused as cpu_fused
 
             fused = cpu_fused.fuse_modules(self.model)  # before packing: it packs gate+up as one
             count = cpu_linear.pack_linears(self.model)

@@ -1,5 +1,8 @@
-"""Attention backends: ``torch`` (``reference.py``), ``cpu`` (a C decode kernel compiled at run
-time, ``cpu.py``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda.py``).
+"""Attention backends: ``torch`` (``reference.py``), ``cpu`` (C kernels compiled at run time,
+``cpu/``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda/``).
+
+``reference.py`` is the torch spec of the attention ops that both kernel folders implement, and
+the ``torch`` backend. ``cpu/`` and ``cuda/`` each hold their sources beside their loader.
 
 Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, lazily, when the
 ``cuda`` backend is first used.
@@ -59,7 +62,7 @@ def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int)
     Lets ``auto`` fall back to ``torch`` (and ``cuda`` fail early) instead of the first launch
     raising. Does not import cupy.
     """
-    from .cuda import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
+    from .cuda.attention import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
 
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} unsupported; the kernels support float32, float16 and bfloat16"

@@ -91,7 +91,7 @@ class Sampler:
 
     Args:
         fused_greedy: pick an all-greedy plain batch (no penalties, processors or requested
-            logprobs) with :func:`batchgen.kernels.cpu_fused.greedy` when the logits are
+            logprobs) with :func:`batchgen.kernels.cpu.fused.greedy` when the logits are
             float32 on the CPU: the same tokens, and logprobs equal within float32 rounding.
             The engine turns it on with ``linear_backend="cpu"``.
     """
@@ -120,7 +120,7 @@ class Sampler:
             or r.params.temperature not in (0.0, 1.0) for r in rows)
         if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
             # Nothing below would change the logits: pick in one C pass where it can run.
-            from batchgen.kernels import cpu_fused
+            from batchgen.kernels.cpu import fused as cpu_fused
 
             fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
             if fast is not None:

@@ -111,7 +111,7 @@ def test_greedy_equals_hf_on_the_torch_backend(smollm2_path, prompts, hf_referen
 def test_greedy_equals_hf_on_the_cpu_linear_backend(smollm2_path, prompts, hf_reference):
     """batchgen's own GEMM for every linear layer (the default with one torch thread) sums in
     another order than MKL; the tokens stay HF's."""
-    from batchgen.kernels.cpu_linear import PackedLinear, unsupported_reason
+    from batchgen.kernels.cpu.linear import PackedLinear, unsupported_reason
 
     why = unsupported_reason(torch.float32, torch.device("cpu"))
     if why is not None:

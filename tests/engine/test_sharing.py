@@ -108,7 +108,7 @@ def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalt
 
 def test_beam_search_equals_hf_on_the_cpu_linear_backend(smollm2_path, hf_model, w32):
     """batchgen's own GEMM for every linear layer: beams and scores stay HF's."""
-    from batchgen.kernels.cpu_linear import unsupported_reason
+    from batchgen.kernels.cpu.linear import unsupported_reason
 
     why = unsupported_reason(torch.float32, torch.device("cpu"))
     if why is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.kernels.cuda import HarnessBackend, KernelOps
+from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
 
 # The CPU harness schedules every case runs under (each is warp-by-warp; see cuda_cpu.h).
 CPU_SCHEDULES = (("warp", "nan"), ("warp_reverse", "huge"))

@@ -11,8 +11,8 @@ import torch
 from kernel_runners import harness_ops
 
 from batchgen.kernels import get_ops, reference, resolve_backend
-from batchgen.kernels import cuda as kcuda
-from batchgen.kernels.cuda import KernelInputError, num_partitions
+from batchgen.kernels.cuda import attention as kcuda
+from batchgen.kernels.cuda.attention import KernelInputError, num_partitions
 
 
 def test_importing_the_package_does_not_import_cupy() -> None:

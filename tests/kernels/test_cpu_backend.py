@@ -111,8 +111,8 @@ def test_unsupported_reason_names_what_does_not_fit(monkeypatch: pytest.MonkeyPa
 def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(kcpu, "KERNEL_SOURCE", broken)
-    monkeypatch.setattr(kcpu, "_loaded", {})
+    monkeypatch.setattr(kcpu.attention, "KERNEL_SOURCE", broken)
+    monkeypatch.setattr(kcpu.loader, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(kcpu.CpuKernelError, match="could not build the CPU attention kernel"):
         kcpu.load(64, 3)
@@ -120,13 +120,13 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_builds_are_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kcpu, "_loaded", {})
+    monkeypatch.setattr(kcpu.loader, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     kcpu.load(48, 2)
-    built = list((tmp_path / "cpu_kernels").glob("paged_attention_cpu-h48-g2-*.so"))
+    built = list((tmp_path / "cpu_kernels").glob("paged_attention-h48-g2-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(kcpu, "_loaded", {})
+    monkeypatch.setattr(kcpu.loader, "_loaded", {})
     kcpu.load(48, 2)  # a new process would find the file and not compile again
     assert built[0].stat().st_mtime_ns == stamp
 
@@ -154,4 +154,4 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     kcpu.load(32, 1)
     assert 2.2250738585072014e-308 / 4.0 != 0.0
     assert (torch.tensor([1.0e-38]) / 100.0).item() != 0.0
-    assert kcpu._subnormals_work()
+    assert kcpu.loader._subnormals_work()

@@ -1,4 +1,4 @@
-"""The fused CPU ops (``fused_cpu.c``): RMSNorm, SiLU·up, the greedy pick, module fusion.
+"""The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, the greedy pick, module fusion.
 
 Each op is checked against the torch ops it replaces, including the edges of its ``exp``
 (overflow, underflow, NaN) and argmax ties across vector lanes; module fusion is checked on
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import cpu_fused
-from batchgen.kernels.cpu_fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
+from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu.fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
 from batchgen.sampling.params import SamplingParams
 from batchgen.sampling.sampler import Sampler, SamplingRow
 
@@ -154,7 +154,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_fuse_modules_on_a_llama(tiny_model) -> None:
     from transformers import AutoModelForCausalLM
 
-    from batchgen.kernels.cpu_linear import pack_linears
+    from batchgen.kernels.cpu.linear import pack_linears
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
     ids = torch.tensor([[5, 9, 31, 77, 120, 7]])

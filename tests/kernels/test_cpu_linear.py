@@ -1,4 +1,4 @@
-"""The ``cpu`` linear backend: batchgen's C GEMM (``linear_cpu.c``) behind ``PackedLinear``.
+"""The ``cpu`` linear backend: batchgen's C GEMM (``kernels/cpu/linear.c``) behind ``PackedLinear``.
 
 Checked against a float64 ``F.linear`` with the rounding bound of a sequential sum, for
 shapes that hit every tile height and a partial last panel; batch invariance, strided input,
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import cpu as kcpu
-from batchgen.kernels import cpu_linear
-from batchgen.kernels.cpu_linear import PackedLinear, pack_linears
+from batchgen.kernels.cpu import linear as cpu_linear
+from batchgen.kernels.cpu.linear import PackedLinear, pack_linears
 
 _WHY = cpu_linear.unsupported_reason(torch.float32, torch.device("cpu"))
 needs_kernel = pytest.mark.skipif(_WHY is not None, reason=f"the CPU linear kernel cannot run here: {_WHY}")

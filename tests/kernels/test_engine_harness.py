@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.kernels.cuda import HarnessBackend, KernelOps
+from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ import torch
 from kernel_cases import assert_close_to_reference, make_decode_case, reference_decode
 
 from batchgen.kernels import reference
-from batchgen.kernels.cpu_harness import CpuModule, HarnessError, parse_kernels
-from batchgen.kernels.cuda import HarnessBackend, KernelOps
+from batchgen.kernels.cuda.harness import CpuModule, HarnessError, parse_kernels
+from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
 
 CASES = Path(__file__).parent / "data" / "harness_cases.cu"
 FIBER_SCHEDULES = ["warp", "warp_reverse", "round_robin", "random"]

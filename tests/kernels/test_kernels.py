@@ -18,7 +18,7 @@ from kernel_cases import (
 )
 
 from batchgen.kernels import reference
-from batchgen.kernels.cuda import PARTITION_SIZE, KernelOps
+from batchgen.kernels.cuda.attention import PARTITION_SIZE, KernelOps
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -18,8 +18,8 @@ import torch
 from kernel_runners import CPU_SCHEDULES
 from kernel_cases import TOLERANCES, make_decode_case, reference_decode
 
-from batchgen.kernels.cpu_harness import HarnessError
-from batchgen.kernels.cuda import KERNEL_HEADER, KERNEL_SOURCE, HarnessBackend, KernelOps
+from batchgen.kernels.cuda.harness import HarnessError
+from batchgen.kernels.cuda.attention import KERNEL_HEADER, KERNEL_SOURCE, HarnessBackend, KernelOps
 
 DTYPE, HEAD, BLOCK = torch.float16, 64, 16
 

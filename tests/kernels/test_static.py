@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.kernels.cpu_harness import cache_dir
-from batchgen.kernels.cuda import (
+from batchgen.kernels.cuda.harness import cache_dir
+from batchgen.kernels.cuda.attention import (
     BLOCK_SIZES,
     DTYPE_CODES,
     HEAD_SIZES,

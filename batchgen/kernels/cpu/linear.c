@@ -1,6 +1,6 @@
 /* batchgen: float32 linear layer y = x W^T (+ b) on the CPU, AVX2 + FMA, one thread.
  *
- * Built and loaded by batchgen/kernels/cpu.py. The weight W [N, K] is packed once, at model
+ * Built and loaded by batchgen/kernels/cpu/loader.py. The weight W [N, K] is packed once, at model
  * load, into panels of NR = 16 output columns: packed[p][k][j] = W[p*16 + j][k], zero past N.
  * A 6 x 16 register tile then streams one panel and broadcasts six rows of x: twelve
  * independent FMA chains, which keep both FMA ports busy.

@@ -1,4 +1,4 @@
-"""PackedLinear: a float32 ``nn.Linear`` on the CPU through batchgen's own GEMM (``linear_cpu.c``).
+"""PackedLinear: a float32 ``nn.Linear`` on the CPU through batchgen's own GEMM (``linear.c``).
 
 Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and at
 that shape torch's GEMM (MKL) runs below the core's peak (on the development machine, an AVX2
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from . import cpu
+from . import loader
 
 logger = logging.getLogger(__name__)
 
-LINEAR_SOURCE = Path(__file__).resolve().parent / "linear_cpu.c"
+LINEAR_SOURCE = Path(__file__).resolve().parent / "linear.c"
 LINEAR_BACKENDS = ("auto", "cpu", "torch")
 
 
@@ -41,9 +41,9 @@ def load_linear() -> Any:
     """The compiled GEMM library (built on first use, cached on disk like the attention kernel).
 
     Raises:
-        cpu.CpuKernelError: no compiler, or it would not build here (no AVX2/FMA).
+        loader.CpuKernelError: no compiler, or it would not build here (no AVX2/FMA).
     """
-    return cpu.load_library("the CPU linear kernel", LINEAR_SOURCE, _declare)
+    return loader.load_library("the CPU linear kernel", LINEAR_SOURCE, _declare)
 
 
 def _declare(lib: Any) -> None:
@@ -65,7 +65,7 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"dtype {dtype} unsupported; the CPU linear kernel is float32 only"
     try:
         load_linear()
-    except cpu.CpuKernelError as exc:
+    except loader.CpuKernelError as exc:
         return str(exc)
     return None
 
@@ -90,7 +90,7 @@ def as_rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
 
 
 class PackedLinear(torch.nn.Module):
-    """A float32 CPU ``nn.Linear`` whose weight is stored packed for ``linear_cpu.c``.
+    """A float32 CPU ``nn.Linear`` whose weight is stored packed for ``linear.c``.
 
     ``forward(x)`` takes ``[..., in_features]`` float32 CPU input and returns
     ``[..., out_features]``, equal to ``F.linear(x, weight, bias)`` within float32 rounding.

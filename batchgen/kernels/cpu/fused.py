@@ -1,4 +1,4 @@
-"""Fused element-wise CPU ops (``fused_cpu.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks.
+"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks.
 
 Why: in a decode step of a small model each of these is a chain of torch ops over a few dozen
 rows (RMSNorm alone is six), so dispatch and temporaries cost more than the arithmetic. One C
@@ -9,7 +9,7 @@ went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 m
 - :func:`fuse_modules` replaces, in a float32 CPU model, each RMSNorm by a
   :class:`FusedRMSNorm` and each gated MLP (``down(silu(gate(x)) * up(x))``) by a
   :class:`FusedGatedMLP`, whose gate and up projections run as one packed GEMM
-  (:class:`~batchgen.kernels.cpu_linear.PackedLinear`) followed by the fused SiLU·up. Modules
+  (:class:`~batchgen.kernels.cpu.linear.PackedLinear`) followed by the fused SiLU·up. Modules
   are recognised by their attributes, then **checked**: a candidate is replaced only if the
   fused version reproduces the module's own output on a probe input. A variant with other
   semantics (Gemma's ``1 + weight`` norm, another activation) fails the check and stays as is.
@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from . import cpu
-from .cpu_linear import PackedLinear, as_rows
+from . import loader
+from .linear import PackedLinear, as_rows
 
 logger = logging.getLogger(__name__)
 
-FUSED_SOURCE = Path(__file__).resolve().parent / "fused_cpu.c"
+FUSED_SOURCE = Path(__file__).resolve().parent / "fused.c"
 PROBE_ROWS = 5
 _unavailable: str | None = None
 
@@ -46,9 +46,9 @@ def load_fused() -> Any:
     """The compiled library (built on first use, cached on disk like the other kernels).
 
     Raises:
-        cpu.CpuKernelError: no compiler, or it would not build here.
+        loader.CpuKernelError: no compiler, or it would not build here.
     """
-    return cpu.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
+    return loader.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
 
 
 def _declare(lib: Any) -> None:
@@ -68,7 +68,7 @@ def available() -> bool:
         return False
     try:
         load_fused()
-    except cpu.CpuKernelError as exc:
+    except loader.CpuKernelError as exc:
         _unavailable = str(exc)
         logger.info("fused CPU ops unavailable: %s", _unavailable.splitlines()[0])
         return False
@@ -213,14 +213,14 @@ def fuse_modules(model: torch.nn.Module) -> dict[str, int]:
 
     Each candidate is replaced only if its fused version reproduces it on a probe input (see
     the module docstring); the gate and up weights are dropped once packed. Call before
-    :func:`~batchgen.kernels.cpu_linear.pack_linears`, which packs the linears left.
+    :func:`~batchgen.kernels.cpu.linear.pack_linears`, which packs the linears left.
 
     Returns:
         ``{"rms_norm": fused norms, "gated_mlp": fused MLPs, "rejected": candidates that
         failed the probe}``.
 
     Raises:
-        cpu.CpuKernelError: the library cannot be built here.
+        loader.CpuKernelError: the library cannot be built here.
     """
     load_fused()
     counts = {"rms_norm": 0, "gated_mlp": 0, "rejected": 0}

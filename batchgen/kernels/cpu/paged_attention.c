@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_exp.h"
+#include "exp.h"
 
 #if !defined(HEAD_SIZE) || !defined(GROUP)
 #error "compile with -DHEAD_SIZE=<n> -DGROUP=<n>"
@@ -42,7 +42,7 @@
  * (-fopenmp-simd: vectorisation only, no OpenMP runtime). */
 #define LANES 16
 
-/* exp(x) for x <= 0 (softmax numerators); relative error about 2e-7 (cpu_exp.h). */
+/* exp(x) for x <= 0 (softmax numerators); relative error about 2e-7 (exp.h). */
 static inline float exp_nonpos(float x) { return batchgen_exp_clamped(x < -87.0f ? -87.0f : x); }
 
 static inline float dot_head(const float *restrict a, const float *restrict b) {

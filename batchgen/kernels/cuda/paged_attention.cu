@@ -4,7 +4,7 @@
 // contiguous; a token's slot is block_id * block_size + offset.
 #include "paged_attention.cuh"
 
-// Shared-memory layout of paged_decode, in 4-byte words (cuda.py computes the same size):
+// Shared-memory layout of paged_decode, in 4-byte words (attention.py computes the same size):
 //   q      [BG_MAX_GROUP][BG_HEAD_SIZE]  queries of the group, pre-scaled, as float
 //   p      [BG_MAX_GROUP][BG_TILE]       a tile's logits, then its softmax numerators
 //   m, l   [BG_MAX_GROUP] each            running max and running denominator per head

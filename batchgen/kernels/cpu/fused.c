@@ -1,6 +1,6 @@
 /* batchgen: fused float32 element-wise operations for the CPU, one thread.
  *
- * Built and loaded by batchgen/kernels/cpu_fused.py (through cpu.py's build()). A decode step
+ * Built and loaded by batchgen/kernels/cpu/fused.py (through loader.py). A decode step
  * of a small model runs a few dozen rows, where each torch element-wise op costs more in
  * dispatch and temporaries than in arithmetic. These replace chains of them with one pass:
  *
@@ -15,9 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_exp.h"
+#include "exp.h"
 
-/* exp(x) over the whole float range (cpu_exp.h), relative error about 2e-7: +inf above 88.72
+/* exp(x) over the whole float range (exp.h), relative error about 2e-7: +inf above 88.72
  * (where expf overflows), 0 below -87.33 (where expf goes subnormal, too small to matter in a
  * sum or a denominator 1 + e); NaN stays NaN. */
 static inline float exp_f32(float x) {

@@ -4,7 +4,7 @@
  * vectorise: c = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf
  * coefficients), then 2^n as two factors 2^(n/2) 2^(n - n/2) built in the exponent bits (n
  * reaches 128 just below the overflow; each factor stays a normal float). Relative error about
- * 2e-7. Never built with -ffast-math (see cpu.py).
+ * 2e-7. Never built with -ffast-math (see loader.py).
  */
 #ifndef BATCHGEN_CPU_EXP_H
 #define BATCHGEN_CPU_EXP_H

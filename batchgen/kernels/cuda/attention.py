@@ -3,7 +3,7 @@
 ``paged_attention.cu`` is compiled once per (dtype, head_size, block_size) with
 ``cupy.RawModule`` (NVRTC; cupy's on-disk cache makes later processes skip compilation) and
 launched on torch's current CUDA stream, tensors passed through DLPack. The same launch code,
-:class:`KernelOps`, also drives the CPU harness (``cpu_harness.CpuModule``) in the tests, so what
+:class:`KernelOps`, also drives the CPU harness (``harness.CpuModule``) in the tests, so what
 is tested on a CPU is exactly the argument packing, grid and shared-memory sizing that runs on a
 GPU.
 
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from . import reference
+from batchgen.kernels import reference
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCE = KERNEL_DIR / "paged_attention.cu"
@@ -194,7 +194,7 @@ class HarnessBackend:
     device_type = "cpu"
 
     def __init__(self, source: Path = KERNEL_SOURCE, **harness_options: Any) -> None:
-        from .cpu_harness import CpuModule
+        from .harness import CpuModule
 
         self._factory: Callable[..., Any] = CpuModule
         self._source = Path(source)

@@ -1,0 +1,19 @@
+"""batchgen's C kernels for the CPU, each source beside its Python side and its torch reference.
+
+* ``loader.py``: builds each C source with the system compiler and loads it with ctypes.
+* ``paged_attention.c`` / ``attention.py``: paged decode attention (the ``cpu`` attention
+  backend); its torch reference is :mod:`batchgen.kernels.reference`, shared with the CUDA
+  kernels.
+* ``linear.c`` / ``linear.py``: the GEMM behind ``linear_backend="cpu"`` (:class:`PackedLinear`).
+* ``fused.c`` / ``fused.py``: RMSNorm, SiLU·up and the greedy pick.
+* ``exp.h``: the vectorisable ``exp`` the sources share.
+
+Importing this package imports torch but builds nothing; each library is built on first use.
+"""
+
+from __future__ import annotations
+
+from .attention import CpuOps, get_cpu_ops, load, unsupported_reason
+from .loader import CpuKernelError, compiler, load_library
+
+__all__ = ["CpuKernelError", "CpuOps", "compiler", "get_cpu_ops", "load", "load_library", "unsupported_reason"]

@@ -1,0 +1,162 @@
+"""Builds and loads batchgen's C kernels for the CPU: compiled at run time, cached on disk.
+
+Each C source here (``paged_attention.c``, ``linear.c``, ``fused.c``) is compiled by the system C
+compiler (``$CC``, else ``cc`` or ``gcc``) for the machine it runs on (``-march=native``), with
+its compile-time constants as ``-D`` defines, cached under ``$BATCHGEN_CACHE_DIR/cpu_kernels``
+(default ``~/.cache/batchgen``) by a hash of the source, the local headers it includes, the
+flags, the compiler and the CPU, and loaded once per process with ctypes
+(:func:`load_library`).
+
+Never ``-ffast-math``: a shared library linked with it switches the whole process to
+flush-to-zero, and a library whose load changes the FP mode is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from batchgen.models import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Flag sets tried in order; the first that compiles and links is used. Never -ffast-math: a
+# shared library linked with it sets flush-to-zero / denormals-are-zero for the whole process.
+_FLAG_SETS: tuple[tuple[str, ...], ...] = (
+    ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math"),
+    ("-O3", "-fopenmp-simd", "-fno-math-errno"),
+    ("-O2",),
+)
+_COMMON_FLAGS = ("-std=c99", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unknown-pragmas")
+
+
+class CpuKernelError(RuntimeError):
+    """The CPU kernel cannot be built or loaded here (no compiler, or every flag set failed)."""
+
+
+def compiler() -> str | None:
+    """The C compiler the backend would use (``$CC``, ``cc`` or ``gcc``), or None."""
+    env = os.environ.get("CC")
+    if env:
+        return shutil.which(env) or (env if Path(env).is_file() else None)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _machine_tag() -> str:
+    """CPU model and flags: a build with -march=native is only valid on the same kind of CPU."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return os.uname().machine + "\n" + "\n".join(keep)
+
+
+def _subnormals_work() -> bool:
+    """Whether float arithmetic still produces subnormal numbers (no flush-to-zero mode)."""
+    tiny = torch.tensor([1.0e-38], dtype=torch.float32)
+    return float(2.2250738585072014e-308 / 4.0) != 0.0 and bool((tiny / 100.0)[0] != 0.0)
+
+
+_build_lock = threading.Lock()
+
+
+def _compile(cc: str, source: Path, flags: tuple[str, ...], defines: list[str], out: Path) -> str | None:
+    """Compile ``source`` to ``out`` atomically; return the compiler's error text on failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        partial = Path(tmp) / out.name
+        cmd = [cc, *_COMMON_FLAGS, *flags, *defines, str(source), "-o", str(partial)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return f"{' '.join(cmd)}\n{proc.stderr[-2000:]}"
+        os.replace(partial, out)  # concurrent builders never see a half-written file
+    return None
+
+
+def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: str = "") -> tuple[Any, tuple[str, ...]]:
+    """Compile ``source`` (``what`` names it in errors) with the first flag set that works,
+    cached on disk, and load it.
+
+    The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source and the
+    local headers it includes, compiler version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
+    loaded library (it is then skipped, like a failed compile). Call with ``_build_lock`` held.
+
+    Returns:
+        ``(library, flags)``.
+
+    Raises:
+        CpuKernelError: no compiler, no flag set compiled, or loading changed the FP mode.
+    """
+    cc = compiler()
+    if cc is None:
+        raise CpuKernelError("no C compiler found (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    text = source.read_text()
+    # Local headers it includes ("..."), so that editing one rebuilds every user.
+    headers = [(source.parent / name).read_text() for name in re.findall(r'#include\s+"([^"]+)"', text)]
+    identity = [text, *headers, version, _machine_tag(), *_COMMON_FLAGS]
+    folder = cache_dir() / "cpu_kernels"
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _FLAG_SETS:
+        digest = hashlib.sha256("\0".join([*identity, *flags, *defines]).encode()).hexdigest()[:20]
+        path = folder / f"{source.stem}{'-' + tag if tag else ''}-{digest}.so"
+        if not path.exists():
+            error = _compile(cc, source, flags, defines, path)
+            if error is not None:
+                errors.append(error)
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        if not _subnormals_work():
+            # The load switched this process to flush-to-zero (a compiler that links
+            # fast-math start files). Too late to undo for this process; say so plainly.
+            raise CpuKernelError(f"loading {path} turned on flush-to-zero for the process; "
+                                 "use the torch backends or another compiler (CC)")
+        rejected = accept(lib) if accept is not None else None
+        if rejected:
+            errors.append(f"{path}: {rejected}")
+            continue
+        return lib, flags
+    raise CpuKernelError(f"could not build {what}:\n" + "\n".join(errors))
+
+
+_loaded: dict[tuple[Path, tuple[str, ...]], Any] = {}
+
+
+def load_library(what: str, source: Path, declare: Callable[[Any], None], defines: tuple[str, ...] = (),
+                 accept: Any = None, tag: str = "") -> Any:
+    """Build (or take from the disk cache) and load ``source`` with ``defines``, once per process.
+
+    ``declare(lib)`` sets the ctypes signatures; ``what`` names the library in errors and logs;
+    ``accept`` and ``tag`` are passed to :func:`build`.
+
+    Raises:
+        CpuKernelError: no compiler, or it would not build here.
+    """
+    key = (source, defines)
+    lib = _loaded.get(key)
+    if lib is not None:
+        return lib
+    with _build_lock:
+        lib = _loaded.get(key)
+        if lib is None:
+            lib, flags = build(what, source, list(defines), accept, tag=tag)
+            declare(lib)
+            logger.info("%s%s: flags %s", what, f" ({tag})" if tag else "", " ".join(flags))
+            _loaded[key] = lib
+        return lib
