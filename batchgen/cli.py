@@ -174,11 +174,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
         if issues:
             raise ConfigError(issues, str(args.config))
+        from batchgen.executor import check_address
+
+        cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
     if note:
         print(f"note: {note}")
+    if cluster:
+        print(f"note: {cluster}")
     output = Path(config.output.path)
     if output.exists() and output.stat().st_size > 0:
         if config.output.if_exists == "error":

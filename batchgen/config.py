@@ -331,6 +331,68 @@ class EngineSection(_Section):
     )
 
 
+class ResourcesSection(_Section):
+    """``executor.resources_per_replica:`` what Ray reserves for each engine replica."""
+
+    num_cpus: float | None = Field(
+        None, gt=0, description="CPU cores per replica, also its torch threads on the CPU; null = 1"
+    )
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per replica; null = 1 on a cluster with GPUs, else 0"
+    )
+
+
+class ExecutorSection(_Section):
+    """``executor:`` where the engine runs: in this process, or as replicas on a Ray cluster.
+
+    See docs/scale-out.md. The Ray backend needs the ``ray`` extra (checked by
+    :func:`batchgen.executor.check_executor`, not here: this module imports no optional package).
+    """
+
+    backend: Literal["local", "ray"] = "local"
+    replicas: PositiveInt | Literal["auto"] = Field(
+        1, description="engine replicas; 'auto' = one per GPU on a GPU cluster, else one per num_cpus cores"
+    )
+    address: str | None = Field(
+        None, description="null = start a local Ray; 'auto' = join the cluster of this machine; "
+        "'ray://host:port' (Ray Client) or 'host:port' (the head's GCS) = join that cluster"
+    )
+    resources_per_replica: ResourcesSection = Field(default_factory=ResourcesSection)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replicas(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two (int parsing + literal) for the union.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        rest = value[len("ray://"):] if value.startswith("ray://") else value
+        host, sep, port = rest.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"invalid Ray address {value!r}; use null (start a local Ray), 'auto', "
+                "'ray://host:port' (Ray Client, port 10001 by default) or 'host:port' (the head's GCS, port 6379)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _local_is_one(self) -> ExecutorSection:
+        if self.backend == "local":
+            extra = [k for k in ("replicas", "address") if k in self.model_fields_set and getattr(self, k) not in (1, None)]
+            if extra:
+                keys = " and ".join(f"'{k}'" for k in extra)
+                verb = "needs" if len(extra) == 1 else "need"
+                raise ValueError(f"{keys} {verb} backend 'ray' (the local backend runs one engine in this process); "
+                                 "set executor.backend: ray")
+        return self
+
+
 class OutputSection(_Section):
     """``output:`` the JSONL file, its summary, and what to do when it already exists."""
 
@@ -358,6 +420,7 @@ class RunConfig(_Section):
     prompt: PromptSection = Field(default_factory=PromptSection)
     generation: GenerationSection = Field(default_factory=GenerationSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    executor: ExecutorSection = Field(default_factory=ExecutorSection)
     metrics: list[MetricRef] = Field(default_factory=list)
     output: OutputSection
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to import")

@@ -142,6 +142,9 @@ def plan(
         resolve_model(config.model.name)
     except ModelNotFoundError as exc:
         raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
+    from batchgen.executor import check_executor
+
+    check_executor(config)  # backend 'ray' without Ray installed: say what to install
     data = load_rows(config.data)
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
     check_columns(data.columns, config, required)
@@ -243,13 +246,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _engine_stats(llm: Any) -> dict[str, Any] | None:
-    if llm is None:
-        return None
-    stats = llm.stats()
-    return stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
-
-
 def _aggregate(job: Job) -> tuple[dict[str, Any], dict[str, int]]:
     """Aggregate every metric over the ok records of the whole file (resumed ones included)."""
     counts = {"total": 0, "ok": 0, "error": 0}
@@ -268,12 +264,13 @@ def _aggregate(job: Job) -> tuple[dict[str, Any], dict[str, int]]:
     return aggregated, counts
 
 
-def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]:
+def execute(job: Job, *, quiet: bool = False, llm: Any = None, executor: Any = None) -> dict[str, Any]:
     """Generate every remaining row, write records and the summary; return the summary.
 
-    ``llm`` may be passed to reuse a loaded engine; otherwise one is built from ``engine`` and
-    ``model``. Raises :class:`RunFailed` (or ``KeyboardInterrupt``) after writing a summary
-    whose ``status`` says what happened.
+    ``llm`` may be passed to reuse a loaded engine, or ``executor`` a started executor (left
+    running); otherwise the executor that ``executor:`` asks for is built from ``engine`` and
+    ``model`` (see :mod:`batchgen.executor`) and stopped at the end. Raises :class:`RunFailed`
+    (or ``KeyboardInterrupt``) after writing a summary whose ``status`` says what happened.
     """
     config = job.config
     started, t0 = _now(), time.perf_counter()
@@ -289,32 +286,21 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
     timings: dict[str, float] = {}
     new_records = {"ok": 0, "error": 0}
     plugin_error = _plugin_error_type()
+    from batchgen.executor import ExecutorError, make_executor
+
+    owned = executor is None
+    executor = executor or make_executor(config, llm)
     # A reused engine has counted earlier work; throughput covers this run only.
-    before = _engine_stats(llm) or {}
+    before = executor.stats() or {}
     try:
         job.registry.notify("batchgen_run_start", config=resolved)
-        if llm is None and job.todo:  # nothing left (a finished run resumed): skip the model
+        if job.todo and executor.tokenizer is None:  # nothing left (a finished run resumed): skip the model
             t = time.perf_counter()
-            from batchgen import LLM
-
-            engine = config.engine
-            llm = LLM(
-                model=config.model.name,
-                dtype=config.model.dtype,
-                device=config.model.device,
-                block_size=engine.block_size,
-                kv_cache_memory=int(engine.kv_cache_memory) if engine.kv_cache_memory is not None else None,
-                max_num_seqs=engine.max_num_seqs,
-                max_num_batched_tokens=engine.max_num_batched_tokens,
-                enable_prefix_caching=engine.enable_prefix_caching,
-                attention_backend=engine.attention_backend,
-                linear_backend=engine.linear_backend,
-                seed=engine.seed,
-            )
+            executor.start()
             timings["load_model_s"] = time.perf_counter() - t
         t_gen = time.perf_counter()
         if job.todo:
-            _generate(job, llm, quiet, new_records)
+            _generate(job, executor, quiet, new_records)
         timings["generate_s"] = time.perf_counter() - t_gen
         metrics, counts = _aggregate(job)
         summary["status"] = "completed"
@@ -322,7 +308,7 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
         raise
-    except (RunFailed, plugin_error) as exc:
+    except (RunFailed, ExecutorError, plugin_error) as exc:
         summary["status"] = "failed"
         summary["error"] = str(exc)
         raise RunFailed(str(exc)) from exc
@@ -344,16 +330,19 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None) -> dict[str, Any]
             "this_run_ok": new_records["ok"],
             "this_run_error": new_records["error"],
         }
-        stats = _engine_stats(llm)
+        stats = executor.stats()
         summary["engine"] = stats
+        summary["executor"] = executor.describe()
         summary["throughput"] = _throughput(stats, before, timings, sum(new_records.values()))
+        if owned:
+            executor.close()  # stops the replicas, on Ctrl-C too
         write_json_atomic(config.output.summary_file, summary)
     job.registry.notify("batchgen_run_end", summary=summary)
     return summary
 
 
 def _generate(job: Job, llm: Any, quiet: bool, new_records: dict[str, int]) -> None:
-    """Stream every remaining row through ``llm``, writing each record as it finishes."""
+    """Stream every remaining row through ``llm`` (an executor), writing each record as it finishes."""
     config = job.config
     builder = PromptBuilder(config.prompt, llm.tokenizer, llm.max_model_len, config.generation.max_tokens)
     params = build_params(config.generation, job.logits_processors)

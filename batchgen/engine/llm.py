@@ -163,11 +163,9 @@ class LLM:
                 except StopIteration:
                     exhausted = True
                     break
-                group = self._make_group(request)
-                error = group.error or self.scheduler.add(group)
-                if error is not None:
-                    group.error = error
-                    yield self._make_output(group)
+                rejected = self.add_request(request)
+                if rejected is not None:
+                    yield rejected
             if not self.scheduler.has_unfinished:
                 if exhausted:
                     return
@@ -176,6 +174,21 @@ class LLM:
             if on_tokens is not None and num_new:
                 on_tokens(num_new)
             yield from finished
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue one request for the next :meth:`step`; for callers that drive the step loop
+        themselves (an executor's replica). Returns the request's error output at once when it
+        can never run (e.g. its prompt cannot fit), else None."""
+        group = self._make_group(request)
+        error = group.error or self.scheduler.add(group)
+        if error is None:
+            return None
+        group.error = error
+        return self._make_output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a queued or running request is left for :meth:`step`."""
+        return self.scheduler.has_unfinished
 
     def stats(self) -> EngineStats:
         """Run-level counters since this LLM was created."""

@@ -1,0 +1,708 @@
+"""Executors: where the engine runs. The pipeline streams requests through one, whatever it is.
+
+* :class:`LocalExecutor`: one :class:`~batchgen.LLM` in this process (the default).
+* :class:`RayExecutor`: N engine replicas, each a Ray actor holding its own ``LLM`` on its own
+  GPU or cores, fed by this process (the *driver*). See docs/scale-out.md.
+
+Contract of both (what :func:`batchgen.pipeline.execute` relies on):
+
+* :meth:`start` loads the engine(s); then ``tokenizer`` and ``max_model_len`` are set.
+* :meth:`stream` takes an iterable of :class:`~batchgen.engine.outputs.Request` and yields one
+  :class:`~batchgen.engine.outputs.RequestOutput` per request, as each finishes (finish order),
+  each request exactly once: a request the engine cannot run, or that crashed its replica
+  :data:`MAX_ROW_CRASHES` times, comes back with ``error`` set. The iterable is read lazily, at
+  most :meth:`RayExecutor.in_flight_limit` requests per replica ahead, so memory stays bounded
+  whatever the dataset size. ``on_tokens(n)`` is called as tokens are generated.
+* :meth:`stats` is the engine statistics (``EngineStats.to_dict()``; summed over replicas),
+  :meth:`describe` what the run summary records under ``executor`` (per-replica figures).
+* :meth:`close` stops every replica (also after Ctrl-C); it is idempotent.
+
+The driver-fed design (rather than Ray Data's ``map_batches``): rows stream from the driver to
+the replicas in small calls, each call returning the records that finished meanwhile, so the
+single writer (the pipeline) appends records in finish order as they come, a replica's
+in-flight rows are known exactly (re-run after a crash, never lost or written twice), and the
+work in flight per replica is bounded. Ray is imported lazily, only here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.config import ConfigError, ConfigIssue, ExecutorSection, RunConfig
+
+__all__ = [
+    "ExecutorError",
+    "LocalExecutor",
+    "MAX_ROW_CRASHES",
+    "RayExecutor",
+    "RAY_INSTALL_HINT",
+    "check_address",
+    "check_executor",
+    "engine_kwargs",
+    "make_executor",
+]
+
+logger = logging.getLogger(__name__)
+
+RAY_INSTALL_HINT = 'pip install "batchgen[ray]"'
+#: A row in flight on a replica that crashed this many times becomes an error record. From
+#: its second crash on, the row runs alone on a replica, so that the crash is its own.
+MAX_ROW_CRASHES = 3
+#: Calls queued per replica: the next call waits in the actor while the driver handles the last
+#: one's records, so the replica never idles on the round trip.
+CALLS_PER_REPLICA = 2
+#: A replica call returns as soon as a request finishes, or after this long (progress ticks).
+CALL_MAX_SECONDS = 0.5
+#: Restarts of one replica in a row that fail to start before the run gives up.
+MAX_START_FAILURES = 3
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot go on (replicas that cannot start, a cluster too small...).
+
+    A runtime failure: the pipeline turns it into a failed run (exit status 1)."""
+
+
+def engine_kwargs(config: RunConfig) -> dict[str, Any]:
+    """The :class:`~batchgen.LLM` arguments of a run's ``model`` and ``engine`` sections."""
+    engine = config.engine
+    return dict(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        device=config.model.device,
+        block_size=engine.block_size,
+        kv_cache_memory=int(engine.kv_cache_memory) if engine.kv_cache_memory is not None else None,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        attention_backend=engine.attention_backend,
+        linear_backend=engine.linear_backend,
+        seed=engine.seed,
+    )
+
+
+def make_executor(config: RunConfig, llm: Any = None) -> LocalExecutor | RayExecutor:
+    """The executor ``config.executor`` asks for (not started); ``llm`` reuses a loaded engine."""
+    if llm is not None or config.executor.backend == "local":
+        return LocalExecutor(config, llm)
+    return RayExecutor(config)
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    return stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+
+
+# --------------------------------------------------------------------------- local
+
+
+class LocalExecutor:
+    """One engine in this process: :meth:`stream` is ``LLM.stream``."""
+
+    backend = "local"
+
+    def __init__(self, config: RunConfig, llm: Any = None) -> None:
+        self.config = config
+        self.llm = llm
+        self.tokenizer: Any = getattr(llm, "tokenizer", None)
+        self.max_model_len: int | None = getattr(llm, "max_model_len", None)
+        self._records = self._tokens = 0
+        self._seconds = 0.0
+        self._before: dict[str, Any] = {}
+
+    def start(self) -> None:
+        if self.llm is None:
+            from batchgen import LLM
+
+            self.llm = LLM(**engine_kwargs(self.config))
+        self.tokenizer, self.max_model_len = self.llm.tokenizer, self.llm.max_model_len
+
+    def stream(self, requests: Iterable[Any], on_tokens: Callable[[int], None] | None = None) -> Iterator[Any]:
+        self._records = self._tokens = 0
+        self._before = self.stats() or {}
+        t0 = time.perf_counter()
+        try:
+            for output in self.llm.stream(requests, on_tokens=on_tokens):
+                self._records += 1
+                self._tokens += output.stats.num_generated_tokens
+                yield output
+        finally:
+            self._seconds = time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any] | None:
+        """The engine's counters since it was built (``LLM.stats()``), or None before start."""
+        return _stats_dict(self.llm.stats()) if self.llm is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        per_replica = []
+        if self.llm is not None:
+            import torch
+
+            line = _replica_figures(self._records, self._tokens, self._seconds, self.stats() or {}, self._before)
+            line.update(replica=0, node=socket.gethostname(), pid=os.getpid(), threads=torch.get_num_threads(),
+                        restarts=0)
+            per_replica.append(line)
+        return {"backend": "local", "replicas": 1, "per_replica": per_replica}
+
+    def close(self) -> None:
+        """Nothing to stop: the engine lives as long as this process (or its owner) keeps it."""
+
+
+def _replica_figures(records: int, tokens: int, seconds: float, stats: dict[str, Any],
+                     before: dict[str, Any]) -> dict[str, Any]:
+    """One replica's line of the summary: this run's records, tokens, speed, preemptions, KV peak."""
+    num_blocks = stats.get("num_blocks") or 0
+    peak = stats.get("peak_blocks_used", 0)
+    return {
+        "records": records,
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "preemptions": int(stats.get("num_preemptions", 0)) - int(before.get("num_preemptions", 0)),
+        "kv_peak_blocks": peak,
+        "kv_num_blocks": num_blocks,
+        "kv_peak_fraction": peak / num_blocks if num_blocks else 0.0,
+    }
+
+
+# --------------------------------------------------------------------------- Ray: checks
+
+
+def _import_ray() -> Any:
+    """``import ray``, or :class:`ConfigError` naming the extra to install."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError([ConfigIssue(
+            "executor.backend",
+            f"backend 'ray' needs Ray, which is not installed ({exc}); install it with: {RAY_INSTALL_HINT}",
+        )]) from None
+    return ray
+
+
+def check_executor(config: RunConfig) -> None:
+    """Checks that need no cluster: with ``backend: ray``, that Ray can be imported.
+
+    Raises:
+        ConfigError: naming ``executor.backend`` and the extra to install.
+    """
+    if config.executor.backend == "ray":
+        _import_ray()
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    return (host, int(port)) if sep and port.isdigit() else None
+
+
+def check_address(section: ExecutorSection, timeout: float = 5.0) -> str | None:
+    """``batchgen validate``: connect to ``section.address`` and disconnect.
+
+    Returns a one-line description of the cluster, or None when there is nothing to check
+    (local backend, or ``address: null``, which starts a local Ray at run time).
+
+    Raises:
+        ConfigError: on ``executor.address``, saying what failed and how to start a cluster.
+    """
+    if section.backend != "ray" or section.address is None:
+        return None
+    ray = _import_ray()
+    address = section.address
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError([ConfigIssue(
+            "executor.address",
+            f"cannot reach the Ray cluster at {address!r}: {why}; start one with 'ray start --head' "
+            "(then 'ray start --address=HEAD:6379' on the other machines), or set executor.address: null "
+            "to start a local Ray",
+        )])
+
+    target = _host_port(address)
+    if target is not None:
+        try:
+            socket.create_connection(target, timeout=timeout).close()
+        except OSError as exc:
+            raise fail(f"{target[0]}:{target[1]} does not answer ({exc.strerror or exc})") from None
+    if ray.is_initialized():  # this process is already connected (a library user, the tests)
+        return f"already connected to {ray.get_runtime_context().gcs_address}"
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        try:
+            resources = ray.cluster_resources()
+        finally:
+            ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 - any failure to connect is the user's to fix
+        raise fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+    gpus = int(resources.get("GPU", 0))
+    return f"Ray cluster at {address}: {int(resources.get('CPU', 0))} CPUs, {gpus} GPUs"
+
+
+# --------------------------------------------------------------------------- Ray: the replica
+
+
+def build_engine(engine: dict[str, Any]) -> Any:
+    """The default engine factory of a replica: an ``LLM``."""
+    from batchgen import LLM
+
+    return LLM(**engine)
+
+
+class EngineReplica:
+    """One engine replica: the body of a Ray actor (``ray.remote`` is applied by the driver).
+
+    The driver queues requests with :meth:`step`, which adds them to the engine and runs engine
+    steps until a request finishes (or :data:`CALL_MAX_SECONDS` pass), then returns the finished
+    outputs, the tokens generated meanwhile and the engine's counters.
+    """
+
+    def __init__(self, engine: dict[str, Any], threads: int | None,
+                 factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        t0 = time.perf_counter()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            pass
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine = (factory or build_engine)(engine)
+        self.load_seconds = time.perf_counter() - t0
+
+    def ready(self) -> dict[str, Any]:
+        """Where this replica runs and what it holds (called once, after loading)."""
+        import torch
+
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+            gpus = [str(g) for g in ray.get_gpu_ids()]
+        except Exception:  # noqa: BLE001 - informational only
+            node, gpus = None, []
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node_id": node, "gpu_ids": gpus,
+                "threads": torch.get_num_threads(), "max_model_len": self.engine.max_model_len,
+                "load_seconds": self.load_seconds}
+
+    def step(self, requests: list[Any], max_seconds: float = CALL_MAX_SECONDS) -> tuple[list[Any], int, dict]:
+        finished = []
+        for request in requests:
+            rejected = self.engine.add_request(request)
+            if rejected is not None:
+                finished.append(rejected)
+        tokens = 0
+        t0 = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            done, num_new = self.engine.step()
+            tokens += num_new
+            finished.extend(done)
+            if finished or time.perf_counter() - t0 >= max_seconds:
+                break
+        return finished, tokens, _stats_dict(self.engine.stats())
+
+
+# --------------------------------------------------------------------------- Ray: the driver
+
+
+@dataclass
+class _Replica:
+    """The driver's view of one replica (across restarts)."""
+
+    index: int
+    actor: Any = None
+    incarnation: int = 0
+    ready: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    in_flight: dict[str, Any] = field(default_factory=dict)  # request id -> Request
+    calls: int = 0
+    solo: bool = False  # running one suspect row alone
+    restarts: int = 0
+    start_failures: int = 0
+    # Engine counters: the live incarnation's last snapshot, and those of dead ones summed.
+    stats: dict[str, Any] = field(default_factory=dict)
+    retired: dict[str, Any] = field(default_factory=dict)
+    # This run's figures.
+    records: int = 0
+    tokens: int = 0
+    first_call: float | None = None
+    last_result: float | None = None
+    before: dict[str, Any] = field(default_factory=dict)
+
+
+_SUMMED = ("num_blocks", "kv_cache_bytes", "peak_blocks_used", "prefix_cache_queries", "prefix_cache_hits",
+           "num_preemptions", "num_cow_copies", "num_prompt_tokens", "num_generated_tokens",
+           "num_prefill_tokens", "num_steps", "physical_blocks", "logical_blocks")
+# Counters that restart at zero with a new incarnation and add up over its life.
+_COUNTERS = tuple(k for k in _SUMMED if k not in ("num_blocks", "kv_cache_bytes", "peak_blocks_used"))
+
+
+def _aggregate_stats(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Engine stats over replicas: counters and sizes summed (``peak_blocks_used`` is the sum of
+    the replicas' peaks), the ratios recomputed."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    total: dict[str, Any] = {k: sum(int(p.get(k, 0)) for p in parts) for k in _SUMMED}
+    total["block_size"] = parts[0].get("block_size")
+    logical, queries = total["logical_blocks"], total["prefix_cache_queries"]
+    total["saving"] = 1.0 - total["physical_blocks"] / logical if logical else 0.0
+    total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+    return total
+
+
+class RayExecutor:
+    """Engine replicas on a Ray cluster, fed by this process.
+
+    Args:
+        config: the run's config (``model``, ``engine`` and ``executor`` are read).
+        engine_factory: builds a replica's engine from :func:`engine_kwargs` (default: an
+            ``LLM``); a module-level function, so Ray can ship it by reference. The benchmark
+            passes an instant fake engine to measure the driver alone.
+    """
+
+    backend = "ray"
+
+    def __init__(self, config: RunConfig, engine_factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.config = config
+        self.section = config.executor
+        self.engine_factory = engine_factory
+        self.tokenizer: Any = None
+        self.max_model_len: int | None = None
+        self.replicas: list[_Replica] = []
+        self.num_cpus = 1.0
+        self.num_gpus = 0.0
+        self.threads = 1
+        self.startup: dict[str, float] = {}
+        self._ray: Any = None
+        self._owns_ray = False
+        self._actor_class: Any = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Connect to (or start) Ray, place the replicas and wait until every one has loaded."""
+        ray = self._ray = _import_ray()
+        t0 = time.perf_counter()
+        if not ray.is_initialized():
+            address = self.section.address or "local"
+            kwargs: dict[str, Any] = dict(address=address, logging_level=logging.ERROR, log_to_driver=True)
+            if address == "local":
+                kwargs["include_dashboard"] = False
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported with the address
+                raise ExecutorError(f"cannot start or join Ray at {address!r}: {type(exc).__name__}: {exc}") from None
+            self._owns_ray = True
+        self.startup["ray_init_s"] = time.perf_counter() - t0
+        count = self._plan_resources(ray.cluster_resources())
+        self._actor_class = ray.remote(EngineReplica)
+        t1 = time.perf_counter()
+        self.replicas = [_Replica(i) for i in range(count)]
+        for replica in self.replicas:
+            self._launch(replica)
+        for replica in self.replicas:
+            try:
+                replica.info = ray.get(replica.actor.ready.remote())
+            except ray.exceptions.RayError as exc:
+                raise ExecutorError(f"replica {replica.index} failed to start: {_cause(exc)}") from None
+            replica.ready = True
+        self.startup["replicas_ready_s"] = time.perf_counter() - t1
+        self.startup["total_s"] = time.perf_counter() - t0
+        info = self.replicas[0].info
+        self.max_model_len = info["max_model_len"]
+        from transformers import AutoTokenizer
+
+        from batchgen.models import resolve_model
+
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name).path)
+        logger.info("%d replicas ready in %.1f s (Ray %.1f s)", count, self.startup["total_s"],
+                    self.startup["ray_init_s"])
+
+    def _plan_resources(self, cluster: dict[str, float]) -> int:
+        """Settle replicas, CPUs and GPUs per replica against what the cluster has."""
+        wanted = self.section.resources_per_replica
+        cpus, gpus = float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0))
+        on_cpu = self.config.model.device == "cpu"
+        self.num_gpus = float(wanted.num_gpus) if wanted.num_gpus is not None else (1.0 if gpus and not on_cpu else 0.0)
+        self.num_cpus = float(wanted.num_cpus) if wanted.num_cpus is not None else 1.0
+        self.threads = max(1, int(self.num_cpus))
+        if self.section.replicas == "auto":
+            count = int(gpus // self.num_gpus) if self.num_gpus else int(cpus // self.num_cpus)
+            if count < 1:
+                raise ExecutorError(
+                    f"executor.replicas 'auto': the cluster has {cpus:g} CPUs and {gpus:g} GPUs, not enough for one "
+                    f"replica of {self.num_cpus:g} CPUs and {self.num_gpus:g} GPUs; lower resources_per_replica")
+            return count
+        count = int(self.section.replicas)
+        for name, need, have in (("CPUs", self.num_cpus, cpus), ("GPUs", self.num_gpus, gpus)):
+            if need * count > have + 1e-9:
+                raise ExecutorError(
+                    f"{count} replicas x {need:g} {name} do not fit the Ray cluster, which has {have:g} {name}; "
+                    f"lower executor.replicas or executor.resources_per_replica.num_{name[:-1].lower()}s, "
+                    "or use replicas: auto")
+        return count
+
+    def _launch(self, replica: _Replica) -> None:
+        engine = engine_kwargs(self.config)
+        if self.num_gpus and str(engine["device"]).startswith("cuda:"):
+            engine["device"] = "cuda"  # Ray hands the replica its GPUs as cuda:0...
+        replica.actor = self._actor_class.options(
+            num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_task_retries=0,
+        ).remote(engine, self.threads if not self.num_gpus else None, self.engine_factory)
+        replica.incarnation += 1
+        replica.ready = False
+        replica.calls = 0
+        replica.solo = False
+
+    def in_flight_limit(self) -> int:
+        """Requests in flight per replica: a full batch plus a queue that covers the refill lag."""
+        seqs = self.config.engine.max_num_seqs
+        return seqs + max(8, seqs // 4)
+
+    # ---------------------------------------------------------------- stream
+    def stream(self, requests: Iterable[Any], on_tokens: Callable[[int], None] | None = None) -> Iterator[Any]:
+        """Run every request on the replicas; yield each output as it finishes (see module doc)."""
+        ray = self._ray
+        source = iter(requests)
+        exhausted = False
+        retry: collections.deque[Any] = collections.deque()  # crashed once: re-run with others
+        suspects: collections.deque[Any] = collections.deque()  # crashed twice or more: re-run alone
+        crashes: dict[str, int] = {}
+        last_error: dict[str, str] = {}
+        calls: dict[Any, tuple[_Replica, int, str]] = {}  # ObjectRef -> (replica, incarnation, kind)
+        limit = self.in_flight_limit()
+        crashes_in_a_row = 0
+        now = time.perf_counter
+        for replica in self.replicas:
+            replica.records = replica.tokens = 0
+            replica.first_call = replica.last_result = None
+            replica.before = self._replica_stats(replica)
+
+        def next_row(replica: _Replica) -> Any:
+            nonlocal exhausted
+            if replica.solo:
+                return None
+            if suspects and not replica.in_flight:
+                replica.solo = True
+                return suspects.popleft()
+            if retry:
+                return retry.popleft()
+            if not exhausted:
+                try:
+                    return next(source)
+                except StopIteration:
+                    exhausted = True
+            return None
+
+        def call(replica: _Replica, rows: list[Any]) -> None:
+            for request in rows:
+                replica.in_flight[request.request_id] = request
+            ref = replica.actor.step.remote(rows, CALL_MAX_SECONDS)
+            calls[ref] = (replica, replica.incarnation, "step")
+            replica.calls += 1
+            if replica.first_call is None:
+                replica.first_call = now()
+
+        def feed() -> None:
+            """Top every ready replica up to its limit, one row per replica in turn, and keep
+            CALLS_PER_REPLICA calls queued on each replica that has work."""
+            new: dict[int, list[Any]] = {r.index: [] for r in self.replicas}
+            hungry = [r for r in self.replicas if r.ready]
+            while hungry:
+                for replica in list(hungry):
+                    if len(replica.in_flight) + len(new[replica.index]) >= limit:
+                        hungry.remove(replica)
+                        continue
+                    row = next_row(replica)
+                    if row is None:
+                        hungry.remove(replica)
+                        continue
+                    new[replica.index].append(row)
+            for replica in self.replicas:
+                if not replica.ready:
+                    continue
+                if new[replica.index]:
+                    call(replica, new[replica.index])
+                while replica.in_flight and replica.calls < CALLS_PER_REPLICA:
+                    call(replica, [])
+
+        def crashed(replica: _Replica, exc: Exception) -> Iterator[Any]:
+            """Restart ``replica``; its in-flight rows run again, or fail after MAX_ROW_CRASHES."""
+            nonlocal crashes_in_a_row
+            crashes_in_a_row += 1
+            why = _cause(exc)
+            logger.warning("replica %d crashed (%s); restarting it, %d row(s) to re-run",
+                           replica.index, why, len(replica.in_flight))
+            for request in replica.in_flight.values():
+                rid = request.request_id
+                crashes[rid] = crashes.get(rid, 0) + 1
+                last_error[rid] = why
+                if crashes[rid] >= MAX_ROW_CRASHES:
+                    yield _error_output(request, f"the engine replica crashed {crashes[rid]} times while running "
+                                                 f"this row (the last {crashes[rid] - 1} with this row alone); "
+                                                 f"last error: {why}")
+                elif crashes[rid] >= 2:
+                    suspects.append(request)
+                else:
+                    retry.appendleft(request)
+            replica.in_flight.clear()
+            for ref in [r for r, (rep, _, _) in calls.items() if rep is replica]:
+                del calls[ref]
+            self._fold(replica)
+            self._kill(replica)
+            replica.restarts += 1
+            if crashes_in_a_row > MAX_ROW_CRASHES * (len(self.replicas) + 1):
+                raise ExecutorError(f"the replicas crashed {crashes_in_a_row} times in a row without finishing "
+                                    f"a record; last error: {why}")
+            self._launch(replica)
+            calls[replica.actor.ready.remote()] = (replica, replica.incarnation, "ready")
+
+        feed()
+        try:
+            while calls:
+                done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
+                for ref in done:
+                    entry = calls.pop(ref, None)
+                    if entry is None:
+                        continue
+                    replica, incarnation, kind = entry
+                    if incarnation != replica.incarnation:
+                        continue
+                    try:
+                        result = ray.get(ref)
+                    except ray.exceptions.RayError as exc:
+                        if _is_plugin_error(exc):
+                            raise _cause_exception(exc) from None
+                        if kind == "ready":
+                            replica.start_failures += 1
+                            if replica.start_failures >= MAX_START_FAILURES:
+                                raise ExecutorError(f"replica {replica.index} failed to start "
+                                                    f"{replica.start_failures} times in a row: {_cause(exc)}") from None
+                        yield from crashed(replica, exc)
+                        feed()
+                        continue
+                    if kind == "ready":
+                        replica.info, replica.ready, replica.start_failures = result, True, 0
+                        feed()
+                        continue
+                    outputs, tokens, stats = result
+                    replica.calls -= 1
+                    replica.stats = stats
+                    replica.last_result = now()
+                    for output in outputs:
+                        replica.in_flight.pop(output.request_id, None)
+                    if not replica.in_flight:
+                        replica.solo = False
+                    # Queue the replica's next call before writing: it keeps generating meanwhile.
+                    feed()
+                    if outputs:
+                        crashes_in_a_row = 0
+                    if on_tokens is not None and tokens:
+                        on_tokens(tokens)
+                    for output in outputs:
+                        replica.records += 1
+                        replica.tokens += output.stats.num_generated_tokens
+                        yield output
+                if not calls and (retry or suspects or not exhausted):
+                    feed()  # e.g. every replica was restarting
+            if retry or suspects:
+                raise ExecutorError(f"{len(retry) + len(suspects)} row(s) were left without a replica")
+        finally:
+            for replica in self.replicas:
+                replica.in_flight.clear()
+                replica.calls = 0
+
+    def _fold(self, replica: _Replica) -> None:
+        """Keep a dying incarnation's counters (its engine's die with it)."""
+        replica.retired = self._replica_stats(replica)
+        replica.stats = {}
+
+    def _kill(self, replica: _Replica) -> None:
+        if replica.actor is not None:
+            try:
+                self._ray.kill(replica.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - it may be gone already
+                pass
+            replica.actor = None
+            replica.ready = False
+
+    # ---------------------------------------------------------------- figures
+    def _replica_stats(self, replica: _Replica) -> dict[str, Any]:
+        """The engine counters of ``replica`` since the executor started, restarts included."""
+        stats = {**replica.retired, **replica.stats}
+        for key in _COUNTERS:
+            stats[key] = int(replica.stats.get(key, 0)) + int(replica.retired.get(key, 0))
+        stats["peak_blocks_used"] = max(int(replica.stats.get("peak_blocks_used", 0)),
+                                        int(replica.retired.get("peak_blocks_used", 0)))
+        return stats
+
+    def stats(self) -> dict[str, Any] | None:
+        """Engine counters since start, summed over the replicas (see :func:`_aggregate_stats`)."""
+        return _aggregate_stats([self._replica_stats(r) for r in self.replicas])
+
+    def describe(self) -> dict[str, Any]:
+        per_replica = []
+        for r in self.replicas:
+            seconds = (r.last_result - r.first_call) if r.first_call is not None and r.last_result is not None else 0.0
+            line = _replica_figures(r.records, r.tokens, seconds, self._replica_stats(r), r.before)
+            line.update(replica=r.index, node=r.info.get("host"), node_id=r.info.get("node_id"),
+                        pid=r.info.get("pid"), threads=r.info.get("threads"), gpu_ids=r.info.get("gpu_ids"),
+                        restarts=r.restarts)
+            per_replica.append(line)
+        return {"backend": "ray", "address": self.section.address, "replicas": len(self.replicas),
+                "resources_per_replica": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+                "startup_s": self.startup, "restarts": sum(r.restarts for r in self.replicas),
+                "per_replica": per_replica}
+
+    # ---------------------------------------------------------------- stop
+    def close(self) -> None:
+        """Stop every replica; shut Ray down when this executor started it. Idempotent."""
+        if self._closed or self._ray is None:
+            return
+        self._closed = True
+        for replica in self.replicas:
+            self._kill(replica)
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+
+def _error_output(request: Any, message: str) -> Any:
+    from batchgen.engine.outputs import RequestOutput
+
+    prompt = request.prompt
+    return RequestOutput(request_id=request.request_id, prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), error=message)
+
+
+def _cause_exception(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _is_plugin_error(exc: BaseException) -> bool:
+    from batchgen.plugins import PluginError
+
+    return isinstance(_cause_exception(exc), PluginError)
+
+
+def _cause(exc: BaseException) -> str:
+    """A one-line reason for a Ray failure (the remote exception's own message when there is one)."""
+    cause = _cause_exception(exc)
+    text = str(cause).strip()
+    if cause is exc:
+        # Ray's actor-died messages are long; their first line says what happened.
+        text = text.splitlines()[0] if text else ""
+    else:
+        text = text.splitlines()[-1] if text else ""
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__

@@ -1,0 +1,259 @@
+"""The Ray executor on a local Ray: the same records as a local run, faults, resume, missing Ray.
+
+One local Ray serves the whole module (it is slow to start on two cores), and one pair of
+SmolLM2 replicas serves the tests that compare with a local run (loading is the slow part).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchgen.cli import main as cli_main
+from batchgen.config import ConfigError, validate_config
+from batchgen.pipeline import execute, plan
+from batchgen.plugins import load_registry
+
+PROMPTS = [
+    "Name three primary colors.", "What is the capital of France?", "Give one tip for writing clear emails.",
+    "Explain what a prime number is.", "Write a haiku about the sea.", "List two uses of a paperclip.",
+    "What does a compiler do?", "Describe the colour of the sky.", "Why do cats purr?",
+    "Suggest a name for a goldfish.", "What is 12 times 12?", "Translate 'good morning' to French.",
+]
+# A full batch on each replica, and a few waves of it, so that a replica can be killed mid-run.
+ENGINE = {"max_num_seqs": 4, "kv_cache_memory": "64MiB"}
+GREEDY = {"mode": "greedy", "max_tokens": 16, "ignore_eos": True}
+SEEDED = {"mode": "sample", "n": 3, "temperature": 0.9, "top_p": 0.95, "max_tokens": 12}
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Any:
+    """One local Ray for the module; executors find it initialised and join it."""
+    ray = pytest.importorskip("ray", reason='the Ray executor tests need: pip install "batchgen[ray]"')
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"uid": f"r{i:02d}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 2)))
+    return path
+
+
+def _config(tmp: Path, source: Path, generation: dict[str, Any], name: str, **executor: Any) -> Any:
+    return validate_config({
+        "model": {"name": "smollm2-135m-instruct", "device": "cpu", "dtype": "float32"},
+        "data": {"source": str(source), "id_column": "uid"},
+        "prompt": {"column": "prompt"},
+        "generation": generation,
+        "engine": ENGINE,
+        "executor": {"backend": "ray", "replicas": 2, **executor},
+        "metrics": [{"name": "length"}],
+        "output": {"path": str(tmp / f"{name}.jsonl")},
+    })
+
+
+def _generations(records: list[dict[str, Any]], logprob_digits: int | None = None) -> dict[str, Any]:
+    """What a run computed for each id. ``usage.cached_tokens`` depends on which rows shared a
+    replica's prefix cache, so it is left out; with ``logprob_digits`` the cumulative logprobs
+    are rounded (a prompt computed partly from cached blocks differs in its last float bits)."""
+    def gens(record: dict[str, Any]) -> list[dict[str, Any]]:
+        if logprob_digits is None:
+            return record["generations"]
+        return [{**g, "cumulative_logprob": round(g["cumulative_logprob"], logprob_digits)}
+                for g in record["generations"]]
+
+    return {r["id"]: (r["prompt"], gens(r), r["error"], r["metrics"], r["usage"]["generated_tokens"])
+            for r in records}
+
+
+@pytest.fixture(scope="module")
+def local_records(smollm2_path: str, prompts_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The local run's records, greedy and seeded n=3, at one torch thread: the replicas' kernels."""
+    import torch
+
+    from batchgen import LLM
+    from batchgen.executor import engine_kwargs
+
+    tmp = tmp_path_factory.mktemp("local")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        greedy = _config(tmp, prompts_file, GREEDY, "greedy", backend="local", replicas=1)
+        llm = LLM(**engine_kwargs(greedy))
+        out = {}
+        for name, generation in (("greedy", GREEDY), ("seeded", SEEDED)):
+            config = _config(tmp, prompts_file, generation, name, backend="local", replicas=1)
+            execute(plan(config, load_registry()), quiet=True, llm=llm)
+            out[name] = _read(Path(config.output.path))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+class TestTwoReplicas:
+    """Two SmolLM2 replicas, started once for the class and stopped after it."""
+
+    @pytest.fixture(scope="class")
+    def executor(self, ray_address: str, prompts_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        from batchgen.executor import RayExecutor
+
+        config = _config(tmp_path_factory.mktemp("ray"), prompts_file, GREEDY, "x")
+        executor = RayExecutor(config)
+        executor.start()
+        yield executor
+        executor.close()
+
+    def _run(self, executor: Any, config: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        summary = execute(plan(config, load_registry()), quiet=True, executor=executor)
+        return summary, _read(Path(config.output.path))
+
+    def test_greedy_records_equal_local_run(self, executor, local_records, prompts_file, tmp_path, monkeypatch) -> None:
+        from batchgen.progress import Progress
+
+        ticked: list[int] = []
+        monkeypatch.setattr(Progress, "on_tokens", lambda self, n: ticked.append(n))
+        summary, records = self._run(executor, _config(tmp_path, prompts_file, GREEDY, "greedy"))
+        assert len(records) == len(PROMPTS) * 2
+        assert _generations(records) == _generations(local_records["greedy"])
+        assert summary["status"] == "completed" and summary["records"]["ok"] == len(records)
+        # The progress bar saw every generated token, from both replicas.
+        generated = sum(r["usage"]["generated_tokens"] for r in records)
+        assert sum(ticked) == generated == summary["throughput"]["generated_tokens"]
+        per_replica = summary["executor"]["per_replica"]
+        assert summary["executor"]["backend"] == "ray" and len(per_replica) == 2
+        assert all(r["records"] > 0 and r["tokens_per_s"] > 0 and r["threads"] == 1 for r in per_replica)
+        assert sum(r["records"] for r in per_replica) == len(records)
+        assert sum(r["generated_tokens"] for r in per_replica) == generated
+        assert len({r["pid"] for r in per_replica}) == 2
+        assert all(0 < r["kv_peak_blocks"] <= r["kv_num_blocks"] for r in per_replica)
+
+    def test_seeded_sampling_equals_local_run(self, executor, local_records, prompts_file, tmp_path) -> None:
+        summary, records = self._run(executor, _config(tmp_path, prompts_file, SEEDED, "seeded"))
+        assert _generations(records) == _generations(local_records["seeded"])
+        assert all(len(r["generations"]) == 3 for r in records)
+        assert summary["status"] == "completed"
+
+    def test_killed_replica_is_restarted_and_its_rows_run_again(self, executor, local_records, prompts_file,
+                                                                 tmp_path) -> None:
+        config = _config(tmp_path, prompts_file, GREEDY, "killed")
+        out = Path(config.output.path)
+        result: dict[str, Any] = {}
+        job = plan(config, load_registry())
+        thread = threading.Thread(target=lambda: result.update(summary=execute(job, quiet=True, executor=executor)))
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+            assert thread.is_alive() and time.monotonic() < deadline, "no records before the kill"
+            time.sleep(0.01)
+        victim = executor.replicas[1]
+        assert victim.in_flight, "the replica had finished its rows; make the job longer"
+        killed = victim.info["pid"]
+        os.kill(killed, signal.SIGKILL)
+        thread.join(timeout=300)
+        assert not thread.is_alive()
+        records = _read(out)
+        assert sorted(r["id"] for r in records) == sorted(f"r{i:02d}" for i in range(len(PROMPTS) * 2))
+        # Re-run rows are the same records (their prompts may now come from the prefix cache).
+        assert _generations(records, 4) == _generations(local_records["greedy"], 4)
+        summary = result["summary"]
+        assert summary["status"] == "completed" and summary["executor"]["restarts"] == 1
+        assert summary["executor"]["per_replica"][1]["restarts"] == 1
+        assert summary["executor"]["per_replica"][1]["pid"] != killed
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_sigkill_driver_then_resume(ray_address: str, tiny_llama: str, tmp_path: Path) -> None:
+    rows = 24
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"uid": f"p{i:03d}", "prompt": f"Tell me about item {i}."}) + "\n"
+                            for i in range(rows)))
+    out = tmp_path / "out.jsonl"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "model": {"name": tiny_llama, "device": "cpu", "dtype": "float32"},
+        "data": {"source": str(data), "id_column": "uid"},
+        "prompt": {"column": "prompt", "chat_template": False},
+        # One sequence at a time per replica: records land one by one, far from the end.
+        "generation": {"mode": "greedy", "max_tokens": 32, "ignore_eos": True},
+        "engine": {"kv_cache_memory": "8MiB", "max_num_seqs": 1},
+        # The driver joins the module's cluster, as it would join a real one.
+        "executor": {"backend": "ray", "replicas": 2, "address": ray_address},
+        "output": {"path": str(out)},
+    }))
+    command = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    try:
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
+            assert time.monotonic() < deadline, "no records within 180 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed = out.read_bytes()
+    complete = killed[: killed.rfind(b"\n") + 1]
+    before = [json.loads(line)["id"] for line in complete.splitlines()]
+    assert 3 <= len(before) < rows
+
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = out.read_bytes()
+    assert final.startswith(complete)  # the records written before the kill are untouched
+    records = [json.loads(line) for line in final.splitlines()]
+    assert sorted(r["id"] for r in records) == [f"p{i:03d}" for i in range(rows)]  # each id once
+    assert all(r["error"] is None and r["generations"][0]["num_tokens"] == 32 for r in records)
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["status"] == "completed" and summary["records"]["resumed"] == len(before)
+    assert summary["executor"]["replicas"] == 2
+
+
+def test_missing_ray_is_a_config_error(job_config, monkeypatch, capsys) -> None:
+    path = job_config()
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were not installed
+    for command in ("run", "validate"):
+        assert cli_main([command, str(path), "--set", "executor.backend=ray"]) == 2
+        err = capsys.readouterr().err
+        assert "executor.backend" in err and 'pip install "batchgen[ray]"' in err
+        assert "Traceback" not in err
+    assert not Path(yaml.safe_load(path.read_text())["output"]["path"]).exists()  # nothing was written
+
+
+def test_validate_checks_the_executor(job_config, capsys) -> None:
+    pytest.importorskip("ray", reason='needs: pip install "batchgen[ray]"')
+    path = job_config()
+    t0 = time.monotonic()
+    assert cli_main(["validate", str(path), "--set", "executor.backend=ray", "--set", "executor.address=127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "executor.address" in err and "ray start --head" in err and time.monotonic() - t0 < 30
+    for bad, where in (("executor.replicas=2", "executor"), ("executor.replicas=zero", "executor.replicas"),
+                       ("executor.address=nowhere", "executor.address")):
+        sets = ["--set", bad] + ([] if bad.startswith("executor.replicas=2") else ["--set", "executor.backend=ray"])
+        assert cli_main(["validate", str(path), *sets]) == 2
+        assert f"{where}: " in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="resources_per_replica.num_gpus"):
+        validate_config({"data": {"source": "x"}, "output": {"path": "o.jsonl"},
+                         "executor": {"backend": "ray", "resources_per_replica": {"num_gpus": -1}}})
