@@ -418,14 +418,16 @@ class RayExecutor:
                 raise ExecutorError(f"replica {replica.index} failed to start: {_cause(exc)}") from None
             replica.ready = True
         self.startup["replicas_ready_s"] = time.perf_counter() - t1
-        self.startup["total_s"] = time.perf_counter() - t0
-        info = self.replicas[0].info
-        self.max_model_len = info["max_model_len"]
+        self.max_model_len = self.replicas[0].info["max_model_len"]
+        t2 = time.perf_counter()
         from transformers import AutoTokenizer
 
         from batchgen.models import resolve_model
 
+        # The driver tokenises the prompts (and checks their length) as a local run does.
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name).path)
+        self.startup["tokenizer_s"] = time.perf_counter() - t2
+        self.startup["total_s"] = time.perf_counter() - t0
         logger.info("%d replicas ready in %.1f s (Ray %.1f s)", count, self.startup["total_s"],
                     self.startup["ray_init_s"])
 

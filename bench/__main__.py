@@ -13,6 +13,9 @@ Parts (``--parts``, comma-separated; default all):
 * ``lengths``: KV waste at the default block size as sequences grow (W32 greedy, ``ignore_eos``,
   max_tokens 64/256/512).
 * ``profile``: where a decode step's time goes (``bench.profile_step``).
+* ``scaleout``: ``batchgen run`` on W256 greedy (``--scaling-max-tokens``): local at 1 and 2
+  threads against the Ray executor with 1 and 2 replicas of 1 thread, and the driver's ceiling
+  with instant replicas (``bench.scaleout``).
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
@@ -33,7 +36,7 @@ from bench import runner
 from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile"]
+ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -319,6 +322,12 @@ def part_profile(args, out: Path) -> dict:
     return results["greedy"]
 
 
+def part_scaleout(args, out: Path) -> dict:
+    from bench import scaleout
+
+    return scaleout.part(args, out, log, machine())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--peers", default="", help="throughput: only these peers (comma-separated)")
     ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
-    ap.add_argument("--merge", action="store_true", help="throughput: add to the existing throughput.json")
+    ap.add_argument("--merge", action="store_true",
+                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json")
+    ap.add_argument("--scaleout-only", default="", choices=["", "runs", "ceiling"],
+                    help="scaleout: only the timed runs, or only the driver ceiling")
+    ap.add_argument("--ceiling-rows", type=int, default=20000, help="scaleout: rows through the driver ceiling")
     ap.add_argument("--no-request-seed", action="store_true",
                     help="sampling without a per-request seed (vLLM's CPU build fails with one)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild plots and summary.md")
@@ -361,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         started = time.time()
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
-               "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile}
+               "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
+               "scaleout": part_scaleout}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)
