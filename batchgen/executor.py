@@ -411,22 +411,23 @@ class RayExecutor:
         self.replicas = [_Replica(i) for i in range(count)]
         for replica in self.replicas:
             self._launch(replica)
-        for replica in self.replicas:
+        readies = [replica.actor.ready.remote() for replica in self.replicas]
+        # The driver tokenises the prompts (and checks their length) as a local run does; its
+        # tokenizer loads while the replicas load their engines.
+        from transformers import AutoTokenizer
+
+        from batchgen.models import resolve_model
+
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name).path)
+        self.startup["tokenizer_s"] = time.perf_counter() - t1
+        for replica, ready in zip(self.replicas, readies):
             try:
-                replica.info = ray.get(replica.actor.ready.remote())
+                replica.info = ray.get(ready)
             except ray.exceptions.RayError as exc:
                 raise ExecutorError(f"replica {replica.index} failed to start: {_cause(exc)}") from None
             replica.ready = True
         self.startup["replicas_ready_s"] = time.perf_counter() - t1
         self.max_model_len = self.replicas[0].info["max_model_len"]
-        t2 = time.perf_counter()
-        from transformers import AutoTokenizer
-
-        from batchgen.models import resolve_model
-
-        # The driver tokenises the prompts (and checks their length) as a local run does.
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name).path)
-        self.startup["tokenizer_s"] = time.perf_counter() - t2
         self.startup["total_s"] = time.perf_counter() - t0
         logger.info("%d replicas ready in %.1f s (Ray %.1f s)", count, self.startup["total_s"],
                     self.startup["ray_init_s"])

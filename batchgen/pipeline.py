@@ -334,9 +334,11 @@ def execute(job: Job, *, quiet: bool = False, llm: Any = None, executor: Any = N
         summary["engine"] = stats
         summary["executor"] = executor.describe()
         summary["throughput"] = _throughput(stats, before, timings, sum(new_records.values()))
-        if owned:
-            executor.close()  # stops the replicas, on Ctrl-C too
-        write_json_atomic(config.output.summary_file, summary)
+        try:
+            write_json_atomic(config.output.summary_file, summary)
+        finally:
+            if owned:
+                executor.close()  # stops the replicas, on Ctrl-C too
     job.registry.notify("batchgen_run_end", summary=summary)
     return summary
 

@@ -476,6 +476,11 @@ def build(out: Path) -> None:
               "sharing": sharing}
     (out / "memory.json").write_text(json.dumps(memory, indent=1))
     made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
-    (out / "summary.md").write_text(summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam,
-                                               load(out, "lengths"), load(out, "linear_kernel")))
+    from bench import scaleout
+
+    text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
+                      load(out, "linear_kernel"))
+    (out / "summary.md").write_text(text + "\n".join(scaleout.summary_lines(load(out, "scaleout"))))
+    if (out / "scaleout.png").exists():
+        made.append("scaleout.png")
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")

@@ -338,3 +338,35 @@ def plot(out: Path, result: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / "scaleout.png", dpi=120)
     plt.close(fig)
+
+
+def summary_lines(result: dict | None) -> list[str]:
+    """The scaleout section of ``summary.md``."""
+    if not result or not result.get("summary"):
+        return []
+    s = result["summary"]
+    lines = [f"## Scale-out ({result.get('workload')}, max_tokens {result.get('max_tokens')}, `batchgen run` per "
+             "configuration, repeats interleaved)", "",
+             "| configuration | tokens/s (median, min-max) | / local 1 thread (per repeat) | start-up s (Ray init) |",
+             "| --- | --- | --- | --- |"]
+    for name in CONFIGS:
+        if name not in s:
+            continue
+        r = s[name]
+        ratio = s["ratios"].get(f"{name}_over_local_1t")
+        shown = f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "1"
+        start = (f"{r['startup_s_median']:.1f} ({r['ray_init_s_median']:.1f})" if "startup_s_median" in r
+                 else f"{r['load_s_median']:.1f} (model load)")
+        lines.append(f"| {name} | {r['tokens_per_s_median']:.1f} ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f})"
+                     f" | {shown} | {start} |")
+    if "ray_overhead_ms_per_record" in s:
+        lines += ["", f"Ray at one replica against local at one thread: "
+                      f"{s['ray_overhead_ms_per_record']:.1f} ms more generation time per record."]
+    ceiling = result.get("driver_ceiling")
+    if ceiling:
+        best = max(r["records_per_s"] for r in ceiling["runs"])
+        lines += ["", f"Driver ceiling (instant replicas, {ceiling['rows']} rows): "
+                      + ", ".join(f"{r['replicas']} replica(s) {r['records_per_s']:.0f} records/s" for r in ceiling["runs"])
+                      + f"; the JSONL writer alone {ceiling['writer_alone']['records_per_s']:.0f} records/s "
+                      f"(best driver figure {best:.0f})."]
+    return lines + [""]

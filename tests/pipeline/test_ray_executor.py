@@ -28,9 +28,9 @@ from batchgen.plugins import load_registry
 PROMPTS = [
     "Name three primary colors.", "What is the capital of France?", "Give one tip for writing clear emails.",
     "Explain what a prime number is.", "Write a haiku about the sea.", "List two uses of a paperclip.",
-    "What does a compiler do?", "Describe the colour of the sky.", "Why do cats purr?",
-    "Suggest a name for a goldfish.", "What is 12 times 12?", "Translate 'good morning' to French.",
+    "What does a compiler do?", "Why do cats purr?",
 ]
+ROWS = 2 * len(PROMPTS)  # each prompt twice, under two ids
 # A full batch on each replica, and a few waves of it, so that a replica can be killed mid-run.
 ENGINE = {"max_num_seqs": 4, "kv_cache_memory": "64MiB"}
 GREEDY = {"mode": "greedy", "max_tokens": 16, "ignore_eos": True}
@@ -131,7 +131,7 @@ class TestTwoReplicas:
         ticked: list[int] = []
         monkeypatch.setattr(Progress, "on_tokens", lambda self, n: ticked.append(n))
         summary, records = self._run(executor, _config(tmp_path, prompts_file, GREEDY, "greedy"))
-        assert len(records) == len(PROMPTS) * 2
+        assert len(records) == ROWS
         assert _generations(records) == _generations(local_records["greedy"])
         assert summary["status"] == "completed" and summary["records"]["ok"] == len(records)
         # The progress bar saw every generated token, from both replicas.
@@ -170,7 +170,7 @@ class TestTwoReplicas:
         thread.join(timeout=300)
         assert not thread.is_alive()
         records = _read(out)
-        assert sorted(r["id"] for r in records) == sorted(f"r{i:02d}" for i in range(len(PROMPTS) * 2))
+        assert sorted(r["id"] for r in records) == [f"r{i:02d}" for i in range(ROWS)]
         # Re-run rows are the same records (their prompts may now come from the prefix cache).
         assert _generations(records, 4) == _generations(local_records["greedy"], 4)
         summary = result["summary"]
