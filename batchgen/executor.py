@@ -266,13 +266,9 @@ class EngineReplica:
                  factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
         t0 = time.perf_counter()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        try:
-            from transformers.utils import logging as hf_logging
+        from batchgen.cli import _quiet_libraries
 
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-        except ImportError:  # pragma: no cover - transformers is a dependency
-            pass
+        _quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
         import torch
 
         if threads:

@@ -93,3 +93,35 @@ def tiny_llm(tiny_llama: str) -> Any:
         seed=0,
     )
 
+
+
+@pytest.fixture
+def sigkill_after_records():
+    """``sigkill_after_records(command, out, records) -> bytes``: start ``command`` (a ``batchgen
+    run``), SIGKILL it once ``out`` holds ``records`` complete lines, and return the file's bytes
+    then. Fails the test if the run ends first or writes nothing within 300 s."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    def run(command: list[str], out: Path, records: int = 3) -> bytes:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        try:
+            while not (out.exists() and out.read_bytes().count(b"\n") >= records):
+                if proc.poll() is not None:
+                    pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
+                if time.monotonic() > deadline:
+                    pytest.fail("no records were written within 300 s")
+                time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        return out.read_bytes()
+
+    return run

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ ROWS = 32
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
-def test_sigkill_then_resume(tmp_path: Path, tiny_llama: str) -> None:
+def test_sigkill_then_resume(tmp_path: Path, tiny_llama: str, sigkill_after_records) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"uid": f"p{i:03d}", "prompt": f"Tell me about item {i}."}) + "\n" for i in range(ROWS)))
     out = tmp_path / "out.jsonl"
@@ -36,27 +34,7 @@ def test_sigkill_then_resume(tmp_path: Path, tiny_llama: str) -> None:
     job.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet"]
 
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline:
-            if out.exists() and out.read_bytes().count(b"\n") >= 3:
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
-            time.sleep(0.02)
-        else:
-            pytest.fail("no records were written within 300 s")
-        assert proc.poll() is None, "the run finished before the kill; make the job longer"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-
-    killed = out.read_bytes()
+    killed = sigkill_after_records(command, out)
     complete = killed[: killed.rfind(b"\n") + 1]
     written_before = [json.loads(line)["id"] for line in complete.splitlines()]
     assert 3 <= len(written_before) < ROWS

@@ -180,7 +180,7 @@ class TestTwoReplicas:
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
-def test_sigkill_driver_then_resume(ray_address: str, tiny_llama: str, tmp_path: Path) -> None:
+def test_sigkill_driver_then_resume(ray_address: str, tiny_llama: str, tmp_path: Path, sigkill_after_records) -> None:
     rows = 24
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"uid": f"p{i:03d}", "prompt": f"Tell me about item {i}."}) + "\n"
@@ -199,22 +199,7 @@ def test_sigkill_driver_then_resume(ray_address: str, tiny_llama: str, tmp_path:
         "output": {"path": str(out)},
     }))
     command = [sys.executable, "-m", "batchgen.cli", "run", str(job), "--quiet"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
-    try:
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
-            assert time.monotonic() < deadline, "no records within 180 s"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    killed = out.read_bytes()
+    killed = sigkill_after_records(command, out)
     complete = killed[: killed.rfind(b"\n") + 1]
     before = [json.loads(line)["id"] for line in complete.splitlines()]
     assert 3 <= len(before) < rows
