@@ -242,3 +242,58 @@ def test_validate_checks_the_executor(job_config, capsys) -> None:
     with pytest.raises(ConfigError, match="resources_per_replica.num_gpus"):
         validate_config({"data": {"source": "x"}, "output": {"path": "o.jsonl"},
                          "executor": {"backend": "ray", "resources_per_replica": {"num_gpus": -1}}})
+
+
+class CrashingEngine:
+    """An instant engine whose process dies (as on a segfault) when it is given the row 'poison'."""
+
+    max_model_len = 1024
+
+    def __init__(self, engine: dict[str, Any]) -> None:
+        self.pending: list[Any] = []
+
+    def add_request(self, request: Any) -> None:
+        self.pending.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> tuple[list[Any], int]:
+        from batchgen.engine.outputs import CompletionOutput, RequestOutput
+
+        if any(r.request_id == "poison" for r in self.pending):
+            os._exit(1)
+        done = [RequestOutput(r.request_id, None, list(r.prompt), outputs=[CompletionOutput(0, "ok", [1], 0.0)])
+                for r in self.pending]
+        self.pending = []
+        return done, len(done)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_blocks": 1, "block_size": 16}
+
+
+def crashing_engine(engine: dict[str, Any]) -> CrashingEngine:
+    return CrashingEngine(engine)
+
+
+def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_address: str, tiny_llama: str,
+                                                                       tmp_path: Path) -> None:
+    import ray
+
+    from batchgen.engine.outputs import Request
+    from batchgen.executor import MAX_ROW_CRASHES, RayExecutor
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replicas cannot import a test module
+    config = validate_config({"model": {"name": tiny_llama}, "data": {"source": "x"},
+                              "executor": {"backend": "ray", "replicas": 2}, "output": {"path": str(tmp_path / "o")}})
+    executor = RayExecutor(config, engine_factory=crashing_engine)
+    executor.start()
+    try:
+        ids = [f"row{i}" for i in range(5)] + ["poison"] + [f"row{i}" for i in range(5, 10)]
+        outputs = list(executor.stream(Request(i, [1, 2, 3], None) for i in ids))
+    finally:
+        executor.close()
+    assert sorted(o.request_id for o in outputs) == sorted(ids)  # every row once, the job went on
+    errors = {o.request_id: o.error for o in outputs if o.error is not None}
+    assert list(errors) == ["poison"] and f"crashed {MAX_ROW_CRASHES} times" in errors["poison"]
+    assert executor.describe()["restarts"] == MAX_ROW_CRASHES
