@@ -360,8 +360,9 @@ def summary_lines(result: dict | None) -> list[str]:
         lines.append(f"| {name} | {r['tokens_per_s_median']:.1f} ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f})"
                      f" | {shown} | {start} |")
     if "ray_overhead_ms_per_record" in s:
-        lines += ["", f"Ray at one replica against local at one thread: "
-                      f"{s['ray_overhead_ms_per_record']:.1f} ms more generation time per record."]
+        lines += ["", f"Per-record overhead of Ray (one replica against local, both at one thread): "
+                      f"{s['ray_overhead_ms_per_record']:+.1f} ms of generation time per record "
+                      "(the difference of the medians; below zero it is within the noise)."]
     ceiling = result.get("driver_ceiling")
     if ceiling:
         best = max(r["records_per_s"] for r in ceiling["runs"])
