@@ -478,9 +478,11 @@ def build(out: Path) -> None:
     made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
     from bench import scaleout
 
+    scaled = load(out, "scaleout")
+    if scaled:
+        scaleout.plot(out, scaled)
+        made.append("scaleout.png")
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
-    (out / "summary.md").write_text(text + "\n".join(scaleout.summary_lines(load(out, "scaleout"))))
-    if (out / "scaleout.png").exists():
-        made.append("scaleout.png")
+    (out / "summary.md").write_text(text + "\n".join(scaleout.summary_lines(scaled)))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")

@@ -302,7 +302,6 @@ def part(args: Any, out: Path, log: Any, machine: dict) -> dict:
     if args.scaleout_only in ("", "ceiling"):
         log(f"scaleout: driver ceiling over {args.ceiling_rows} rows")
         part_ceiling(args, out, log, result)
-    plot(out, result)
     return result
 
 
@@ -333,6 +332,7 @@ def plot(out: Path, result: dict) -> None:
         ax.set_xlabel("instant replicas")
         ax.set_ylabel("records/s")
         ax.set_xticks(xs)
+        ax.set_ylim(0, ceiling["writer_alone"]["records_per_s"] * 1.1)
         ax.set_title("The single writer's ceiling")
         ax.legend()
     fig.tight_layout()
