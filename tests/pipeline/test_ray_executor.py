@@ -34,7 +34,10 @@ ROWS = 2 * len(PROMPTS)  # each prompt twice, under two ids
 # A full batch on each replica, and a few waves of it, so that a replica can be killed mid-run.
 ENGINE = {"max_num_seqs": 4, "kv_cache_memory": "64MiB"}
 GREEDY = {"mode": "greedy", "max_tokens": 16, "ignore_eos": True}
-SEEDED = {"mode": "sample", "n": 3, "temperature": 0.9, "top_p": 0.95, "max_tokens": 12}
+# Seeded n=3 sampling through a third-party sampler plugin (an entry point of the venv), which
+# therefore runs on the replicas.
+SEEDED = {"mode": "sample", "n": 3, "temperature": 0.9, "top_p": 0.95, "max_tokens": 12,
+          "sampler": {"name": "typical", "options": {"mass": 0.9}}}
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -145,7 +148,8 @@ class TestTwoReplicas:
         assert len({r["pid"] for r in per_replica}) == 2
         assert all(0 < r["kv_peak_blocks"] <= r["kv_num_blocks"] for r in per_replica)
 
-    def test_seeded_sampling_equals_local_run(self, executor, local_records, prompts_file, tmp_path) -> None:
+    def test_seeded_sampling_with_a_plugin_sampler_equals_local_run(self, executor, local_records, prompts_file,
+                                                                    tmp_path) -> None:
         summary, records = self._run(executor, _config(tmp_path, prompts_file, SEEDED, "seeded"))
         assert _generations(records) == _generations(local_records["seeded"])
         assert all(len(r["generations"]) == 3 for r in records)
