@@ -30,6 +30,7 @@ import collections
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -232,14 +233,29 @@ def check_address(section: ExecutorSection, timeout: float = 5.0) -> str | None:
             raise fail(f"{target[0]}:{target[1]} does not answer ({exc.strerror or exc})") from None
     if ray.is_initialized():  # this process is already connected (a library user, the tests)
         return f"already connected to {ray.get_runtime_context().gcs_address}"
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    found: dict[str, Any] = {}
+
+    def connect() -> None:
         try:
-            resources = ray.cluster_resources()
-        finally:
-            ray.shutdown()
-    except Exception as exc:  # noqa: BLE001 - any failure to connect is the user's to fix
-        raise fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            try:
+                found["resources"] = ray.cluster_resources()
+            finally:
+                ray.shutdown()
+        except Exception as exc:  # noqa: BLE001 - any failure to connect is the user's to fix
+            found["error"] = exc
+
+    # Ray's own connection timeouts run to minutes (and some networks accept any TCP connection),
+    # so the connection gets its own deadline.
+    thread = threading.Thread(target=connect, name="ray-address-check", daemon=True)
+    thread.start()
+    thread.join(timeout * 4)
+    if thread.is_alive():
+        raise fail(f"no answer within {timeout * 4:.0f} s")
+    if "error" in found:
+        exc = found["error"]
+        raise fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    resources = found["resources"]
     gpus = int(resources.get("GPU", 0))
     return f"Ray cluster at {address}: {int(resources.get('CPU', 0))} CPUs, {gpus} GPUs"
 

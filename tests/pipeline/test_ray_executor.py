@@ -301,3 +301,23 @@ def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_addre
     errors = {o.request_id: o.error for o in outputs if o.error is not None}
     assert list(errors) == ["poison"] and f"crashed {MAX_ROW_CRASHES} times" in errors["poison"]
     assert executor.describe()["restarts"] == MAX_ROW_CRASHES
+
+
+def test_replicas_and_resources_follow_the_cluster() -> None:
+    from batchgen.executor import ExecutorError, RayExecutor
+
+    def plan(cluster: dict[str, float], device: str = "auto", **executor: Any) -> tuple[int, float, float, int]:
+        config = validate_config({"model": {"device": device}, "data": {"source": "x"},
+                                  "executor": {"backend": "ray", **executor}, "output": {"path": "o.jsonl"}})
+        ex = RayExecutor(config)
+        return ex._plan_resources(cluster), ex.num_cpus, ex.num_gpus, ex.threads
+
+    assert plan({"CPU": 16, "GPU": 8}, replicas="auto") == (8, 1.0, 1.0, 1)  # one replica per GPU
+    assert plan({"CPU": 16, "GPU": 8}, device="cpu", replicas="auto",
+                resources_per_replica={"num_cpus": 4}) == (4, 4.0, 0.0, 4)  # per num_cpus cores, 4 threads each
+    assert plan({"CPU": 6}, replicas="auto", resources_per_replica={"num_cpus": 2}) == (3, 2.0, 0.0, 2)
+    assert plan({"CPU": 16, "GPU": 8}, replicas="auto", resources_per_replica={"num_gpus": 0.5})[0] == 16
+    with pytest.raises(ExecutorError, match=r"3 replicas x 1 CPUs do not fit .* 2 CPUs.*executor.replicas"):
+        plan({"CPU": 2}, replicas=3)
+    with pytest.raises(ExecutorError, match="num_gpus"):
+        plan({"CPU": 8}, replicas=1, resources_per_replica={"num_gpus": 1})
