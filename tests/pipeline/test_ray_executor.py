@@ -288,16 +288,30 @@ def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_addre
     from batchgen.executor import MAX_ROW_CRASHES, RayExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replicas cannot import a test module
-    config = validate_config({"model": {"name": tiny_llama}, "data": {"source": "x"},
+    config = validate_config({"model": {"name": tiny_llama}, "data": {"source": "x"}, "engine": {"max_num_seqs": 4},
                               "executor": {"backend": "ray", "replicas": 2}, "output": {"path": str(tmp_path / "o")}})
     executor = RayExecutor(config, engine_factory=crashing_engine)
+    ids = [f"row{i:03d}" for i in range(100)] + ["poison"] + [f"row{i:03d}" for i in range(100, 200)]
+    read = 0
+
+    def source():
+        nonlocal read
+        for i in ids:
+            read += 1
+            yield Request(i, [1, 2, 3], None)
+
+    outputs, ahead = [], 0
     executor.start()
     try:
-        ids = [f"row{i}" for i in range(5)] + ["poison"] + [f"row{i}" for i in range(5, 10)]
-        outputs = list(executor.stream(Request(i, [1, 2, 3], None) for i in ids))
+        for output in executor.stream(source()):
+            outputs.append(output)
+            ahead = max(ahead, read - len(outputs))
     finally:
         executor.close()
     assert sorted(o.request_id for o in outputs) == sorted(ids)  # every row once, the job went on
+    # The rows are read lazily: at most a full queue per replica is in flight, plus the rows of a
+    # restarting replica waiting to run again (200 rows, at most 48 read ahead).
+    assert ahead <= 2 * 2 * executor.in_flight_limit()
     errors = {o.request_id: o.error for o in outputs if o.error is not None}
     assert list(errors) == ["poison"] and f"crashed {MAX_ROW_CRASHES} times" in errors["poison"]
     assert executor.describe()["restarts"] == MAX_ROW_CRASHES
