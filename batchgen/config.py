@@ -321,6 +321,10 @@ class EngineSection(_Section):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["prefix", "fcfs"] = Field(
+        "prefix", description="order of waiting rows: 'prefix' runs rows that share a prompt prefix "
+        "together (computed once); 'fcfs' keeps dataset order"
+    )
     attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
     linear_backend: Literal["auto", "torch", "cpu"] = Field(
         "auto", description="'cpu': the model's linear layers through batchgen's C GEMM; "

@@ -83,6 +83,7 @@ def engine_kwargs(config: RunConfig) -> dict[str, Any]:
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         enable_prefix_caching=engine.enable_prefix_caching,
+        scheduling_policy=engine.scheduling_policy,
         attention_backend=engine.attention_backend,
         linear_backend=engine.linear_backend,
         seed=engine.seed,
@@ -354,7 +355,8 @@ class _Replica:
 
 _SUMMED = ("num_blocks", "kv_cache_bytes", "peak_blocks_used", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "num_cow_copies", "num_prompt_tokens", "num_generated_tokens",
-           "num_prefill_tokens", "num_steps", "physical_blocks", "logical_blocks")
+           "num_prefill_tokens", "num_steps", "physical_blocks", "logical_blocks",
+           "prefix_cache_hit_blocks", "num_evictions")
 # Counters that restart at zero with a new incarnation and add up over its life.
 _COUNTERS = tuple(k for k in _SUMMED if k not in ("num_blocks", "kv_cache_bytes", "peak_blocks_used"))
 

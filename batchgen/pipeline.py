@@ -395,12 +395,15 @@ def _throughput(
 
     prompt_tokens = counted("num_prompt_tokens")
     generated = counted("num_generated_tokens")
+    prefill = counted("num_prefill_tokens")  # computed: prefix-cache hits are not
     rate = (lambda n: n / seconds if seconds > 0 else 0.0)
     return {
         "seconds": seconds,
         "prompt_tokens": prompt_tokens,
+        "prefill_tokens": prefill,
         "generated_tokens": generated,
         "prompt_tokens_per_s": rate(prompt_tokens),
+        "prefill_tokens_per_s": rate(prefill),
         "generated_tokens_per_s": rate(generated),
         "records_per_s": rate(records),
     }

@@ -13,10 +13,19 @@ Model
 * ``fork`` shares every block of the parent (ref counts go up). The first write into a shared
   block copies it (copy-on-write): ``allocate_slots`` returns the (src, dst) pairs, and the
   engine runs all pairs of a step as one batched copy before the forward pass.
-* Prefix caching: a full block whose tokens are all computed gets the hash
-  ``hash((parent_hash, tokens))``; a new sequence reuses the longest chain of cached blocks
-  whose hashes *and* tokens match (the token check guards against hash collisions). A hit is
-  capped so that at least the last prompt token is computed (its logits are needed).
+* Prefix caching: a full block of tokens has the hash ``hash((parent_hash, tokens))``; once
+  its tokens are all computed it is *cached* under that hash, and a new sequence reuses the
+  longest chain of cached blocks whose hashes *and* tokens match (the token check guards
+  against hash collisions). A hit is capped so that at least the last prompt token is computed
+  (its logits are needed).
+* Blocks filled in the current step are *pending*: ``allocate_slots`` registers every full
+  block that the step's write completes, and a lookup later in the same step hits them as if
+  they were cached. This is sound because a step writes all of its K/V into the cache before
+  any attention reads it (see ``engine/attention.py``), so a sequence scheduled in the same
+  step reads the prefix that another one computes. ``cache_full_blocks`` turns them into
+  cached blocks after the step; ``begin_step`` drops whatever a step did not compute.
+  The scheduler must not free a pending block's writer in the step that registered it
+  (preemption happens before any admission, so it never does).
 """
 
 from __future__ import annotations
@@ -67,11 +76,14 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._pending: dict[int, int] = {}  # block hash -> block id, filled by this step
         # Statistics.
         self.num_cow_copies = 0
         self.peak_blocks_used = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up
-        self.prefix_cache_hits = 0  # prompt tokens found
+        self.prefix_cache_hits = 0  # prompt tokens found (cached or pending)
+        self.prefix_cache_hit_blocks = 0  # blocks found
+        self.num_evictions = 0  # cached blocks taken back for other contents
 
     # ------------------------------------------------------------------ queries
     @property
@@ -86,8 +98,26 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def block_hashes_of(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Prefix-cache hashes of ``seq``'s first ``num_blocks`` full blocks of tokens, computed
+        or not: block ``i``'s hash covers its tokens and block ``i - 1``'s hash.
+
+        Kept on the sequence (``token_block_hashes``), so each block is hashed once; returns
+        that list, at least ``num_blocks`` long (read it, do not change it).
+        """
+        chain = seq.token_block_hashes
+        if len(chain) < num_blocks:
+            bs = self.block_size
+            assert num_blocks * bs <= seq.num_tokens, "only full blocks have a hash"
+            parent = chain[-1] if chain else None
+            tokens = seq.token_ids
+            for i in range(len(chain), num_blocks):
+                parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+                chain.append(parent)
+        return chain
+
     def get_computed_blocks(self, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
-        """Longest run of cached full blocks matching the start of ``seq``'s tokens.
+        """Longest run of cached (or pending) full blocks matching the start of ``seq``'s tokens.
 
         Looks only; takes no references. Returns (block ids, number of tokens they cover).
         The hit never covers the last token of ``seq`` (its logits must be computed), nor more
@@ -98,20 +128,29 @@ class BlockManager:
         bs = self.block_size
         limit = seq.num_tokens - 1 if max_num_tokens is None else min(seq.num_tokens - 1, max_num_tokens)
         max_blocks = limit // bs
+        if max_blocks <= 0:
+            return [], 0
+        chain = self.block_hashes_of(seq, max_blocks)
         hits: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+            h = chain[i]
             block_id = self._cached.get(h)
             if block_id is None:
-                break
+                block_id = self._pending.get(h)
+                if block_id is None:
+                    break
             block = self.blocks[block_id]
-            if block.token_ids != tokens or block.parent_hash != parent:
+            if block.parent_hash != parent or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break  # a hash collision: different content under the same hash
             hits.append(block_id)
             parent = h
         return hits, len(hits) * bs
+
+    def max_hit_blocks(self, seq: Sequence, max_num_tokens: int | None = None) -> int:
+        """The most full blocks a lookup of ``seq`` may hit (see ``get_computed_blocks``)."""
+        limit = seq.num_tokens - 1 if max_num_tokens is None else min(seq.num_tokens - 1, max_num_tokens)
+        return max(limit, 0) // self.block_size if self.enable_prefix_caching else 0
 
     def can_allocate(self, num_new_blocks: int, *, admit: bool) -> bool:
         """Whether ``num_new_blocks`` can be taken now; admissions keep the watermark free."""
@@ -126,6 +165,7 @@ class BlockManager:
         else:
             block_id, _ = self._evictable.popitem(last=False)
             self._uncache(block_id)
+            self.num_evictions += 1
         block = self.blocks[block_id]
         assert block.ref_count == 0
         block.ref_count = 1
@@ -135,6 +175,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if self._is_cached(block):
             del self._cached[block.block_hash]
+        elif block.block_hash is not None and self._pending.get(block.block_hash) == block_id:
+            del self._pending[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
 
     def _is_cached(self, block: Block) -> bool:
@@ -254,30 +296,80 @@ class BlockManager:
         while len(seq.block_table) < self.num_blocks_for(start + num_new_tokens):
             seq.block_table.append(self._take_free_block())
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        self._register_pending(seq, start, start + num_new_tokens)
         return copies
+
+    def _register_pending(self, seq: Sequence, start: int, end: int) -> None:
+        """Make the full blocks that this step's write of tokens ``start .. end`` completes
+        findable by lookups in the same step (see the module docstring)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first, last = max(len(seq.block_hashes), start // bs), end // bs
+        if first >= last:
+            return
+        chain = self.block_hashes_of(seq, last)
+        parent = chain[first - 1] if first else None
+        for i in range(first, last):
+            h = chain[i]
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None and h not in self._cached and h not in self._pending:
+                block.block_hash, block.parent_hash = h, parent
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self._pending[h] = block.block_id
+            parent = h
+
+    def begin_step(self) -> None:
+        """Start planning a step: blocks still pending were not computed by the last step
+        (it did not run to the end), so they stop being findable."""
+        for block_id in list(self._pending.values()):
+            self._uncache(block_id)
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup for the hit-rate statistics."""
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
+        self.prefix_cache_hit_blocks += num_hit_tokens // self.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no sequence holds (they become plain free blocks).
+
+        Returns False, and changes nothing, while any block is in use (as vLLM's
+        ``reset_prefix_cache``).
+        """
+        if self.num_used_blocks:
+            return False
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(block_id)
+            self._free.append(block_id)
+        return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register ``seq``'s full, computed blocks in the prefix cache.
 
         Call after ``seq.num_computed_tokens`` advanced. Blocks already hashed are skipped; a
-        block whose content is already cached under another block id stays private.
+        pending block becomes cached; a block whose content is already cached under another
+        block id stays private.
         """
         if not self.enable_prefix_caching:
             return
+        num_full = seq.num_computed_tokens // self.block_size
+        first = len(seq.block_hashes)
+        if first >= num_full:
+            return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
+        chain = self.block_hashes_of(seq, num_full)
+        parent = chain[first - 1] if first else None
+        for i in range(first, num_full):
+            h = chain[i]
             block = self.blocks[seq.block_table[i]]
-            if h not in self._cached and block.block_hash is None:
-                block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
+            if self._pending.get(h) == block.block_id:
+                del self._pending[h]
+                self._cached[h] = block.block_id
+            elif block.block_hash is None and h not in self._cached and h not in self._pending:
+                block.block_hash, block.parent_hash = h, parent
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self._cached[h] = block.block_id
             seq.block_hashes.append(h)
             parent = h
@@ -305,7 +397,8 @@ class BlockManager:
         * each block's ref count equals the number of table entries naming it;
         * a block is in exactly one of: used (ref > 0), plain free, evictable;
         * free blocks carry no hash; evictable ones are cached under their own hash;
-        * every cached hash maps to a block that carries that hash.
+        * every cached or pending hash maps to a block that carries that hash; a pending block
+          is in use (its writer holds it) and not cached.
         """
         refs = [0] * self.num_blocks
         for seq in live_seqs:
@@ -328,3 +421,7 @@ class BlockManager:
                 assert self._cached.get(block.block_hash) == block.block_id
         for h, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == h
+        for h, block_id in self._pending.items():
+            assert self.blocks[block_id].block_hash == h, f"pending block {block_id} lost its hash"
+            assert self.blocks[block_id].ref_count > 0, f"pending block {block_id} is free"
+            assert h not in self._cached, f"block hash of {block_id} both pending and cached"

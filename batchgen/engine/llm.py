@@ -44,6 +44,9 @@ class LLM:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         enable_prefix_caching: share full prompt blocks across requests.
+        scheduling_policy: the order of waiting requests: ``"prefix"`` (requests sharing a
+            prompt prefix run together, so that it is computed once) or ``"fcfs"`` (arrival
+            order). Either way ``generate`` returns outputs in input order.
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
         linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"``: the model's linear layers through
             batchgen's CPU GEMM (``auto``: for float32 on the CPU with one torch thread).
@@ -60,6 +63,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "prefix",
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         seed: int | None = 0,
@@ -79,7 +83,8 @@ class LLM:
         )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   scheduling_policy)
         self.sampler = Sampler(fused_greedy=self.runner.linear_backend == "cpu")
         self.eos_token_ids: list[int] = self.runner.eos_token_ids()
         self.seed = seed
@@ -137,9 +142,8 @@ class LLM:
         ``error`` set; the others go on.
         """
         source = iter(requests)
-        lookahead = max(self.scheduler.max_num_seqs, 8)
         try:
-            yield from self._run(source, lookahead, on_tokens)
+            yield from self._run(source, self.scheduler.lookahead, on_tokens)
         finally:
             # The caller stopped early (an exception, Ctrl-C, or it closed the generator): drop
             # what this stream left behind so that the next stream starts clean.
@@ -152,6 +156,11 @@ class LLM:
             self.scheduler.finish_group(group)
         self.scheduler.waiting.clear()
         return len(groups)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (as vLLM's method of the same name); False, changing
+        nothing, while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     def _run(self, source: Iterator[Request], lookahead: int,
              on_tokens: Callable[[int], None] | None) -> Iterator[RequestOutput]:
@@ -197,6 +206,7 @@ class LLM:
             num_blocks=bm.num_blocks, block_size=bm.block_size,
             kv_cache_bytes=self.runner.kv_cache.num_bytes, peak_blocks_used=bm.peak_blocks_used,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_hit_blocks=bm.prefix_cache_hit_blocks, num_evictions=bm.num_evictions,
             num_preemptions=self.scheduler.num_preemptions, num_cow_copies=bm.num_cow_copies,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
             num_prefill_tokens=self._num_prefill_tokens, num_steps=self._num_steps,
@@ -280,8 +290,8 @@ class LLM:
         sample = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in plan.scheduled]
         logits = self.runner.execute(plan.scheduled, sample, plan.copies)
         for seq, n in plan.scheduled:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self._num_prefill_tokens += n
+            if n > 1 or seq.num_output_tokens == 0 or seq.num_computed_tokens + 1 < seq.num_tokens:
+                self._num_prefill_tokens += n  # all but decodes: prompts, and recomputes
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         # Group the sampling sequences by request, keeping their logits rows.

@@ -59,7 +59,13 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """Run-level counters of the engine (see docs/architecture.md)."""
+    """Run-level counters of the engine (see docs/architecture.md).
+
+    Prompt tokens: ``num_prompt_tokens`` arrived; ``prefix_cache_hits`` of the
+    ``prefix_cache_queries`` looked up were served from the prefix cache (in
+    ``prefix_cache_hit_blocks`` blocks); ``num_prefill_tokens`` were computed (every token
+    computed other than a decode, so recomputation after preemption counts again).
+    """
 
     num_blocks: int
     block_size: int
@@ -75,6 +81,8 @@ class EngineStats:
     num_steps: int
     physical_blocks: int
     logical_blocks: int
+    prefix_cache_hit_blocks: int = 0
+    num_evictions: int = 0
 
     @property
     def saving(self) -> float:

@@ -5,13 +5,24 @@ Policy
 * Continuous batching: groups join between steps and leave as soon as they finish.
 * One token budget per step (``max_num_batched_tokens``) shared by decodes and prefill
   chunks, and at most ``max_num_seqs`` running sequences.
-* Running groups first, oldest first; then waiting groups, first come first served (no
-  skipping, so a large request is never starved by smaller ones behind it).
+* Running groups first, oldest first; then waiting groups in queue order (no skipping, so a
+  large request is never starved by smaller ones behind it), with one exception below.
+* The waiting queue's order (``scheduling_policy``): ``"fcfs"`` is arrival order;
+  ``"prefix"`` (the default) keeps requests that share leading prompt blocks next to each
+  other, so that a prefix is computed once and reused while it is still cached. A request
+  moves ahead only of requests that arrived at most ``lookahead`` arrivals before it, so no
+  request waits behind more than that many later ones. Preempted groups go first either way.
+* Prefix-aware admission: a waiting request whose leading full blocks are cached, or are
+  being computed in this very step by a sequence scheduled before it (pending blocks, see
+  ``block_manager``), starts after them; so requests sharing a prefix that arrive together
+  compute it once, in the first one's step. A request never waits for a prefix: a sequence
+  whose prefill is chunked over several steps uses up each step's budget, so nothing is
+  admitted behind it until its last chunk, which is pending in the step that computes it.
 * Long prompts are prefilled in chunks (chunked prefill). A group with several sequences
   (samples or beams) steps all of them together, so that beams always see the same step.
 * Admission needs free blocks beyond a small watermark, and stops for the step in which a
   preemption happened (admitting then would only preempt again).
-* When blocks run out, the newest running group is preempted by recompute: all its blocks are
+* When blocks run out, the most recently admitted group is preempted by recompute: all its blocks are
   freed and it goes back to the head of the waiting queue, to be prefilled again later. The
   oldest group therefore always progresses: no deadlock, and never an out-of-memory crash.
 * A request that can never fit gets a per-request error; the rest goes on.
@@ -28,6 +39,8 @@ from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 PlanEntry = tuple[Sequence, int, list[int]]
 """(sequence, tokens to compute this step, its prefix-cache hits if it is fresh)."""
+
+SCHEDULING_POLICIES = ("prefix", "fcfs")
 
 
 @dataclass
@@ -61,6 +74,11 @@ class Scheduler:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence (prompt + output) the model takes.
+        scheduling_policy: the waiting queue's order, ``"prefix"`` or ``"fcfs"`` (see the
+            module docstring).
+
+    ``lookahead`` is how many waiting requests the engine keeps queued (and so how far the
+    ``"prefix"`` order may move a request ahead).
     """
 
     def __init__(
@@ -69,18 +87,28 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 2048,
+        scheduling_policy: str = "prefix",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {scheduling_policy!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.scheduling_policy = scheduling_policy
+        self.lookahead = max(max_num_seqs, 8)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        # "prefix" order: the arrival at which each prompt-block hash (a node of the prefix
+        # tree) was first seen, within the last ``lookahead`` arrivals.
+        self._anchors: dict[int, int] = {}
+        self._anchors_pruned_at = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, group: SequenceGroup) -> str | None:
@@ -100,8 +128,44 @@ class Scheduler:
             return (f"the prompt has {num_tokens} tokens and needs {need} KV blocks of "
                     f"{self.bm.block_size} tokens, but the cache has only {usable} usable; "
                     "raise kv_cache_memory or shorten the prompt")
-        self.waiting.append(group)
+        group.queue_key = self._queue_key(group)
+        self._enqueue(group)
         return None
+
+    def _queue_key(self, group: SequenceGroup) -> tuple[int, ...]:
+        """The group's place in the waiting queue (smallest first).
+
+        ``"fcfs"``: ``(1, arrival)``. ``"prefix"``: ``(1, a_0, .., a_k, arrival)``, where
+        ``a_i`` is the arrival that first brought the prompt's leading ``i + 1`` full blocks
+        (their chain hash). Sorting by it walks the tree of shared prefixes depth first, so
+        requests with a common prefix are adjacent. An ``a_i`` older than ``lookahead``
+        arrivals is renewed to this arrival, which bounds how many later arrivals can pass a
+        request.
+        """
+        arrival = group.arrival
+        if self.scheduling_policy != "prefix" or not self.bm.enable_prefix_caching or not group.seqs:
+            return (1, arrival)
+        lead = group.seqs[0]
+        num_blocks = self.bm.max_hit_blocks(lead)
+        horizon = arrival - self.lookahead
+        key = [1]
+        for h in self.bm.block_hashes_of(lead, num_blocks)[:num_blocks]:
+            first = self._anchors.get(h)
+            if first is None or first < horizon:
+                first = self._anchors[h] = arrival
+            key.append(first)
+        key.append(arrival)
+        if arrival - self._anchors_pruned_at >= self.lookahead:
+            self._anchors = {h: a for h, a in self._anchors.items() if a >= horizon}
+            self._anchors_pruned_at = arrival
+        return tuple(key)
+
+    def _enqueue(self, group: SequenceGroup) -> None:
+        """Insert ``group`` into the waiting queue, which stays sorted by ``queue_key``."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].queue_key > group.queue_key:
+            i -= 1
+        self.waiting.insert(i, group)
 
     @property
     def has_unfinished(self) -> bool:
@@ -128,17 +192,11 @@ class Scheduler:
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Mutates block tables (allocation, copy-on-write, preemption)."""
+        self.bm.begin_step()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
-
-        def take(plan: list[PlanEntry]) -> None:
-            nonlocal budget
-            for seq, n, _ in plan:
-                (decodes if n == 1 else prefills).append((seq, n))
-                budget -= n
-
         i = 0
         while i < len(self.running):
             group = self.running[i]
@@ -165,12 +223,23 @@ class Scheduler:
             if copies is None:
                 continue  # the group left the running list; do not advance i
             out.copies.extend(copies)
-            take(plan)
+            budget -= _take(plan, decodes, prefills)
             i += 1
 
         # After a preemption, admit nothing this step: the blocks just freed are what the
         # running groups need to grow, and admitting now would only preempt again (thrashing).
-        while self.waiting and budget > 0 and not out.preempted:
+        if self.waiting and budget > 0 and not out.preempted:
+            self._admit(out, budget, decodes, prefills)
+
+        out.scheduled = decodes + prefills
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, decodes: list[tuple[Sequence, int]],
+               prefills: list[tuple[Sequence, int]]) -> None:
+        """Admit waiting groups in queue order while the budget, the sequence limit and the
+        free blocks allow, adding them to ``decodes`` / ``prefills``. Each one's prefix lookup
+        sees the blocks that the groups planned before it complete in this step."""
+        while self.waiting and budget > 0:
             group = self.waiting[0]
             if self.running and self.num_running_seqs + _max_seqs(group) > self.max_num_seqs:
                 break
@@ -185,10 +254,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             out.copies.extend(copies)
-            take(plan)
-
-        out.scheduled = decodes + prefills
-        return out
+            budget -= _take(plan, decodes, prefills)
 
     def _share_recomputed_prompt(self, group: SequenceGroup) -> None:
         """Once a preempted group's first sequence has recomputed the prompt, share those
@@ -281,9 +347,19 @@ class Scheduler:
                 seq.reset_for_recompute()
         group.recompute_prompt_first = len(group.live_seqs()) > 1
         self.running.remove(group)
-        self.waiting.appendleft(group)
+        group.queue_key = (0, group.arrival)  # preempted groups go first, oldest first
+        self._enqueue(group)
         group.stats.num_preemptions += 1
         self.num_preemptions += 1
+
+
+def _take(plan: list[PlanEntry], decodes: list[tuple[Sequence, int]],
+          prefills: list[tuple[Sequence, int]]) -> int:
+    """Add a planned group's sequences to the step (one-token entries are decodes); returns
+    the tokens they use."""
+    for seq, n, _ in plan:
+        (decodes if n == 1 else prefills).append((seq, n))
+    return sum(n for _, n, _ in plan)
 
 
 def _max_seqs(group: SequenceGroup) -> int:

@@ -34,12 +34,15 @@ class Sequence:
           ``num_computed_tokens`` tokens is in the cache, in the blocks of ``block_table``.
         * ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` (only for blocks whose
           tokens are all computed); ``len(block_hashes) <= len(block_table)``.
+        * ``token_block_hashes`` is the hash chain of the leading full blocks of ``token_ids``,
+          whether computed or not, filled on demand by the block manager. Tokens are only ever
+          appended, so a full block's hash never changes.
     """
 
     __slots__ = (
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
-        "block_hashes", "status", "cumulative_logprob", "output_logprobs", "finish_reason",
-        "stop_reason", "generator", "detokenizer", "text", "index", "score",
+        "block_hashes", "token_block_hashes", "status", "cumulative_logprob", "output_logprobs",
+        "finish_reason", "stop_reason", "generator", "detokenizer", "text", "index", "score",
     )
 
     def __init__(self, token_ids: list[int], index: int = 0) -> None:
@@ -49,6 +52,7 @@ class Sequence:
         self.num_computed_tokens: int = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
+        self.token_block_hashes: list[int] = []
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.cumulative_logprob: float = 0.0
         self.output_logprobs: list[dict[int, float]] = []
@@ -98,6 +102,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
+        child.token_block_hashes = list(self.token_block_hashes)
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
@@ -164,6 +169,9 @@ class SequenceGroup:
     # After preemption, a forked group recomputes its prompt once, on its first live sequence,
     # and then shares those blocks with the others (instead of one prompt copy per sequence).
     recompute_prompt_first: bool = False
+    # Where the scheduler keeps the group in its waiting queue (smallest first); see
+    # Scheduler.add.
+    queue_key: tuple[int, ...] = ()
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -295,6 +295,99 @@ def test_only_computed_full_blocks_are_cached() -> None:
     assert bm.get_computed_blocks(Sequence(list(range(8)) + [1]))[1] == 8
 
 
+# ---------------------------------------------------------------------- blocks filled in this step
+def test_blocks_a_step_fills_are_found_by_lookups_in_the_same_step() -> None:
+    """Rows arriving together: the second is planned while the first's prefix is only being
+    written. It reuses those blocks (the step writes all K/V before any attention reads it)."""
+    bm = BlockManager(num_blocks=16, block_size=4, watermark=0.0)
+    a = Sequence(list(range(10)))
+    assert bm.allocate_slots(a, 10, admit=True) == []  # planned, not computed yet
+    b = Sequence(list(range(9)) + [50, 51])
+    hits, hit_tokens = bm.get_computed_blocks(b)
+    assert hits == a.block_table[:2] and hit_tokens == 8  # a's two full blocks, pending
+    assert bm.allocate_slots(b, b.num_tokens - hit_tokens, hits, admit=True) == []
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    bm.check_invariants([a, b])
+    # The step runs: both advance and register; the pending blocks become cached ones.
+    for seq, n in ((b, 3), (a, 10)):
+        seq.num_computed_tokens += n
+        bm.cache_full_blocks(seq)
+    assert not bm._pending
+    assert bm.get_computed_blocks(Sequence(list(range(9)) + [7]))[0] == a.block_table[:2]
+    bm.check_invariants([a, b])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants([])
+
+
+def test_a_partially_filled_block_is_not_pending() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4, watermark=0.0)
+    a = Sequence(list(range(12)))
+    assert bm.allocate_slots(a, 6) == []  # block 0 full, block 1 half
+    assert bm.get_computed_blocks(Sequence(list(range(12))))[1] == 4
+    a.num_computed_tokens = 6
+    bm.cache_full_blocks(a)
+    assert bm.allocate_slots(a, 5) == []  # completes block 1 only
+    assert bm.get_computed_blocks(Sequence(list(range(12))))[1] == 8
+
+
+def test_pending_blocks_of_a_step_that_did_not_run_are_dropped() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2, watermark=0.0)
+    a = Sequence([1, 2, 3, 4, 5])
+    assert bm.allocate_slots(a, 5) == []
+    assert bm.get_computed_blocks(Sequence([1, 2, 3, 4, 9]))[1] == 4
+    bm.begin_step()  # the next step starts, and a's tokens were never computed
+    assert bm.get_computed_blocks(Sequence([1, 2, 3, 4, 9])) == ([], 0)
+    assert all(bm.blocks[b].block_hash is None for b in a.block_table)
+    bm.check_invariants([a])
+    # Computed later, the blocks register as usual.
+    assert bm.allocate_slots(a, 5) == []
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)
+    assert bm.get_computed_blocks(Sequence([1, 2, 3, 4, 9]))[0] == a.block_table[:2]
+
+
+def test_freeing_a_pending_block_unregisters_it() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2, watermark=0.0)
+    a = Sequence([1, 2, 3])
+    assert bm.allocate_slots(a, 3) == []
+    bm.free(a)
+    assert bm.get_computed_blocks(Sequence([1, 2, 3])) == ([], 0)
+    assert bm.num_free_blocks == 8 and not bm._evictable
+    bm.check_invariants([])
+
+
+def test_a_duplicate_written_in_the_same_step_stays_private() -> None:
+    """Two sequences fill the same content into different blocks in one step (the second did
+    not look the first up): one block is cached, the other stays private and is freed plainly."""
+    bm = BlockManager(num_blocks=8, block_size=2, watermark=0.0)
+    a, b = Sequence([1, 2, 3]), Sequence([1, 2, 4])
+    assert bm.allocate_slots(a, 3) == [] and bm.allocate_slots(b, 3) == []
+    for seq in (b, a):
+        seq.num_computed_tokens = 3
+        bm.cache_full_blocks(seq)
+    assert bm.get_computed_blocks(Sequence([1, 2, 5]))[0] == a.block_table[:1]
+    bm.check_invariants([a, b])
+    duplicate = b.block_table[0]
+    assert duplicate != a.block_table[0]
+    bm.free(b)
+    assert bm.blocks[duplicate].block_hash is None and duplicate in bm._free
+    bm.check_invariants([a])
+
+
+def test_reset_prefix_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2, watermark=0.0)
+    a = admit(bm, [1, 2, 3, 4, 5])
+    assert bm.reset_prefix_cache() is False  # blocks in use: nothing changes
+    assert bm.get_computed_blocks(Sequence([1, 2, 3, 4, 9]))[1] == 4
+    bm.free(a)
+    assert bm.reset_prefix_cache() is True
+    assert bm.get_computed_blocks(Sequence([1, 2, 3, 4, 9])) == ([], 0)
+    assert bm.num_free_blocks == 8 and not bm._evictable
+    bm.check_invariants([])
+
+
 def test_prefix_caching_disabled_never_hits_and_frees_plainly() -> None:
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False, watermark=0.0)
     a = admit(bm, [1, 2, 3, 4, 5])
@@ -359,7 +452,7 @@ def test_statistics() -> None:
     a = admit(bm, list(range(10)))  # 10 tokens looked up, none found
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10, 0)
     b = admit(bm, list(range(9)))  # 9 looked up, 8 found (two full blocks)
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (19, 8)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits, bm.prefix_cache_hit_blocks) == (19, 8, 2)
     assert bm.peak_blocks_used == 4  # a: 3 blocks, b: 1 new block beyond the 2 shared
     c = a.fork(index=1)
     bm.fork(a, c)
@@ -368,6 +461,10 @@ def test_statistics() -> None:
     for seq in (a, b, c):
         bm.free(seq)
     assert bm.num_used_blocks == 0 and bm.peak_blocks_used == 5  # the peak is kept
+    # Evictions: cached blocks taken back for new contents (only once no plain block is left).
+    assert bm.num_evictions == 0 and len(bm._evictable) == 2  # a's two full blocks
+    step(bm, Sequence([99] * 60), 60)  # 15 blocks: the 14 plain free ones, then one eviction
+    assert bm.num_evictions == 1
 
 
 # ---------------------------------------------------------------------- the invariant check itself

@@ -3,8 +3,10 @@
 A hypothesis state machine drives the block manager with random operations, the way the
 engine does: admit a sequence (with a prefix-cache lookup), prefill it in chunks, decode
 tokens, fork one sequence into several (n-sampling), run beam-search steps (survivors fork
-from their parents, dead beams are freed), free single sequences and whole groups, and
-preempt a group by recompute. Prompts are drawn from a two-token alphabet on top of a few
+from their parents, dead beams are freed), free single sequences and whole groups, preempt a
+group by recompute, and admit several requests in one step, where each lookup also finds the
+blocks that the requests allocated before it fill in that step (written only when the step
+runs). Prompts are drawn from a two-token alphabet on top of a few
 shared prefixes, so that prefix-cache hits, copy-on-write and LRU eviction all happen often
 in a cache of 4 to 24 blocks.
 
@@ -78,6 +80,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv: dict[int, list[int | None]] = {}  # block id -> token written in each slot
         self.lru: list[int] = []  # model of the cached free blocks, least recently used first
         self.peak = 0
+        # While a multi-request step is planned: its writes (run when the step runs), and the
+        # hits on blocks still being filled, checked once they are written.
+        self.step_writes: list[tuple[Sequence, list[tuple[int, int]], int, int]] | None = None
+        self.pending_hits: list[tuple[int, list[int]]] = []
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -177,15 +183,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         STATS["evictions"] += len(evicted)
         STATS["cow_copies"] += len(copies)
 
-        # The engine's step: batched block copies first, then the new tokens' K/V.
-        for src, dst in copies:
-            self.kv[dst] = list(self.kv[src])
-        for pos in range(start, end):
-            self.kv[seq.block_table[pos // bs]][pos % bs] = seq.token_ids[pos]
-        seq.num_computed_tokens = end
-        bm.cache_full_blocks(seq)
         self.peak = max(self.peak, bm.num_used_blocks)
+        write = (seq, copies, start, end)
+        if self.step_writes is not None:
+            self.step_writes.append(write)
+        else:
+            self._run_step([write])
         return True
+
+    def _run_step(self, writes: list[tuple[Sequence, list[tuple[int, int]], int, int]]) -> None:
+        """The engine's step: batched block copies first, then the new tokens' K/V; then each
+        sequence advances and registers its full blocks."""
+        bs = self.bs
+        for _, copies, _, _ in writes:
+            for src, dst in copies:
+                self.kv[dst] = list(self.kv[src])
+        for seq, _, start, end in writes:
+            for pos in range(start, end):
+                self.kv[seq.block_table[pos // bs]][pos % bs] = seq.token_ids[pos]
+        for seq, _, _, end in writes:
+            seq.num_computed_tokens = end
+            self.bm.cache_full_blocks(seq)
 
     def _free(self, seq: Sequence) -> None:
         """``free`` with the model's LRU update (the table's tail becomes free first)."""
@@ -210,7 +228,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert hit_tokens == len(hits) * bs
         assert hit_tokens < len(tokens), "a hit must leave the last prompt token to compute"
         assert len(set(hits)) == len(hits)
+        pending = set(bm._pending.values())
         for i, b in enumerate(hits):  # the hit blocks really hold this prompt's tokens
+            if b in pending:  # or will, once this step's writes ran
+                assert self.step_writes is not None, f"block {b} pending outside a step"
+                self.pending_hits.append((b, tokens[i * bs : (i + 1) * bs]))
+                STATS["pending_hits"] += 1
+                continue
             assert self.kv[b] == tokens[i * bs : (i + 1) * bs], f"hit block {b} holds {self.kv[b]}"
         # The hit is the longest cached chain: the next full block is not cached.
         if len(hits) < (len(tokens) - 1) // bs:
@@ -242,6 +266,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self._admit(tokens, chunk, admit)
         if seq is not None:
             self._new_group([seq])
+        STATS["ops"] += 1
+
+    @precondition(lambda self: len(self.seqs) < MAX_LIVE_SEQS - 4)
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        prompts=st.lists(st.tuples(st.integers(0, 12), st.lists(TOKENS, max_size=4)), min_size=2, max_size=4),
+        chunk=st.integers(1, 16),
+    )
+    def add_requests_together(self, prefix: int, prompts: list[tuple[int, list[int]]], chunk: int) -> None:
+        """Requests sharing a prefix arrive together and are admitted in one step: each lookup
+        comes after the allocations before it, whose filled blocks are pending (not yet
+        written); the step then writes them all."""
+        self.bm.begin_step()
+        self.step_writes, self.pending_hits = [], []
+        for prefix_len, suffix in prompts:
+            tokens = list(PREFIXES[prefix][:prefix_len]) + suffix or [0]
+            seq = self._admit(tokens, chunk, admit=True)
+            if seq is not None:
+                self._new_group([seq])
+        writes, self.step_writes = self.step_writes, None
+        self._run_step(writes)
+        for block_id, tokens in self.pending_hits:
+            assert self.kv[block_id] == tokens, f"pending hit {block_id} holds {self.kv[block_id]}, not {tokens}"
         STATS["ops"] += 1
 
     @precondition(lambda self: any(s.num_computed_tokens < s.num_tokens for s in self.seqs.values()))
@@ -358,6 +405,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm, bs = self.bm, self.bs
         live = self._live()
         bm.check_invariants(live)
+        assert not bm._pending, "a step ended with blocks still pending"
         refs = self._refs()
         for block in bm.blocks:
             assert block.ref_count == refs[block.block_id], (
@@ -408,5 +456,5 @@ def test_block_manager_random_operations() -> None:
     assert STATS["ops"] >= 10_000, f"only {STATS['ops']} operations ran"
     # Every kind of event the test is about really happened, many times.
     for event in ("hit_blocks", "cow_copies", "evictions", "forked_children", "dead_beams",
-                  "beam_steps", "groups_freed", "preemptions", "refused"):
+                  "beam_steps", "groups_freed", "preemptions", "refused", "pending_hits"):
         assert STATS[event] >= 20, f"{event} happened only {STATS[event]} times: {dict(STATS)}"

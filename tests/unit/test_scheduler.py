@@ -49,9 +49,10 @@ class FakeEngine:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
-                 check_max_num_seqs: bool = True) -> None:
+                 check_max_num_seqs: bool = True, scheduling_policy: str = "prefix") -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, watermark)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len,
+                               scheduling_policy)
         self.kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
         self.groups: dict[str, SequenceGroup] = {}
         self.arrivals = 0
@@ -61,6 +62,7 @@ class FakeEngine:
         self.log: list[StepLog] = []
         self.beam_rng: dict[str, random.Random] = {}
         self.check_max_num_seqs = check_max_num_seqs
+        self.prefill_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt: list[int], params: Params) -> str | None:
@@ -86,12 +88,17 @@ class FakeEngine:
     def step(self) -> SchedulerOutput:
         sched, bm = self.sched, self.bm
         running_before = list(sched.running)
+        waiting_before = list(sched.waiting)
         out = sched.schedule()
         log = StepLog(scheduled=[(self._group_of(s).request_id, s.index, n) for s, n in out.scheduled],
                       preempted=[g.request_id for g in out.preempted],
                       preempted_sizes=[len(g.live_seqs()) for g in out.preempted],
                       errored=[g.request_id for g in out.errored])
         self.log.append(log)
+        # Prefill work: every scheduled token but the one-token decodes of generated tokens.
+        self.prefill_tokens += sum(n for seq, n in out.scheduled
+                                   if n > 1 or seq.num_output_tokens == 0
+                                   or seq.num_computed_tokens + 1 < seq.num_tokens)
         assert not (out.is_empty and sched.waiting and not sched.running), (
             "stuck: nothing scheduled, nothing running, and the head of the queue not admitted")
 
@@ -105,6 +112,7 @@ class FakeEngine:
         assert all(n > 1 for n in sizes[first_prefill:]), f"a decode after a prefill: {sizes}"
         assert len({id(s) for s, _ in out.scheduled}) == len(out.scheduled)
         self._check_preemptions(running_before, out)
+        self._check_admission_order(waiting_before, out)
         for group in sched.running:
             if group.request_id not in self.admitted:
                 self.admitted.append(group.request_id)
@@ -223,22 +231,32 @@ class FakeEngine:
                     f"expected {seq.token_ids[: seq.num_computed_tokens]}")
 
     def _check_preemptions(self, running_before: list[SequenceGroup], out: SchedulerOutput) -> None:
-        """Preemption takes the newest running group each time, and all of its sequences."""
+        """Preemption takes the most recently admitted running group each time, and all of
+        its sequences."""
         candidates = [g for g in running_before if g not in out.errored]
         for victim in out.preempted:
-            assert victim.arrival == max(g.arrival for g in candidates), (
-                f"preempted {victim.request_id} while newer groups were running")
+            assert victim is candidates[-1], (
+                f"preempted {victim.request_id} while groups admitted after it were running")
             candidates.remove(victim)
             if victim in self.sched.waiting:
                 for seq in victim.seqs:
                     assert not seq.block_table
                 for seq in victim.live_seqs():  # all to be recomputed
                     assert seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
-        # FCFS: every running group arrived before every waiting group.
-        if self.sched.running and self.sched.waiting:
-            assert max(g.arrival for g in self.sched.running) < min(g.arrival for g in self.sched.waiting)
-        arrivals = [g.arrival for g in self.sched.waiting]
-        assert arrivals == sorted(arrivals), "the waiting queue lost its arrival order"
+        # The waiting queue stays in the policy's order: preempted groups first (oldest
+        # first), then arrival order ("fcfs") or the prefix tree's order ("prefix").
+        keys = [g.queue_key for g in self.sched.waiting]
+        assert keys == sorted(keys), "the waiting queue lost its order"
+        if self.sched.scheduling_policy == "fcfs":
+            order = [(g.queue_key[0], g.arrival) for g in self.sched.waiting]
+            assert order == sorted(order), "fcfs: the waiting queue is not in arrival order"
+
+    def _check_admission_order(self, waiting_before: list[SequenceGroup], out: SchedulerOutput) -> None:
+        """Admission takes the waiting queue in order, never skipping a group."""
+        admitted = [g for g in waiting_before if g in self.sched.running]
+        assert admitted == waiting_before[: len(admitted)], (
+            f"admitted {[g.request_id for g in admitted]} out of the queue's order "
+            f"{[g.request_id for g in waiting_before]}")
 
     def cache_prefix(self, tokens: list[int]) -> None:
         """Compute ``tokens`` in a throwaway sequence and free it: its full blocks stay in the
@@ -587,3 +605,132 @@ def test_preempted_sampling_group_can_be_admitted_again() -> None:
     assert engine.add("samples", _prompt(4, 1), SamplingParams(n=3, max_tokens=6)) is None
     engine.run()
     engine.assert_all_done()
+
+
+# ---------------------------------------------------------------------- a prefix shared by a batch
+def _suffix(r: int) -> list[int]:
+    """A row's own tokens (1 to 6 of them, distinct from every prefix's)."""
+    return [100 + r] * (1 + r % 6)
+
+
+def _together(engine: FakeEngine, prefix: list[int], rows: int, params: Params | None = None) -> list[list[int]]:
+    prompts = [prefix + _suffix(r) for r in range(rows)]
+    for r, prompt in enumerate(prompts):
+        assert engine.add(f"r{r}", prompt, params or SamplingParams(max_tokens=3)) is None
+    return prompts
+
+
+@pytest.mark.parametrize("budget", [512, 24])
+def test_rows_arriving_together_compute_their_shared_prefix_once(budget: int) -> None:
+    """16 rows queued before the first step. The first one computes the 37-token prefix; the
+    others, admitted in the same step, reuse the blocks it fills in that step. With a small
+    budget the prefix is chunked over steps and nobody is admitted until its last chunk."""
+    bs, prefix = 4, _prompt(37, 5)
+    engine = FakeEngine(num_blocks=128, block_size=bs, max_num_batched_tokens=budget)
+    _together(engine, prefix, 16)
+    engine.run()
+    engine.assert_all_done()
+    own = sum(len(_suffix(r)) for r in range(16))
+    assert engine.prefill_tokens <= len(prefix) + own + 16 * bs
+    assert engine.bm.prefix_cache_hit_blocks == 15 * (len(prefix) // bs)
+    if budget == 512:  # all rows fit the first step
+        assert len(engine.log[0].scheduled) == 16
+
+
+@pytest.mark.parametrize("policy", ["prefix", "fcfs"])
+def test_interleaved_prefixes_are_each_computed_once(policy: str) -> None:
+    bs, rows = 4, 18
+    prefixes = [_prompt(21 + 4 * p, 11 + p) for p in range(3)]
+    engine = FakeEngine(num_blocks=128, block_size=bs, max_num_batched_tokens=64, scheduling_policy=policy)
+    for r in range(rows):
+        assert engine.add(f"r{r}", prefixes[r % 3] + _suffix(r), SamplingParams(max_tokens=2)) is None
+    engine.run()
+    engine.assert_all_done()
+    own = sum(len(_suffix(r)) for r in range(rows))
+    assert engine.prefill_tokens <= sum(map(len, prefixes)) + own + rows * bs
+
+
+def test_prefix_order_keeps_each_prefix_computed_once_in_a_cache_too_small_for_all() -> None:
+    """Eight prefixes, rows interleaved, a cache that holds about two of them. In arrival
+    order every row finds its prefix evicted by the others; in prefix order the rows of one
+    prefix run together, so each prefix is computed about once."""
+    bs, rows = 4, 48
+    prefixes = [_prompt(40, 20 + p) for p in range(8)]
+    computed = {}
+    for policy in ("prefix", "fcfs"):
+        engine = FakeEngine(num_blocks=30, block_size=bs, max_num_seqs=64, max_num_batched_tokens=64,
+                            scheduling_policy=policy)
+        for r in range(rows):
+            assert engine.add(f"r{r}", prefixes[r % 8] + _suffix(r), SamplingParams(max_tokens=2)) is None
+        engine.run()
+        engine.assert_all_done()
+        computed[policy] = engine.prefill_tokens
+    own = sum(len(_suffix(r)) for r in range(rows))
+    assert computed["prefix"] <= 8 * 40 + own + rows * bs
+    assert computed["fcfs"] > 2 * computed["prefix"], computed
+
+
+def _queue(engine: FakeEngine) -> list[str]:
+    return [g.request_id for g in engine.sched.waiting]
+
+
+def test_prefix_order_puts_rows_sharing_a_prefix_next_to_each_other() -> None:
+    """Depth first over the tree of shared prompt blocks, branches in order of first arrival;
+    "fcfs" keeps arrival order."""
+    system = _prompt(8, 1)
+    a, b = system + _prompt(8, 2), system + _prompt(8, 3)
+    prompts = {"a0": a + [7], "b0": b + [7], "x": _prompt(9, 4), "a1": a + [8], "s": system + [9],
+               "b1": b + [8], "a2": a + [9]}
+    for policy, expected in (("prefix", ["a0", "a1", "a2", "b0", "b1", "s", "x"]),
+                             ("fcfs", list(prompts))):
+        engine = FakeEngine(num_blocks=64, block_size=4, scheduling_policy=policy)
+        for rid, prompt in prompts.items():
+            assert engine.add(rid, prompt, SamplingParams(max_tokens=1)) is None
+        assert _queue(engine) == expected
+        engine.run()
+        engine.assert_all_done()
+        assert engine.admitted == expected
+
+
+def test_prefix_order_lets_at_most_lookahead_later_arrivals_pass_a_request() -> None:
+    engine = FakeEngine(num_blocks=256, block_size=4, max_num_seqs=8)
+    assert engine.sched.lookahead == 8
+    shared = _prompt(12, 1)
+    assert engine.add("a0", shared + [0], SamplingParams(max_tokens=1)) is None
+    assert engine.add("lonely", _prompt(12, 2), SamplingParams(max_tokens=1)) is None
+    for r in range(1, 30):
+        assert engine.add(f"a{r}", shared + [r], SamplingParams(max_tokens=1)) is None
+    queue = _queue(engine)
+    passed = queue.index("lonely") - 1  # a0 arrived before it
+    assert 1 <= passed <= engine.sched.lookahead
+    engine.run()
+    engine.assert_all_done()
+
+
+def test_a_preempted_group_goes_back_to_the_head_of_the_queue() -> None:
+    engine = FakeEngine(num_blocks=12, block_size=2, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert engine.add("old", _prompt(6, 0), SamplingParams(max_tokens=12)) is None
+    assert engine.add("new", _prompt(4, 2), SamplingParams(max_tokens=10)) is None
+    assert engine.add("later", _prompt(4, 3), SamplingParams(max_tokens=10)) is None
+    while not any(step.preempted for step in engine.log):
+        engine.step()
+    victim = engine.log[-1].preempted[0]
+    assert _queue(engine)[0] == victim
+    engine.run()
+    engine.assert_all_done()
+
+
+@pytest.mark.parametrize("kind", ["n", "beam"])
+def test_shared_prefix_with_samples_and_beams_under_eviction_and_preemption(kind: str) -> None:
+    """n = 3 samples or 3 beams per row, 12 rows sharing a prefix, a cache that forces
+    preemption and eviction: everything finishes, reading back the right tokens (checked each
+    step), and the prefix is reused."""
+    params: Params = (SamplingParams(n=3, max_tokens=6) if kind == "n"
+                      else BeamSearchParams(beam_width=3, max_tokens=5))
+    engine = FakeEngine(num_blocks=28, block_size=2, max_num_seqs=12, max_num_batched_tokens=48)
+    _together(engine, _prompt(17, 8), 12, params)
+    engine.run()
+    engine.assert_all_done()
+    assert not engine.errors
+    assert engine.sched.num_preemptions > 0 and engine.bm.num_evictions > 0
+    assert engine.bm.prefix_cache_hit_blocks > 0
