@@ -16,6 +16,10 @@ Parts (``--parts``, comma-separated; default all):
 * ``scaleout``: ``batchgen run`` on W256 greedy (``--scaling-max-tokens``): local at 1 and 2
   threads against the Ray executor with 1 and 2 replicas of 1 thread, and the driver's ceiling
   with instant replicas (``bench.scaleout``).
+* ``prefix``: a few-shot eval of 256 rows sharing a ~600-token prefix, all queued at once:
+  batchgen with and without prefix caching, vLLM with its prefix caching, HF ``generate``;
+  rows/s and prompt tokens computed; plus a scheduler replay of ``fcfs`` against ``prefix``
+  ordering (``bench.prefix``). Not in the default set (it takes about 15 minutes a repeat).
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
@@ -37,6 +41,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
+EXTRA_PARTS = ["prefix"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -328,11 +333,18 @@ def part_scaleout(args, out: Path) -> dict:
     return scaleout.part(args, out, log, machine())
 
 
+def part_prefix(args, out: Path) -> dict:
+    from bench import prefix
+
+    return prefix.run_part(args, out, log, vllm_status, machine, save)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(ALL_PARTS),
-                    help=f"comma-separated subset of {','.join(ALL_PARTS)} (default: all)")
+                    help=f"comma-separated subset of {','.join(ALL_PARTS + EXTRA_PARTS)} "
+                         f"(default: {','.join(ALL_PARTS)})")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 prompts, 16 tokens, 1 repeat, results in bench/results/quick/")
     ap.add_argument("--modes", default="greedy,n4,beam4", help="throughput modes (greedy,n4,beam4)")
@@ -347,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per peer (default 1)")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds before a run is killed")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--peers", default="", help="throughput: only these peers (comma-separated)")
+    ap.add_argument("--peers", default="", help="throughput, prefix: only these peers (comma-separated)")
     ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
     ap.add_argument("--merge", action="store_true",
-                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json")
+                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json; "
+                         "prefix: add repeats to prefix.json")
     ap.add_argument("--scaleout-only", default="", choices=["", "runs", "ceiling"],
                     help="scaleout: only the timed runs, or only the driver ceiling")
     ap.add_argument("--ceiling-rows", type=int, default=20000, help="scaleout: rows through the driver ceiling")
@@ -367,15 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     args.peers = [p for p in args.peers.split(",") if p]
     bad = [m for m in args.modes if m not in MODES]
     parts = [p for p in args.parts.split(",") if p]
-    bad += [p for p in parts if p not in ALL_PARTS]
+    bad += [p for p in parts if p not in ALL_PARTS + EXTRA_PARTS]
     if bad:
-        ap.error(f"unknown part or mode: {', '.join(bad)}; parts: {', '.join(ALL_PARTS)}; modes: {', '.join(MODES)}")
+        ap.error(f"unknown part or mode: {', '.join(bad)}; parts: {', '.join(ALL_PARTS + EXTRA_PARTS)}; "
+                 f"modes: {', '.join(MODES)}")
     args.log_dir = Path("/tmp/bench-logs")
     if not args.report_only:
         started = time.time()
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
-               "scaleout": part_scaleout}
+               "scaleout": part_scaleout, "prefix": part_prefix}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

@@ -475,14 +475,18 @@ def build(out: Path) -> None:
     memory = {"waste": [{"cache": n, "waste": w} for n, w in waste_rows(tp)], "concurrency": conc,
               "sharing": sharing}
     (out / "memory.json").write_text(json.dumps(memory, indent=1))
-    made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
-    from bench import scaleout
+    from bench import prefix, scaleout
 
+    pref = load(out, "prefix")
+    made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
     scaled = load(out, "scaleout")
     if scaled:
         scaleout.plot(out, scaled)
         made.append("scaleout.png")
+    made += prefix.plot(out, pref)
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
-    (out / "summary.md").write_text(text + "\n".join(scaleout.summary_lines(scaled)))
+    scaled_lines = scaleout.summary_lines(scaled)
+    (out / "summary.md").write_text(text + "\n".join(scaled_lines) + ("\n\n" if scaled_lines else "")
+                                    + prefix.summary_md(pref))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")

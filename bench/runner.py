@@ -108,9 +108,15 @@ def tail(path: Path, n: int = 600) -> str:
 
 
 def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worker:
-    """Start peer ``peer`` (``batchgen``, ``hf_generate``, ``hf_generate_batch`` or ``vllm``)."""
+    """Start peer ``peer`` (``batchgen``, ``hf_generate``, ``hf_generate_batch`` or ``vllm``).
+
+    ``options["as"]`` runs another configuration of a peer under its own name (for example
+    ``batchgen_nocache`` as ``batchgen`` with ``enable_prefix_caching: false``).
+    """
+    options = dict(options)
+    name, peer = peer, options.pop("as", peer)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{peer}-{int(time.time() * 1000)}.log"
+    log_path = log_dir / f"{name}-{int(time.time() * 1000)}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO))
     if peer == "vllm":
@@ -126,7 +132,7 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=log, text=True, bufsize=1)
-    worker = Worker(peer, proc, log_path)
+    worker = Worker(name, proc, log_path)
     threading.Thread(target=worker._pump, daemon=True).start()
     return worker
 

@@ -24,8 +24,9 @@ Model
   any attention reads it (see ``engine/attention.py``), so a sequence scheduled in the same
   step reads the prefix that another one computes. ``cache_full_blocks`` turns them into
   cached blocks after the step; ``begin_step`` drops whatever a step did not compute.
-  The scheduler must not free a pending block's writer in the step that registered it
-  (preemption happens before any admission, so it never does).
+  A pending block must be written: the scheduler never frees a sequence in the step it
+  planned it (a preemption victim is always a group not yet planned in that step), and
+  freeing a pending block's last reference unregisters it.
 """
 
 from __future__ import annotations

@@ -97,9 +97,11 @@ class BatchgenPeer:
 
     def __init__(self, model: str = "smollm2-135m-instruct", block_size: int = 16,
                  kv_cache_memory: int = 2**30, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "prefix") -> None:
         self.kwargs = dict(dtype="float32", block_size=block_size, kv_cache_memory=kv_cache_memory,
-                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
         self.model = model
         self.llm: Any = None
         self._fresh()
@@ -118,7 +120,6 @@ class BatchgenPeer:
                 "num_blocks": self.llm.runner.num_blocks,
                 "bytes_per_block": self.llm.runner.cache_shape.bytes_per_block,
                 "attention_backend": self.llm.runner.attention_backend,
-                "enable_prefix_caching": self.llm.block_manager.enable_prefix_caching,
                 "torch_threads": torch.get_num_threads()}
 
     @staticmethod
@@ -153,7 +154,7 @@ class BatchgenPeer:
         stats = after.to_dict()
         for key in ("num_prompt_tokens", "num_generated_tokens", "num_prefill_tokens", "num_steps",
                     "physical_blocks", "logical_blocks", "num_cow_copies", "num_preemptions",
-                    "prefix_cache_queries", "prefix_cache_hits"):
+                    "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_blocks", "num_evictions"):
             stats[key] = getattr(after, key) - getattr(before, key)
         stats["saving"] = (1 - stats["physical_blocks"] / stats["logical_blocks"]
                            if stats["logical_blocks"] else 0.0)

@@ -80,16 +80,18 @@ class HFGenerate:
         return kw
 
     def _generate(self, prompts: list[list[int]], mode: dict, max_tokens: int, seed: int
-                  ) -> tuple[list[list[list[int]]], int]:
-        """Returns per prompt the list of generated sequences, and the peak KV bytes."""
+                  ) -> tuple[list[list[list[int]]], int, int]:
+        """Returns per prompt the list of generated sequences, the peak KV bytes, and the prompt
+        tokens computed (each batch's padded width times its rows)."""
         torch.manual_seed(seed)
         kw = self._kwargs(mode, max_tokens)
         size = self.batch_size or len(prompts)
         results: list[list[list[int]]] = []
-        kv_peak = 0
+        kv_peak = prefill = 0
         for start in range(0, len(prompts), size):
             chunk = prompts[start:start + size]
             width = max(len(p) for p in chunk)
+            prefill += width * len(chunk)
             ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
             with torch.inference_mode():
@@ -102,12 +104,12 @@ class HFGenerate:
             per = len(seqs) // len(chunk)
             for i in range(len(chunk)):
                 results.append([strip_at_eos(s, self.eos_ids) for s in seqs[i * per:(i + 1) * per]])
-        return results, kv_peak
+        return results, kv_peak, prefill
 
     def run(self, prompts: list[list[int]], mode: dict, max_tokens: int, seed: int) -> dict:
         t0 = time.perf_counter()
-        outputs, kv = self._generate(prompts, mode, max_tokens, seed)
+        outputs, kv, prefill = self._generate(prompts, mode, max_tokens, seed)
         seconds = time.perf_counter() - t0
         return {"seconds": seconds, "tokens": sum(len(s) for o in outputs for s in o),
                 "kv_bytes": kv, "kv_bytes_note": "K/V tensors of the final DynamicCache (its peak)",
-                "outputs": outputs}
+                "prefill_tokens": prefill, "outputs": outputs}

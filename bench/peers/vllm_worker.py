@@ -7,7 +7,8 @@ never in batchgen's. It speaks the worker protocol of ``bench/worker.py``: one `
 <json>`` line.
 
 Setup: ``vllm.LLM(model=<batchgen's SmolLM2 folder>, dtype="float32", seed=0,
-max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048)``; the KV cache size and
+max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+enable_prefix_caching=True)`` (its default, stated); the KV cache size and
 the OpenMP thread binding come from the environment (``VLLM_CPU_KVCACHE_SPACE`` in GiB,
 ``VLLM_CPU_OMP_THREADS_BIND``), set by the caller and echoed in the setup record. Greedy and
 sampling go through ``LLM.generate`` with ``TokensPrompt``; beam search through
@@ -39,7 +40,8 @@ def main() -> None:
     import vllm
 
     llm = LLM(model=model_path, dtype="float32", seed=0, max_model_len=2048, max_num_seqs=256,
-              max_num_batched_tokens=2048)
+              max_num_batched_tokens=2048, enable_prefix_caching=True)
+    cached = [0]  # prompt tokens the last generate found in vLLM's prefix cache
     eos = llm.get_tokenizer().eos_token_id
 
     def generate(prompts: list[list[int]], mode: dict, max_tokens: int, seed: int) -> list[list[list[int]]]:
@@ -67,6 +69,7 @@ def main() -> None:
                                 max_tokens=max_tokens,
                                 seed=seed if mode.get("request_seed", True) else None)
         outs = llm.generate(tp, sp, use_tqdm=False)
+        cached[0] = sum(o.num_cached_tokens or 0 for o in outs)
         # vLLM keeps the EOS that ended a sequence in token_ids; the other peers do not count it.
         return [[_strip_eos(list(c.token_ids)) for c in o.outputs] for o in outs]
 
@@ -77,7 +80,7 @@ def main() -> None:
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     setup = {"peer": "vllm", "vllm_version": vllm.__version__, "model_path": model_path,
              "dtype": "float32", "max_model_len": 2048, "max_num_seqs": 256,
-             "max_num_batched_tokens": 2048,
+             "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
              "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space,
              "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
              "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -94,6 +97,9 @@ def main() -> None:
             res = {"seconds": seconds, "tokens": sum(len(s) for o in outputs for s in o),
                    "kv_bytes": kv, "kv_bytes_note": "VLLM_CPU_KVCACHE_SPACE (allocated)",
                    "outputs": outputs, **_rss()}
+            if cmd["mode"]["kind"] != "beam":  # prompt tokens computed: not found in its prefix cache
+                res["prefill_tokens"] = sum(len(p) for p in cmd["prompts"]) - cached[0]
+                res["cached_tokens"] = cached[0]
             print("@@RESULT " + json.dumps(res), flush=True)
         except Exception as exc:  # reported to the caller, who records it
             print("@@ERROR " + json.dumps({"error": f"{type(exc).__name__}: {exc}",
