@@ -249,6 +249,9 @@ def plot(out: Path, result: dict | None) -> list[str]:
     ax.set_yticks(range(len(names)), ["" for _ in names])
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ax.set_xlim(left=1000)
+    for y, v in enumerate(pf):
+        ax.text(v, y, f" {v:,}", va="center", fontsize=8)
     ax.set_xlabel("prompt tokens computed (log)")
     ax.legend(fontsize=8)
     ax.set_title("prefill work", fontsize=9)

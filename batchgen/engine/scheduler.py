@@ -5,8 +5,8 @@ Policy
 * Continuous batching: groups join between steps and leave as soon as they finish.
 * One token budget per step (``max_num_batched_tokens``) shared by decodes and prefill
   chunks, and at most ``max_num_seqs`` running sequences.
-* Running groups first, oldest first; then waiting groups in queue order (no skipping, so a
-  large request is never starved by smaller ones behind it), with one exception below.
+* Running groups first, in admission order; then waiting groups in queue order (no skipping,
+  so a large request is never starved by smaller ones behind it).
 * The waiting queue's order (``scheduling_policy``): ``"fcfs"`` is arrival order;
   ``"prefix"`` (the default) keeps requests that share leading prompt blocks next to each
   other, so that a prefix is computed once and reused while it is still cached. A request
@@ -22,9 +22,10 @@ Policy
   (samples or beams) steps all of them together, so that beams always see the same step.
 * Admission needs free blocks beyond a small watermark, and stops for the step in which a
   preemption happened (admitting then would only preempt again).
-* When blocks run out, the most recently admitted group is preempted by recompute: all its blocks are
-  freed and it goes back to the head of the waiting queue, to be prefilled again later. The
-  oldest group therefore always progresses: no deadlock, and never an out-of-memory crash.
+* When blocks run out, the most recently admitted group is preempted by recompute: all its
+  blocks are freed and it goes back to the head of the waiting queue, to be prefilled again
+  later. The first admitted group therefore always progresses: no deadlock, and never an
+  out-of-memory crash.
 * A request that can never fit gets a per-request error; the rest goes on.
 """
 
