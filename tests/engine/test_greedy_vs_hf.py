@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_oracles import hf_greedy
 
 from batchgen import LLM, SamplingParams
 from batchgen.kernels.cpu import compiler as cpu_compiler
@@ -49,19 +50,6 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
     lengths = [len(p) for p in ids]
     assert min(lengths) >= 20 and max(lengths) >= 200 and max(lengths) <= 300, lengths
     return ids
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int, eos_ids: list[int]) -> list[list[int]]:
-    """HF ``generate`` per prompt; the EOS that ends a sequence is not part of the output."""
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=eos_ids[0])[0, len(p):].tolist()
-            if out and out[-1] in eos_ids:
-                out = out[:-1]
-            results.append(out)
-    return results
 
 
 @pytest.fixture(scope="module")

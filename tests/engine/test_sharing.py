@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_oracles import hf_beam
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 
@@ -65,24 +66,6 @@ def test_best_of_returns_the_best_n(smollm2_path, w32):
     best = llm.generate([w32[2]], SamplingParams(n=2, best_of=6, temperature=1.0, seed=11, max_tokens=12))[0]
     expected = sorted((o.cumulative_logprob for o in wide.outputs), reverse=True)[:2]
     assert [o.cumulative_logprob for o in best.outputs] == pytest.approx(expected)
-
-
-def hf_beam(model, prompt, width, length_penalty, early_stopping, max_tokens):
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
-            length_penalty=length_penalty, early_stopping=early_stopping, max_new_tokens=max_tokens,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=2)
-    seqs = []
-    for row in out.sequences[:, len(prompt):].tolist():
-        # Finished beams are padded with the pad id, which is the EOS id (2) here. A row that
-        # ends in 2 ended by EOS (a length-ended beam cannot end in EOS): keep exactly one.
-        if row and row[-1] == 2:
-            while row and row[-1] == 2:
-                row.pop()
-            row.append(2)
-        seqs.append(row)
-    return seqs, out.sequences_scores.tolist()
 
 
 @pytest.mark.parametrize("width", [2, 4])
