@@ -64,6 +64,13 @@ def test_bad_choice_lists_choices_with_suggestion() -> None:
     assert error == "generation.mode: invalid value 'beams' (did you mean 'beam'?); valid: 'greedy', 'sample', 'beam'"
 
 
+def test_scheduling_policy_defaults_to_prefix_order() -> None:
+    assert validate_config(_with()).engine.scheduling_policy == "prefix"
+    assert validate_config(_with(engine={"scheduling_policy": "fcfs"})).engine.scheduling_policy == "fcfs"
+    (error,) = _errors(_with(engine={"scheduling_policy": "lpm"}))
+    assert error == "engine.scheduling_policy: invalid value 'lpm'; valid: 'prefix', 'fcfs'"
+
+
 def test_missing_required_keys() -> None:
     errors = _errors({})
     assert errors == ["data: required key is missing", "output: required key is missing"]
