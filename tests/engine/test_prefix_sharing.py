@@ -11,6 +11,7 @@ preemption and eviction), and HF ``generate``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,23 @@ def test_interleaved_prefixes_are_each_computed_once(smollm2_tokenizer, engines)
                                                                        if t == topic]) for topic in topics)
     ref, _, _ = _run(engines["off"], prompts, greedy)
     assert _tokens(outs) == _tokens(ref)
+
+
+def test_the_few_shot_qa_config_computes_its_examples_once(engines, tmp_path):
+    """configs/qa_exact_match.yaml says its rows share the few-shot examples' KV blocks."""
+    from batchgen.config import load_config
+    from batchgen.pipeline import execute, plan
+    from batchgen.plugins import load_registry
+
+    root = Path(__file__).resolve().parents[2]
+    registry = load_registry([])
+    config = load_config(root / "configs" / "qa_exact_match.yaml",
+                         [f"data.source={root / 'configs' / 'data' / 'qa.jsonl'}",
+                          f"output.path={tmp_path / 'qa.jsonl'}"], registry=registry)
+    assert engines["on"].reset_prefix_cache()
+    summary = execute(plan(config, registry), quiet=True, llm=engines["on"])
+    records = [json.loads(line) for line in (tmp_path / "qa.jsonl").read_text().splitlines()]
+    cached = [r["usage"]["cached_tokens"] for r in sorted(records, key=lambda r: r["index"])]
+    assert len(cached) == 12 and cached[0] == 0 and all(c >= BLOCK for c in cached[1:])  # row 0 computes
+    throughput = summary["throughput"]
+    assert throughput["prefill_tokens"] == throughput["prompt_tokens"] - sum(cached)

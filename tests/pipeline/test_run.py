@@ -59,6 +59,9 @@ def test_greedy_run_writes_records_and_summary(job_config, tiny_llm) -> None:
     assert kept <= summary["throughput"]["generated_tokens"] <= kept + len(records)
     assert summary["throughput"]["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in records)
     assert summary["throughput"]["generated_tokens_per_s"] > 0
+    # Prompt tokens computed: all but those served from the prefix cache.
+    cached = sum(r["usage"]["cached_tokens"] for r in records)
+    assert summary["throughput"]["prefill_tokens"] == summary["throughput"]["prompt_tokens"] - cached
     assert {"num_blocks", "peak_blocks_used", "prefix_cache_hit_rate", "saving"} <= set(summary["engine"])
     on_disk = json.loads((path.parent / "out" / "results.summary.json").read_text())
     assert on_disk["records"] == summary["records"] and on_disk["status"] == "completed"
