@@ -487,6 +487,6 @@ def build(out: Path) -> None:
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
     scaled_lines = scaleout.summary_lines(scaled)
-    (out / "summary.md").write_text(text + "\n".join(scaled_lines) + ("\n\n" if scaled_lines else "")
-                                    + prefix.summary_md(pref))
+    scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
+    (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")
