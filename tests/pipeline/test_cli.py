@@ -37,7 +37,7 @@ def test_wrong_type_and_all_errors_at_once(job_config, capsys) -> None:
     assert code == 2
     assert "invalid config (2 errors)" in err
     assert "data.limit: Input should be greater than 0 (got -1)" in err
-    assert "engine.block_size: Input should be a valid integer, unable to parse string as an integer (got 'sixteen')" in err
+    assert "engine.block_size: expected an integer, got 'sixteen'" in err
 
 
 def test_missing_column(job_config, capsys) -> None:

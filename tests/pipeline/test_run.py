@@ -131,15 +131,22 @@ def test_resume_skips_written_ids_and_keeps_lines(job_config, tiny_llm) -> None:
         sum(r["generations"][0]["num_tokens"] for r in records) / 12
     )
     # Greedy output does not depend on what ran beside it: the resumed records match a fresh run.
-    _, fresh = _run(path, tiny_llm, "output.if_exists=overwrite")
+    done, fresh = _run(path, tiny_llm, "output.if_exists=overwrite")
     def texts(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
         return {r["id"]: [(g["text"], g["num_tokens"]) for g in r["generations"]] for r in rows}
 
     assert texts(fresh) == texts(records)
-    # Resuming a finished run has nothing to do and does not even load the model.
+    # Resuming a finished run has nothing to do and does not even load the model; the summary
+    # keeps the figures of the run that did the work and adds its own to the history.
     summary, again = _run(path, None, "output.if_exists=resume")
-    assert again == fresh and summary["engine"] is None and "load_model_s" not in summary["timings"]
+    assert again == fresh
     assert (summary["records"]["this_run"], summary["records"]["total"], summary["status"]) == (0, 12, "completed")
+    assert summary["throughput"] == done["throughput"] and summary["throughput"]["generated_tokens"] > 0
+    assert summary["timings"] == done["timings"] and summary["engine"] == done["engine"]
+    assert len(summary["runs"]) == 2 and summary["runs"][0] == done["runs"][-1]
+    noop = summary["runs"][-1]
+    assert noop["records"]["this_run"] == 0 and "load_model_s" not in noop["timings"]
+    assert noop["throughput"]["generated_tokens"] == 0
 
 
 PLUGIN = '''
@@ -229,7 +236,8 @@ def test_third_party_sampler_plugin_from_yaml(job_config, tiny_llm) -> None:
     summary, records = _run(path, tiny_llm)
     assert summary["status"] == "completed" and len(records) == 3
     assert all(r["error"] is None and len(r["generations"]) == 2 for r in records)
-    assert summary["config"]["generation"]["sampler"] == {"name": "typical", "options": {"mass": 0.5}}
+    # The resolved config fills the plugin's option defaults.
+    assert summary["config"]["generation"]["sampler"] == {"name": "typical", "options": {"mass": 0.5, "min_tokens_to_keep": 1}}
 
 
 def test_hook_crash_fails_the_run_naming_the_plugin(job_config, tiny_llm, plugin_module: str, tmp_path: Path) -> None:

@@ -150,7 +150,15 @@ def test_extra_module_contributes_sampler_metric_and_lifecycle(make_module: Make
 
     entry = next(e for e in registry.describe() if e["name"] == name)
     assert entry["source"] == "module" and entry["distribution"] is None
-    assert entry["samplers"] == [{"name": "mask_token", "description": "Mask one token id."}]
+    assert entry["samplers"] == [
+        {
+            "name": "mask_token",
+            "description": "Mask one token id.",
+            "options": [
+                {"name": "token", "type": "int", "constraints": ">= 0", "required": False, "default": 0, "description": None}
+            ],
+        }
+    ]
     assert entry["hooks"] == ["batchgen_record_finished", "batchgen_run_end", "batchgen_run_start"]
 
 
