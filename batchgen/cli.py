@@ -139,10 +139,10 @@ class _StopOnSignal:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # Left in place when a signal came: the interpreter still has to shut down quietly.
-        if self.received is None:
-            for sig, previous in self._previous.items():
-                signal.signal(sig, previous)
+        for sig, previous in self._previous.items():
+            # After a signal, ignore the rest: at shutdown Python would put back the default
+            # action, and one more Ctrl-C would then kill the process (exit -2, not 130).
+            signal.signal(sig, previous if self.received is None else signal.SIG_IGN)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -187,7 +187,7 @@ def _load_dataset(cfg: DataSection) -> Any:
         raise
     except Exception as exc:  # datasets raises many types; all mean "cannot load"
         where = f"data.source '{cfg.source}'"
-        bad_line = _first_bad_json_line(path) if path.is_file() else None
+        bad_line = _first_bad_json_line(path, cfg.format)
         if bad_line is not None:
             raise DataError(f"{where}: line {bad_line[0]} of {path} is not valid JSON: {bad_line[1]}") from None
         raise DataError(f"{where}: could not load the dataset: {_root_cause(exc)}") from None
@@ -213,12 +213,22 @@ def _open_text(path: Path) -> Any:
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
-def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+def _format_of(path: Path, fmt: str) -> str | None:
+    """The builder that reads the local file ``path``, or None (not a file, unknown suffix)."""
+    if not path.is_file():
+        return None
+    try:
+        return _builder_for(path, fmt)
+    except DataError:
+        return None
+
+
+def _first_bad_json_line(path: Path, fmt: str) -> tuple[int, str] | None:
     """``(line number, parse error)`` of the first line of a JSON-lines file that is not JSON.
 
     None when every line parses, or when the file is not JSON lines (e.g. one JSON array).
     """
-    if not any(path.name.lower().endswith(s) for s, b in _BUILDERS.items() if b == "json"):
+    if _format_of(path, fmt) != "json":
         return None
     try:
         with _open_text(path) as f:
@@ -259,7 +269,7 @@ def _check_utf8(dataset: Any, cfg: DataSection) -> None:
         message = str(exc)
     where = f"data.source '{cfg.source}'"
     path = Path(resolve_source(cfg.source))
-    if path.is_file():
+    if _format_of(path, cfg.format) in ("json", "csv", "text"):  # a text file: name the line
         try:
             with _open_text(path) as f:
                 for number, raw in enumerate(f, start=1):

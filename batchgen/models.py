@@ -10,6 +10,7 @@ by a killed conversion is removed by the next one (when its process is gone, or 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -119,12 +120,29 @@ def remove_stale_temp_folders(target: Path, max_age: float = STALE_TEMP_SECONDS)
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically).
+
+    Stale temp folders of killed conversions are removed first. Progress bars show only while
+    transformers' progress bars are on (the CLI turns them off for ``--quiet`` and off a TTY).
+    """
+    from transformers.utils import logging as hf_logging
 
     for stale in remove_stale_temp_folders(target):
         logger.info("removed %s, left by an interrupted conversion", stale)
+
+    if hf_logging.is_progress_bar_enabled():
+        _convert_gguf_files(gguf_path, target)
+        return
+    # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
+    # de-quantisation bar with plain tqdm, which its own switch does not reach.
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        _convert_gguf_files(gguf_path, target)
+
+
+def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -92,3 +92,40 @@ def cached_oracle(key: object, compute):
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result
+
+
+class FullDisk:
+    """``os.write`` to files under ``folder`` fails with ENOSPC once ``left`` bytes went in
+    (None: no limit yet), after writing what still fits, as a real full disk does."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = str(folder)
+        self.left: int | None = None
+
+    def write(self, real_write, fd: int, data) -> int:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if self.left is None or not target.startswith(self.folder):
+            return real_write(fd, data)
+        if self.left <= 0:
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_write(fd, bytes(data[: self.left]))
+        self.left -= n
+        return n
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch):
+    """``full_disk(folder) -> FullDisk``: simulate a disk that fills up (set ``.left``)."""
+
+    def make(folder: Path) -> FullDisk:
+        disk = FullDisk(folder)
+        real_write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, data: disk.write(real_write, fd, data))
+        return disk
+
+    return make
