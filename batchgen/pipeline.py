@@ -453,7 +453,9 @@ def execute(
     outcome: BaseException | None = None
     tallied: tuple[dict[str, Any], dict[str, Any]] | None = None
     try:
-        write_json_atomic(config.output.summary_file, summary | {"runs": history})
+        # Written now, so that a run killed by SIGKILL leaves its config (for a resume's check)
+        # and its own entry in ``runs`` behind.
+        write_json_atomic(config.output.summary_file, summary | {"runs": [*history, _run_entry(summary)]})
         hooks("batchgen_run_start", config=resolved)
         if job.todo and executor.tokenizer is None:  # nothing left (a finished run resumed): skip the model
             t = time.perf_counter()

@@ -1,8 +1,9 @@
-"""Real processes: a second run on a busy output, SIGTERM, and Ctrl-C pressed again and again.
+"""Real processes: SIGKILL then resume, a second run on a busy output, SIGTERM, and Ctrl-C
+pressed again and again.
 
-One job, slowed down by a plugin that sleeps after each record, is started as a child process;
-the checks run against it while it works. Off a terminal (stderr is a pipe here) the run says
-what it is doing with plain log lines instead of a progress bar.
+Each job is started as a child process on the tiny model and the checks run against it while it
+works. Off a terminal (stderr is a pipe here) a run says what it is doing with plain log lines
+instead of a progress bar.
 """
 
 from __future__ import annotations
@@ -42,28 +43,81 @@ def _wait_for_lines(proc: subprocess.Popen, path: Path, count: int) -> None:
         time.sleep(0.02)
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _summary(out: Path) -> dict:
     return json.loads(out.with_name("out.summary.json").read_text())
 
 
-def test_busy_output_sigterm_and_repeated_ctrl_c(tmp_path: Path, tiny_llama: str) -> None:
+def _job(tmp_path: Path, model: str, rows: int, generation: dict, engine: dict, plugins: list[str]) -> tuple[list[str], Path]:
+    """A YAML job over ``rows`` prompts; returns the ``batchgen run`` command and the output."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"uid": f"p{i:03d}", "prompt": f"Item {i}:"}) + "\n" for i in range(ROWS)))
-    (tmp_path / "slow_records.py").write_text(SLOW_PLUGIN)
+    data.write_text("".join(json.dumps({"uid": f"p{i:03d}", "prompt": f"Item {i}:"}) + "\n" for i in range(rows)))
     out = tmp_path / "out.jsonl"
     config = {
-        "model": {"name": tiny_llama, "device": "cpu", "dtype": "float32"},
+        "model": {"name": model, "device": "cpu", "dtype": "float32"},
         "data": {"source": str(data), "id_column": "uid"},
         "prompt": {"column": "prompt", "chat_template": False},
-        "generation": {"mode": "greedy", "max_tokens": 4, "ignore_eos": True},
-        "engine": {"kv_cache_memory": "8MiB", "max_num_seqs": 4},
+        "generation": {"mode": "greedy", "ignore_eos": True, **generation},
+        "engine": {"kv_cache_memory": "8MiB", **engine},
+        "metrics": [{"name": "length"}],
         "output": {"path": str(out)},
-        "plugins": ["slow_records"],
+        "plugins": plugins,
     }
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(config))
+    return [sys.executable, "-m", "batchgen.cli", "run", str(job)], out
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_sigkill_then_resume(tmp_path: Path, tiny_llama: str, sigkill_after_records) -> None:
+    """Every id once, the lines written before the kill byte-identical, the lock taken over."""
+    rows = 32
+    # Two sequences at a time and a fixed length: records land two by two, one wave every 16
+    # steps, so the job is still far from done when the first lines appear.
+    command, out = _job(tmp_path, tiny_llama, rows, {"max_tokens": 16}, {"max_num_seqs": 2}, [])
+    command.append("--quiet")
+    killed = sigkill_after_records(command, out)
+    assert out.with_name("out.jsonl.lock").exists()  # left behind, and free (see below)
+    assert _summary(out)["status"] == "running"  # the one written when the run started
+
+    complete = killed[: killed.rfind(b"\n") + 1]
+    written_before = [json.loads(line)["id"] for line in complete.splitlines()]
+    assert 3 <= len(written_before) < rows
+
+    # Without a flag the run refuses to touch the file.
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--resume" in refused.stderr and "--overwrite" in refused.stderr
+    assert out.read_bytes() == killed
+
+    # The resumed run may batch differently; resume only depends on the ids in the file.
+    resumed = subprocess.run(
+        [*command, "--resume", "--set", "engine.max_num_seqs=32"], capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = out.read_bytes()
+    assert final.startswith(complete)  # pre-kill records are byte-identical
+    records = [json.loads(line) for line in final.splitlines()]  # every line is valid JSON
+    ids = [r["id"] for r in records]
+    assert sorted(ids) == [f"p{i:03d}" for i in range(rows)]  # every id exactly once
+    assert all(r["error"] is None and r["generations"][0]["num_tokens"] == 16 for r in records)
+    summary = _summary(out)
+    assert summary["status"] == "completed"
+    assert summary["records"]["resumed"] == len(written_before)
+    assert summary["records"]["this_run"] == rows - len(written_before)
+    assert summary["records"]["total"] == rows
+    assert [run["status"] for run in summary["runs"]] == ["running", "completed"]  # the killed run, then this one
+
+
+def test_busy_output_sigterm_and_repeated_ctrl_c(tmp_path: Path, tiny_llama: str) -> None:
+    # A plugin that sleeps after each record keeps the run busy while the checks run.
+    (tmp_path / "slow_records.py").write_text(SLOW_PLUGIN)
+    command, out = _job(tmp_path, tiny_llama, ROWS, {"max_tokens": 4}, {"max_num_seqs": 4}, ["slow_records"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "batchgen.cli", "run", str(job)]
 
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -77,9 +131,7 @@ def test_busy_output_sigterm_and_repeated_ctrl_c(tmp_path: Path, tiny_llama: str
         first.send_signal(signal.SIGTERM)
         _, err = first.communicate(timeout=60)
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+        _reap(first)
     assert first.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == (
@@ -107,9 +159,7 @@ def test_busy_output_sigterm_and_repeated_ctrl_c(tmp_path: Path, tiny_llama: str
             time.sleep(0.02)
         _, err = resumed.communicate(timeout=60)
     finally:
-        if resumed.poll() is None:
-            resumed.kill()
-            resumed.wait()
+        _reap(resumed)
     assert resumed.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert "batchgen: error: interrupted by SIGINT" in err
