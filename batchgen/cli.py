@@ -2,18 +2,25 @@
 
 Commands:
 
-* ``batchgen run CONFIG [--set KEY=VALUE ...] [--resume | --overwrite] [--quiet]``
+* ``batchgen run CONFIG [--set KEY=VALUE ...] [--resume | --force-resume | --overwrite]
+  [--max-error-rate RATE] [--quiet]``
 * ``batchgen validate CONFIG [--set KEY=VALUE ...]``: every check that needs no model run.
-* ``batchgen plugins [--json]``: what is installed and what each plugin registers.
+* ``batchgen plugins [--json]``: what is installed, what each plugin registers, and its options.
+* ``batchgen --version``.
 
-Exit status: 0 ok, 1 runtime failure, 2 config or usage error (argparse's own usage errors
-included), 130 interrupted. Errors go to stderr as ``batchgen: error: ...``.
+Exit status: 0 ok; 1 runtime failure; 2 config or usage error (argparse's own usage errors
+included, and an output in use by another run); 3 the run finished but no record succeeded, or
+``--max-error-rate`` stopped it; 128 + the signal's number when a signal stopped it (130 for
+SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr as one ``batchgen: error: ...`` line,
+never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +29,8 @@ from typing import Any, TextIO
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+EXIT_RECORDS_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM gives 143
 
 # Rows rendered by ``validate`` to catch template errors before a run.
 VALIDATE_ROWS = 5
@@ -33,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="batchgen",
         description="Offline batch generation for LLMs over a paged KV cache.",
     )
+    parser.add_argument("--version", action="version", version=f"batchgen {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def config_args(p: argparse.ArgumentParser) -> None:
@@ -50,8 +59,21 @@ def _parser() -> argparse.ArgumentParser:
     config_args(run)
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="skip the ids already in the output file")
+    mode.add_argument(
+        "--force-resume",
+        action="store_true",
+        help="resume even though the earlier run's generation config differs (records of both kinds end up in one file)",
+    )
     mode.add_argument("--overwrite", action="store_true", help="start the output file over")
-    run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no final report")
+    run.add_argument(
+        "--max-error-rate",
+        type=_rate,
+        default=None,
+        metavar="RATE",
+        help="stop (exit 3) once more than this share (0..1) of the records written are errors, "
+        "checked from the 10th record on",
+    )
+    run.add_argument("--quiet", "-q", action="store_true", help="no progress output and no final report")
 
     validate = sub.add_parser("validate", help="check a config without running the model")
     config_args(validate)
@@ -63,8 +85,64 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("batchgen")
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown"
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
 def _error(message: str, stream: TextIO | None = None) -> None:
     print(f"batchgen: error: {message}", file=stream or sys.stderr)
+
+
+def _note(message: str) -> None:
+    print(f"batchgen: {message}", file=sys.stderr)
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM stop the run cleanly: the first raises
+    :class:`~batchgen.pipeline.Interrupted` (a ``KeyboardInterrupt``) so that the run writes its
+    summary and releases its lock; later ones are ignored while that happens, so that a second
+    Ctrl-C cannot cut the summary short or print a traceback from a finaliser."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            from batchgen.pipeline import Interrupted
+
+            raise Interrupted(signum)
+        # os.write, not print: the handler may run in the middle of another write to stderr.
+        os.write(2, b"batchgen: stopping; the summary is being written\n")
+
+    def __enter__(self) -> _StopOnSignal:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            # After a signal, ignore the rest: at shutdown Python would put back the default
+            # action, and one more Ctrl-C would then kill the process (exit -2, not 130).
+            signal.signal(sig, previous if self.received is None else signal.SIG_IGN)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -92,31 +170,57 @@ def _quiet_libraries() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from batchgen.pipeline import SETUP_ERRORS, RunFailed, execute, plan
+    with _StopOnSignal() as signals:
+        try:
+            return _run(args)
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", None) or signals.received or signal.SIGINT
+            _error(f"interrupted by {signal.Signals(signum).name}; nothing was started")
+            return 128 + signum
 
+
+def _run(args: argparse.Namespace) -> int:
+    from batchgen.pipeline import SETUP_ERRORS, RunFailed, TooManyErrors, execute, plan
+
+    if args.quiet or not sys.stderr.isatty():
+        _quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
         registry, config = _load(args)
-        if args.resume:
+        if args.resume or args.force_resume:
             config.output.if_exists = "resume"
         elif args.overwrite:
             config.output.if_exists = "overwrite"
-        job = plan(config, registry, config_path=str(args.config))
+        job = plan(config, registry, config_path=str(args.config), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
-    if args.quiet or not sys.stderr.isatty():
-        _quiet_libraries()
     try:
-        summary = execute(job, quiet=args.quiet)
+        summary = execute(job, quiet=args.quiet, max_error_rate=args.max_error_rate)
+    except TooManyErrors as exc:
+        _error(f"run stopped: {exc}")
+        _note(f"the records written so far are kept in {config.output.path}")
+        return EXIT_RECORDS_FAILED
     except RunFailed as exc:
         _error(f"run failed: {exc}")
-        _error(f"records written so far are kept; fix the cause and rerun with --resume ({config.output.path})")
+        _note(f"records written so far are kept; fix the cause and rerun with --resume ({config.output.path})")
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        _error(f"interrupted; rerun with --resume to continue ({config.output.path})")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", None) or signal.SIGINT
+        _error(
+            f"interrupted by {signal.Signals(signum).name}; the summary says 'interrupted'; "
+            f"rerun with --resume to continue ({config.output.path})"
+        )
+        return 128 + signum
     if not args.quiet:
         _report(summary, config)
+    records = summary["records"]
+    if records["total"] and not records["ok"]:
+        example = records.get("first_error") or {}
+        _error(
+            f"no record succeeded: all {records['total']} records in {config.output.path} are errors, "
+            f"e.g. id {example.get('id')!r}: {example.get('error')}"
+        )
+        return EXIT_RECORDS_FAILED
     return EXIT_OK
 
 
@@ -184,6 +288,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
+    from batchgen.output import OutputLock
+
+    holder = OutputLock(config.output.path).holder()
+    if holder is not None:
+        print(f"note: {config.output.path} is in use by {holder}; 'batchgen run' will refuse it until that run ends")
     output = Path(config.output.path)
     if output.exists() and output.stat().st_size > 0:
         if config.output.if_exists == "error":
@@ -217,6 +326,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         for kind in ("samplers", "metrics"):
             for item in entry[kind]:
                 print(f"  {kind[:-1]:<7} {item['name']:<16} {item['description']}")
+                for option in item.get("options", ()):
+                    kind_text = option["type"] + (f", {option['constraints']}" if option.get("constraints") else "")
+                    default = "required" if option["required"] else f"default {json.dumps(option['default'])}"
+                    line = f"{'':<10}{option['name']} ({kind_text}; {default})"
+                    if option.get("description"):
+                        line += f": {option['description']}"
+                    print(line)
         if entry["hooks"]:
             print(f"  hooks   {', '.join(entry['hooks'])}")
     return EXIT_OK
@@ -226,7 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     args = _parser().parse_args(argv)
     handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:  # e.g. `batchgen plugins | head`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

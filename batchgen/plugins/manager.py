@@ -18,6 +18,8 @@ import importlib
 import importlib.metadata
 import math
 import numbers
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -74,6 +76,58 @@ def format_validation_error(error: ValidationError, model: type[BaseModel]) -> l
     return lines
 
 
+def _type_name(annotation: Any) -> str:
+    """A readable name for an option's type: ``float``, ``list of int``, ``'a' or 'b'``..."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin in (list, tuple, set, frozenset, Sequence):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin in (dict, Mapping):
+        return "mapping"
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "length >="), ("max_length", "length <="))
+
+
+def describe_options(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """One entry per option of a plugin's options model: ``name``, ``type``, ``constraints``
+    (e.g. ``"> 0, <= 1"``, or None), ``required``, ``default`` (JSON data; None when required)
+    and ``description``."""
+    from pydantic_core import to_jsonable_python
+
+    options = []
+    for name, info in model.model_fields.items():
+        bounds = [
+            f"{sign} {getattr(meta, attr)}"
+            for meta in info.metadata
+            for attr, sign in _BOUNDS
+            if getattr(meta, attr, None) is not None
+        ]
+        required = info.is_required()
+        default = None if required else info.get_default(call_default_factory=True)
+        options.append(
+            {
+                "name": name,
+                "type": _type_name(info.annotation),
+                "constraints": ", ".join(bounds) or None,
+                "required": required,
+                "default": to_jsonable_python(default, fallback=repr),
+                "description": info.description,
+            }
+        )
+    return options
+
+
 def _clean_value(value: Any) -> float | int | bool | None:
     """A score value as a JSON-safe Python scalar; non-finite floats become None.
 
@@ -112,7 +166,10 @@ def _clean_scores(result: Any, what: str) -> dict[str, Any]:
 class GuardedProcessor:
     """A plugin's logits processor that names its plugin when it fails.
 
-    The wrapper adds one Python call and a shape check per step; it never copies the logits.
+    It fails when the processor raises, returns a tensor of another shape, or returns a row
+    holding NaN or ``+inf`` (masking is ``-inf``; a NaN or a ``+inf`` would make greedy and
+    sampling pick garbage silently). The wrapper adds one Python call, a shape check and one
+    row-wise max per step; it never copies the logits.
     """
 
     def __init__(self, inner: LogitsProcessor, name: str, label: str) -> None:
@@ -134,6 +191,16 @@ class GuardedProcessor:
                 f"sampler '{self.name}' ({self.label}) returned "
                 f"{getattr(out, 'shape', type(out).__name__)}, expected a tensor of shape "
                 f"{tuple(logits.shape)}"
+            )
+        # One reduction: a row's max is NaN when the row holds a NaN, +inf when it holds a +inf.
+        top = out.amax(dim=-1) if out.numel() else out
+        bad = ~(top < math.inf)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten().tolist()
+            what = "NaN" if bool(top[bad].isnan().any()) else "+inf"
+            raise PluginError(
+                f"sampler '{self.name}' ({self.label}) returned {what} logits in row(s) {rows[:8]}; "
+                "a processor may only lower logits (use -inf to mask a token)"
             )
         return out
 
@@ -423,8 +490,9 @@ class PluginRegistry:
 
         Each entry has ``name``, ``source`` ("built-in", "entry point" or "module"), ``module``,
         ``distribution`` and ``version`` (None unless loaded from an entry point), ``samplers`` and
-        ``metrics`` (the names it registered, each ``{"name", "description"}``) and ``hooks`` (the
-        lifecycle hooks it implements).
+        ``metrics`` (the names it registered, each ``{"name", "description", "options"}``, the
+        options as :func:`describe_options` lists them) and ``hooks`` (the lifecycle hooks it
+        implements).
         """
         entries = []
         for plugin_name, plugin in self.pm.list_name_plugin():
@@ -442,12 +510,12 @@ class PluginRegistry:
                     "distribution": info.distribution,
                     "version": info.version,
                     "samplers": [
-                        {"name": n, "description": s.description}
+                        {"name": n, "description": s.description, "options": describe_options(s.options_model)}
                         for n, s in self.samplers.items()
                         if self._owners[("sampler", n)] == plugin_name
                     ],
                     "metrics": [
-                        {"name": n, "description": m.description}
+                        {"name": n, "description": m.description, "options": describe_options(m.options_model)}
                         for n, m in self.metrics.items()
                         if self._owners[("metric", n)] == plugin_name
                     ],
@@ -570,6 +638,7 @@ def load_registry(extra_modules: Sequence[str] = ()) -> PluginRegistry:
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "describe_options",
     "GuardedProcessor",
     "PluginError",
     "PluginMetric",

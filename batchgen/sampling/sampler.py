@@ -136,12 +136,20 @@ class Sampler:
         if sampled_idx:
             self._apply_filters(x, params, sampled_idx)
 
-        dead = torch.isneginf(x.amax(dim=-1))
-        if bool(dead.any()):
-            bad = dead.nonzero().flatten().tolist()
+        # One row-wise max finds every row that cannot be sampled from: all -inf (masked
+        # away), or holding a NaN or a +inf (the max propagates both).
+        top = x.amax(dim=-1)
+        broken = ~torch.isfinite(top)
+        if bool(broken.any()):
+            bad = broken.nonzero().flatten().tolist()
+            if bool(torch.isneginf(top[broken]).all()):
+                raise ValueError(
+                    f"rows {bad} have every token masked to -inf (suppress ids, logits processors "
+                    "or filters removed the whole vocabulary); nothing can be sampled")
+            what = "NaN" if bool(top[broken].isnan().any()) else "+inf"
             raise ValueError(
-                f"rows {bad} have every token masked to -inf (suppress ids, logits processors "
-                "or filters removed the whole vocabulary); nothing can be sampled")
+                f"rows {bad} hold {what} logits (from the model or a logits processor); "
+                "nothing can be sampled from them")
 
         if len(sampled_idx) == num_rows:
             chosen = self._sample(x, rows, sampled_idx)

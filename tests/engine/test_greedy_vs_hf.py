@@ -53,13 +53,15 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path, prompts, oracle_cache) -> list[list[int]]:
+def hf_reference(smollm2_path, prompts, oracle_cache, hf_map) -> list[list[int]]:
+    """HF's greedy tokens for every prompt, computed once for all the cases of this module."""
     from transformers import AutoModelForCausalLM
 
     def compute() -> list[list[int]]:
         model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
         eos = model.generation_config.eos_token_id
-        return hf_greedy(model, prompts, MAX_TOKENS, [eos] if isinstance(eos, int) else list(eos))
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        return hf_map(lambda p: hf_greedy(model, [p], MAX_TOKENS, eos_ids)[0], prompts)
 
     weights = Path(smollm2_path, "model.safetensors").stat().st_size
     return oracle_cache(["greedy", weights, prompts, MAX_TOKENS], compute)
@@ -130,8 +132,8 @@ def test_greedy_equals_hf_with_chunked_prefill(smollm2_path, prompts, hf_referen
 
 
 def test_greedy_equals_hf_with_prefix_cache_hits(smollm2_path, prompts, hf_reference):
-    # Few sequences at a time, so later requests find the shared system prompt's blocks cached.
-    llm, ours = _run(smollm2_path, prompts, block_size=8, max_num_seqs=4, enable_prefix_caching=True)
+    # Two waves of 12 sequences: the second finds the shared system prompt's blocks cached.
+    llm, ours = _run(smollm2_path, prompts, block_size=8, max_num_seqs=12, enable_prefix_caching=True)
     stats = llm.stats()
     assert stats.prefix_cache_hits > 0
     assert stats.num_prefill_tokens < sum(len(p) for p in prompts)

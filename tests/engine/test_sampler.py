@@ -218,6 +218,23 @@ def test_every_token_masked_is_a_clear_error() -> None:
                                       _row(SamplingParams(), suppress=[0, 1, 2, 3])])
 
 
+@pytest.mark.parametrize("bad,what", [(math.nan, "NaN"), (math.inf, r"\+inf")])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_nan_or_inf_logits_are_a_clear_error(bad: float, what: str, greedy: bool) -> None:
+    """Greedy would pick the NaN's neighbour and sampling the last id, silently: refuse."""
+    def poison(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
+        logits[0, 2] = bad
+        return logits
+
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, logits_processors=[poison])
+    with pytest.raises(ValueError, match=rf"rows \[1\] hold {what} logits"):
+        Sampler()(torch.zeros(2, 4), [_row(SamplingParams()), _row(params)])
+    raw = torch.zeros(2, 4)
+    raw[0, 1] = bad  # from the model itself, e.g. an overflow
+    with pytest.raises(ValueError, match=rf"rows \[0\] hold {what} logits"):
+        Sampler()(raw, [_row(SamplingParams(temperature=0.0 if greedy else 1.0)), _row(SamplingParams())])
+
+
 def test_logprobs_and_top_logprobs() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(7)) * 3
     raw_lp = torch.log_softmax(logits, dim=-1)

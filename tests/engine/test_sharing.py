@@ -22,13 +22,6 @@ def w32() -> list[list[int]]:
     return [json.loads(line)["prompt_token_ids"] for line in W32.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-
-
 def test_n4_sampling_prefills_once_shares_blocks_and_reproduces(smollm2_path, w32):
     prompt = w32[0]  # 69 tokens: 4 full blocks of 16 and a partial one of 5
     assert len(prompt) % 16 != 0
@@ -68,10 +61,32 @@ def test_best_of_returns_the_best_n(smollm2_path, w32):
     assert [o.cumulative_logprob for o in best.outputs] == pytest.approx(expected)
 
 
+@pytest.fixture(scope="module")
+def hf_beams(smollm2_path, w32, oracle_cache, hf_map):
+    """``hf_beams(width, length_penalty, early_stopping)``: HF's beams for the 8 test prompts,
+    computed once per setting (the CPU-linear case shares the torch case's) and cached."""
+    model = None
+    weights = Path(smollm2_path, "model.safetensors").stat().st_size
+
+    def compute(width, length_penalty, early_stopping):
+        nonlocal model
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+        return hf_map(lambda p: hf_beam(model, p, width, length_penalty, early_stopping, BEAM_TOKENS), w32[:8])
+
+    def get(width, length_penalty, early_stopping):
+        key = ["beam", weights, w32[:8], width, length_penalty, early_stopping, BEAM_TOKENS]
+        return oracle_cache(key, lambda: compute(width, length_penalty, early_stopping))
+
+    return get
+
+
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("length_penalty", [1.0, 0.6])
 @pytest.mark.parametrize("early_stopping", [True, False])
-def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalty, early_stopping,
+def test_beam_search_equals_hf(smollm2_path, hf_beams, w32, width, length_penalty, early_stopping,
                                linear_backend="torch"):
     prompts = w32[:8]
     llm = LLM(smollm2_path, dtype="float32", block_size=16, linear_backend=linear_backend)
@@ -79,8 +94,7 @@ def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalt
     params = BeamSearchParams(beam_width=width, max_tokens=BEAM_TOKENS, length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=width)
     outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
-        ref_seqs, ref_scores = hf_beam(hf_model, prompt, width, length_penalty, early_stopping, BEAM_TOKENS)
+    for out, (ref_seqs, ref_scores) in zip(outs, hf_beams(width, length_penalty, early_stopping)):
         ours = [o.token_ids + ([2] if o.finish_reason == "stop" else []) for o in out.outputs]
         assert ours == ref_seqs
         assert [o.score for o in out.outputs] == pytest.approx(ref_scores, abs=1e-4)
@@ -89,14 +103,14 @@ def test_beam_search_equals_hf(smollm2_path, hf_model, w32, width, length_penalt
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_beam_search_equals_hf_on_the_cpu_linear_backend(smollm2_path, hf_model, w32):
+def test_beam_search_equals_hf_on_the_cpu_linear_backend(smollm2_path, hf_beams, w32):
     """batchgen's own GEMM for every linear layer: beams and scores stay HF's."""
     from batchgen.kernels.cpu.linear import unsupported_reason
 
     why = unsupported_reason(torch.float32, torch.device("cpu"))
     if why is not None:
         pytest.skip(f"the CPU linear kernel cannot run here: {why}")
-    test_beam_search_equals_hf(smollm2_path, hf_model, w32, 4, 1.0, False, linear_backend="cpu")
+    test_beam_search_equals_hf(smollm2_path, hf_beams, w32, 4, 1.0, False, linear_backend="cpu")
 
 
 @pytest.mark.parametrize("kind", ["beam", "sample"])

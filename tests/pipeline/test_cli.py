@@ -6,6 +6,7 @@ All of these fail (or succeed) before any model runs, so they are quick.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def test_wrong_type_and_all_errors_at_once(job_config, capsys) -> None:
     assert code == 2
     assert "invalid config (2 errors)" in err
     assert "data.limit: Input should be greater than 0 (got -1)" in err
-    assert "engine.block_size: Input should be a valid integer, unable to parse string as an integer (got 'sixteen')" in err
+    assert "engine.block_size: expected an integer, got 'sixteen'" in err
 
 
 def test_missing_column(job_config, capsys) -> None:
@@ -168,3 +169,145 @@ def test_missing_model_folder(job_config, capsys, tmp_path: Path) -> None:
     code, _, err = _cli(capsys, "run", str(job_config(model={"name": str(missing)})))
     assert code == 2
     assert f"model.name: model path '{missing}' does not exist" in err
+
+
+# --------------------------------------------------------------------------- hardening
+
+
+def test_version(capsys) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"batchgen {metadata.version('batchgen')}\n"
+
+
+@pytest.mark.parametrize("sections,expected", [
+    ({"engine": {"block_size": 1000}}, "engine.block_size: Input should be less than or equal to 256 (got 1000)"),
+    ({"engine": {"kv_cache_memory": 0}}, "engine.kv_cache_memory: Input should be greater than 0 (got 0)"),
+    ({"generation": {"max_tokens": True}}, "generation.max_tokens: expected an integer, got true; a boolean is not a number"),
+    ({"generation": {"ignore_eos": "yes"}}, "generation.ignore_eos: expected true or false, got 'yes'"),
+    ({"model": {"name": "smollm2-999m"}}, "model.name: model 'smollm2-999m' is not a built-in model ('smollm2-135m-instruct'), "
+     "not a local folder, and not a hub id available here: it is not in the HF cache and HF_HUB_OFFLINE is set"),
+])
+def test_validate_catches_what_used_to_fail_after_loading(job_config, capsys, tmp_path: Path, monkeypatch, sections, expected) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    path = job_config(**sections)
+    for command in ("validate", "run"):
+        code, _, err = _cli(capsys, command, str(path))
+        assert code == 2 and expected in err, err
+    assert not (tmp_path / "out").exists()  # nothing written, not even an empty output file
+
+
+def test_set_values_keep_their_yaml_types(job_config, capsys) -> None:
+    code, out, err = _cli(capsys, "validate", str(job_config()), "--set", "data.limit=5", "--set", "engine.kv_cache_memory=512MiB",
+                          "--set", "generation.ignore_eos=true")
+    assert code == 0 and "ok (5 rows" in out, err
+
+
+@pytest.mark.parametrize("content,expected", [
+    (b'{"qid": "a", "question": "fine", "answer": "1"}\n{"qid": "b", "question": "caf\xe9", "answer": "2"}\n',
+     "line 2 of {path} is not valid UTF-8 (byte 0xe9 at column 30); fix or remove that line"),
+    (b'{"qid": "a", "question": "fine", "answer": "1"}\n\n{"qid": "b", "question": "oops" "answer": "2"}\n',
+     "line 3 of {path} is not valid JSON: Expecting ',' delimiter (column 33)"),
+])
+def test_damaged_dataset_names_file_and_line(job_config, capsys, tmp_path: Path, content: bytes, expected: str) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(content)
+    path = job_config(data={"source": str(data), "id_column": "qid"})
+    for command in ("validate", "run"):
+        code, _, err = _cli(capsys, command, str(path))
+        assert code == 2 and expected.format(path=data) in err, err
+        assert "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_plugins_lists_options(capsys) -> None:
+    code, out, _ = _cli(capsys, "plugins")
+    assert code == 0
+    assert "epsilon (float, > 0.0, < 1.0; default 0.0003): Drop tokens with probability below this." in out
+    assert "mass (float, > 0.0, <= 1.0; default 0.9)" in out
+    code, out, _ = _cli(capsys, "plugins", "--json")
+    samplers = {s["name"]: s for e in json.loads(out) for s in e["samplers"]}
+    (option,) = samplers["top_a"]["options"]
+    assert option == {"name": "a", "type": "float", "constraints": "> 0.0, <= 1.0", "required": False, "default": 0.2,
+                      "description": "Drop tokens with probability below a * p_max**2."}
+
+
+def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
+    from batchgen.output import OutputLock
+
+    out = tmp_path / "out" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text('{"id": "q00"}\n')
+    path = job_config()
+    with OutputLock(out):
+        for flag in ("--resume", "--overwrite"):
+            code, _, err = _cli(capsys, "run", str(path), flag)
+            assert code == 2
+            assert err.startswith(f"batchgen: error: output file {out} is in use by pid {os.getpid()} (started ")
+        code, text, _ = _cli(capsys, "validate", str(path))
+        assert code == 0 and f"{out} is in use by pid {os.getpid()}" in text
+    assert out.read_text() == '{"id": "q00"}\n'  # --overwrite did not truncate it
+
+
+def test_resume_with_another_config_is_refused(job_config, capsys, tmp_path: Path) -> None:
+    from batchgen.config import load_config, resolved_dict
+    from batchgen.output import write_json_atomic
+    from batchgen.plugins import load_registry
+
+    path = job_config()
+    registry = load_registry()
+    earlier = resolved_dict(load_config(path, ["generation.max_tokens=16"], registry=registry), registry)
+    out = tmp_path / "out" / "results.jsonl"
+    out.parent.mkdir()
+    out.write_text('{"id": "q00", "error": null}\n')
+    write_json_atomic(out.parent / "results.summary.json", {"status": "interrupted", "config": earlier})
+    code, _, err = _cli(capsys, "run", str(path), "--resume")
+    assert code == 2
+    assert "its records were written with a different config" in err
+    assert "  - generation.max_tokens: 16 before, 8 now\n" in err and "--force-resume" in err
+    assert out.read_text() == '{"id": "q00", "error": null}\n'
+
+
+def test_every_record_failed_exits_3(job_config, capsys, tmp_path: Path) -> None:
+    path = job_config(prompt={"max_prompt_tokens": 1}, data={"limit": 4})
+    code, out, err = _cli(capsys, "run", str(path), "--quiet")
+    assert code == 3
+    assert err.startswith("batchgen: error: no record succeeded: all 4 records in ")
+    assert "e.g. id 'q00': prompt too long: " in err
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    assert summary["status"] == "completed" and summary["records"]["ok"] == 0
+    assert summary["records"]["first_error"]["id"] == "q00"
+
+
+def test_max_error_rate_stops_early(job_config, capsys, tmp_path: Path) -> None:
+    path = job_config(prompt={"max_prompt_tokens": 1})
+    code, _, err = _cli(capsys, "run", str(path), "--quiet", "--max-error-rate", "0.5")
+    assert code == 3
+    assert err.startswith("batchgen: error: run stopped: 10 of the 10 records written so far are errors (100%), over --max-error-rate 0.5")
+    assert len((tmp_path / "out" / "results.jsonl").read_text().splitlines()) == 10
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    assert summary["status"] == "failed" and summary["records"]["total"] == 10
+    with pytest.raises(SystemExit):
+        main(["run", str(path), "--max-error-rate", "2"])
+    assert "expected a number between 0 and 1, got '2'" in capsys.readouterr().err
+
+
+def test_failing_run_end_hook_is_one_line(job_config, capsys, tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "boom_at_end.py").write_text(
+        "from batchgen.plugins import hookimpl\n\n@hookimpl\ndef batchgen_run_end(summary):\n    raise OSError('bucket gone')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = _cli(capsys, "run", str(job_config(plugins=["boom_at_end"], data={"limit": 2})), "--quiet")
+    assert code == 1 and "Traceback" not in err
+    first, second = err.splitlines()
+    assert first == (
+        "batchgen: error: run failed: plugin 'boom_at_end' (module) failed in batchgen_run_end: OSError: bucket gone; "
+        f"the run itself completed (2 records in {tmp_path / 'out' / 'results.jsonl'})"
+    )
+    assert second.startswith("batchgen: records written so far are kept")
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    assert summary["status"] == "completed" and summary["hook_errors"] == [first.split("run failed: ")[1].split("; the run")[0]]

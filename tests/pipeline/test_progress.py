@@ -1,36 +1,59 @@
-"""The progress bar: tokens with a shrinking estimate, finished records, quiet off a TTY."""
+"""Progress: a bar over records with a total that never moves on a terminal, a log line every
+so often elsewhere, nothing with --quiet."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 
 from batchgen.progress import Progress
 
 
-def test_bar_counts_tokens_and_records(capsys: pytest.CaptureFixture[str]) -> None:
-    with Progress(num_records=2, tokens_per_record=10, enabled=True) as progress:
-        progress.on_tokens(3)
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bar_counts_records_with_a_fixed_total_and_tokens_alongside() -> None:
+    stream = _Terminal()
+    with Progress(num_records=3, stream=stream) as progress:
+        assert progress.mode == "bar"
+        progress.on_tokens(40)
         progress.record_finished(generated_tokens=3, failed=False)
-        # The finished record used 3 of its 10 tokens: the estimate drops by 7.
-        assert progress._bar.total == 13
-        progress.on_tokens(10)
+        progress.on_tokens(25)
         progress.record_finished(generated_tokens=10, failed=True)
-        assert progress._bar.total == 13 and progress._bar.n == 13
-    err = capsys.readouterr().err
-    assert "records 2/2, 1 failed" in err and "tok" in err
+        # The total is the number of records: it does not shrink as records finish early.
+        assert (progress._bar.total, progress._bar.n) == (3, 2)
+        assert progress.tokens == 65
+    text = stream.getvalue()
+    assert "2/3" in text and "65 tok" in text and "1 failed" in text and "rec" in text
 
 
-def test_estimate_never_drops_below_the_count() -> None:
-    progress = Progress(num_records=1, tokens_per_record=4, enabled=True)
-    progress.on_tokens(6)  # beams may count more tokens than the record keeps
-    progress.record_finished(generated_tokens=2, failed=False)
-    assert progress._bar.total == 6
-    progress.close()
+def test_log_lines_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("batchgen.progress._clock", lambda: clock[0])
+    stream = io.StringIO()  # not a terminal: the default is a log line every interval
+    with Progress(num_records=4, stream=stream, log_interval=30) as progress:
+        assert progress.mode == "log"
+        clock[0] += 10
+        progress.on_tokens(100)
+        progress.record_finished(5, failed=False)  # 10 s in: no line yet
+        clock[0] += 20
+        progress.on_tokens(200)  # 30 s in: one line
+        clock[0] += 5
+        progress.record_finished(5, failed=True)  # 35 s in: not again before 60 s
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "batchgen: generating 4 record(s)"
+    # 1 of 4 records after 30 s: 90 s left; 300 tokens in 30 s.
+    assert lines[1] == "batchgen: 1/4 records, 300 tokens, 10.0 tok/s, ETA 1m30s"
+    assert lines[2] == "batchgen: 2/4 records (1 failed), 300 tokens, 8.6 tok/s, ETA 35s"  # the final line
+    assert len(lines) == 3
 
 
-def test_quiet_when_not_a_tty(capsys: pytest.CaptureFixture[str]) -> None:
-    # Under pytest's capture stderr is not a terminal, so the default is silence.
-    with Progress(num_records=3, tokens_per_record=5) as progress:
+def test_quiet_prints_nothing() -> None:
+    stream = _Terminal()
+    with Progress(num_records=3, mode="off", stream=stream) as progress:
         progress.on_tokens(5)
         progress.record_finished(5, failed=False)
-    assert capsys.readouterr().err == ""
+    assert stream.getvalue() == ""

@@ -134,15 +134,22 @@ def test_resume_skips_written_ids_and_keeps_lines(job_config, tiny_llm) -> None:
         sum(r["generations"][0]["num_tokens"] for r in records) / 12
     )
     # Greedy output does not depend on what ran beside it: the resumed records match a fresh run.
-    _, fresh = _run(path, tiny_llm, "output.if_exists=overwrite")
+    done, fresh = _run(path, tiny_llm, "output.if_exists=overwrite")
     def texts(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
         return {r["id"]: [(g["text"], g["num_tokens"]) for g in r["generations"]] for r in rows}
 
     assert texts(fresh) == texts(records)
-    # Resuming a finished run has nothing to do and does not even load the model.
+    # Resuming a finished run has nothing to do and does not even load the model; the summary
+    # keeps the figures of the run that did the work and adds its own to the history.
     summary, again = _run(path, None, "output.if_exists=resume")
-    assert again == fresh and summary["engine"] is None and "load_model_s" not in summary["timings"]
+    assert again == fresh
     assert (summary["records"]["this_run"], summary["records"]["total"], summary["status"]) == (0, 12, "completed")
+    assert summary["throughput"] == done["throughput"] and summary["throughput"]["generated_tokens"] > 0
+    assert summary["timings"] == done["timings"] and summary["engine"] == done["engine"]
+    assert len(summary["runs"]) == 2 and summary["runs"][0] == done["runs"][-1]
+    noop = summary["runs"][-1]
+    assert noop["records"]["this_run"] == 0 and "load_model_s" not in noop["timings"]
+    assert noop["throughput"]["generated_tokens"] == 0
 
 
 PLUGIN = '''
@@ -232,7 +239,8 @@ def test_third_party_sampler_plugin_from_yaml(job_config, tiny_llm) -> None:
     summary, records = _run(path, tiny_llm)
     assert summary["status"] == "completed" and len(records) == 3
     assert all(r["error"] is None and len(r["generations"]) == 2 for r in records)
-    assert summary["config"]["generation"]["sampler"] == {"name": "typical", "options": {"mass": 0.5}}
+    # The resolved config fills the plugin's option defaults.
+    assert summary["config"]["generation"]["sampler"] == {"name": "typical", "options": {"mass": 0.5, "min_tokens_to_keep": 1}}
 
 
 def test_hook_crash_fails_the_run_naming_the_plugin(job_config, tiny_llm, plugin_module: str, tmp_path: Path) -> None:
@@ -269,3 +277,190 @@ def test_interrupt_leaves_valid_lines_and_an_interrupted_summary(job_config, tin
     assert len(records) == 2
     summary = json.loads((path.parent / "out" / "results.summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["records"]["this_run"] == 2
+
+
+# --------------------------------------------------------------------------- hardening
+
+
+def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> str:
+    name = f"{name}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_summary_fills_plugin_defaults_labels_and_token_counts(job_config, tiny_llm) -> None:
+    summary, records = _run(
+        job_config(), tiny_llm, "generation.mode=beam", "generation.beam_width=3", "generation.ignore_eos=true", "data.limit=3"
+    )
+    exact, length = summary["config"]["metrics"]
+    assert exact["label"] == "exact_match" and length["label"] == "length"
+    assert exact["options"]["reference"] == "answer" and exact["options"]["lowercase"] is True  # defaults filled
+    # Beam search: the engine counts the beams live after each step (pruned ones included, the
+    # step that completes a hypothesis not); the records keep the returned beams' tokens. Both
+    # are reported, each under its own name (docs/config.md, "Run summary").
+    kept = sum(r["usage"]["generated_tokens"] for r in records)
+    assert kept == 3 * 3 * 8  # 3 records, 3 beams of max_tokens 8 (EOS ignored)
+    assert summary["throughput"]["output_tokens"] == kept
+    assert summary["throughput"]["generated_tokens"] == 3 * 3 * 7  # the 8th step completes all three
+    assert summary["records"]["total"] == 3 and "first_error" not in summary["records"]
+
+
+def test_full_disk_mid_run(job_config, tiny_llm, tmp_path: Path, full_disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen.output import JsonlWriter
+
+    out = tmp_path / "out" / "results.jsonl"
+    elsewhere = tmp_path / "summaries" / "run.summary.json"
+    disk = full_disk(out.parent)
+    written = []
+    real_write = JsonlWriter.write
+
+    def write(self: JsonlWriter, record: dict[str, Any]) -> None:
+        if len(written) == 3:
+            disk.left = 40  # the disk fills up in the middle of the fourth line
+        real_write(self, record)
+        written.append(record["id"])
+
+    monkeypatch.setattr(JsonlWriter, "write", write)
+    # The summary lives on another disk: it is written, and says what happened.
+    path = job_config(output={"path": str(out), "summary_path": str(elsewhere)})
+    with pytest.raises(RunFailed) as info:
+        _run(path, tiny_llm)
+    assert str(info.value) == f"cannot write to {out}: no space left on device"
+    assert out.read_bytes().endswith(b"\n") and len(_read(out)) == 3  # valid JSONL, nothing torn
+    summary = json.loads(elsewhere.read_text())
+    assert summary["status"] == "failed" and summary["error"] == str(info.value)
+    assert summary["records"]["total"] == summary["records"]["this_run"] == 3
+
+    # The summary on the full disk too: the error says it could not be written.
+    written.clear()
+    disk.left = None
+    path = job_config(output={"path": str(out), "if_exists": "overwrite"})
+    with pytest.raises(RunFailed) as info:
+        _run(path, tiny_llm)
+    summary_file = out.parent / "results.summary.json"
+    assert str(info.value) == (
+        f"cannot write to {out}: no space left on device; also, the summary could not be written: "
+        f"cannot write {summary_file}: no space left on device"
+    )
+    assert len(_read(out)) == 3
+    assert json.loads(summary_file.read_text())["status"] == "running"  # the start's, whole
+
+
+HOOKS = """
+from batchgen.plugins import hookimpl
+
+@hookimpl
+def {hook}({arg}):
+    {body}
+"""
+
+
+@pytest.mark.parametrize("hook,arg,body,status", [
+    ("batchgen_run_end", "summary", "raise RuntimeError('upload failed')", "completed"),
+    ("batchgen_record_finished", "record", "raise RuntimeError('upload failed')", "failed"),
+])
+def test_failing_hook_is_named_and_recorded(job_config, tiny_llm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            hook: str, arg: str, body: str, status: str) -> None:
+    name = _module(tmp_path, monkeypatch, "hooky", HOOKS.format(hook=hook, arg=arg, body=body))
+    path = job_config(plugins=[name], data={"limit": 3})
+    with pytest.raises(RunFailed) as info:
+        _run(path, tiny_llm)
+    expected = f"plugin '{name}' (module) failed in {hook}: RuntimeError: upload failed"
+    assert str(info.value).startswith(expected)
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    assert summary["status"] == status and summary["hook_errors"] == [expected]
+    written = len(_read(tmp_path / "out" / "results.jsonl"))
+    assert summary["records"]["total"] == written == (3 if status == "completed" else 1)
+    if status == "completed":
+        assert str(info.value) == f"{expected}; the run itself completed (3 records in {tmp_path / 'out' / 'results.jsonl'})"
+
+
+BAD_SAMPLER = """
+from typing import Literal
+from pydantic import BaseModel
+from batchgen.plugins import SamplerSpec, hookimpl
+
+
+class Options(BaseModel):
+    value: Literal["nan", "inf"] = "nan"
+
+
+class Poison:
+    def __init__(self, value):
+        self.value = float(value)
+
+    def __call__(self, logits, output_token_ids):
+        logits[-1, 7] = self.value
+        return logits
+
+
+@hookimpl
+def batchgen_register_samplers():
+    return [SamplerSpec("poison", "writes a NaN or +inf logit", Options, lambda o: Poison(o.value))]
+"""
+
+
+def test_nan_or_inf_logits_from_a_sampler_plugin_fail_the_run(job_config, tiny_llm, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    name = _module(tmp_path, monkeypatch, "poison", BAD_SAMPLER)
+    path = job_config(plugins=[name], data={"limit": 2},
+                      generation={"mode": "sample", "n": 2, "sampler": {"name": "poison"}})
+    with pytest.raises(RunFailed, match=rf"^sampler 'poison' \(plugin '{name}' \(module\)\) returned NaN logits in row\(s\) \[\d+\]"):
+        _run(path, tiny_llm)
+    with pytest.raises(RunFailed, match=r"returned \+inf logits"):
+        _run(path, tiny_llm, "generation.sampler.options.value=inf", "output.if_exists=overwrite")
+    assert _read(tmp_path / "out" / "results.jsonl") == []  # no garbage record was written
+
+
+def test_resume_refuses_a_changed_config_unless_forced(job_config, tiny_llm, tmp_path: Path) -> None:
+    from batchgen.pipeline import ResumeMismatchError
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    out = tmp_path / "out" / "results.jsonl"
+    before = out.read_bytes()
+
+    def plan_resume(*overrides: str, force: bool = False):
+        registry = load_registry()
+        config = load_config(path, ["output.if_exists=resume", *overrides], registry=registry)
+        return plan(config, registry, force_resume=force)
+
+    with pytest.raises(ResumeMismatchError) as info:
+        plan_resume("generation.mode=beam", "generation.beam_width=2", "generation.max_tokens=4")
+    message = str(info.value)
+    assert message.startswith(f"cannot resume {out}: its records were written with a different config")
+    assert "  - generation.max_tokens: 8 before, 4 now\n" in message and '  - generation.mode: "greedy" before, "beam" now' in message
+    assert "--force-resume" in message and out.read_bytes() == before
+    # What only changes speed or which rows are taken is not a difference.
+    plan_resume("engine.max_num_seqs=2", "engine.block_size=8", "data.limit=6").release()
+    job = plan_resume("generation.max_tokens=4", force=True)
+    summary = execute(job, quiet=True, llm=tiny_llm)
+    assert summary["records"]["total"] == 12 and summary["records"]["resumed"] == 4
+    assert len(summary["runs"]) == 2 and summary["fingerprint"] != json.loads(before.splitlines()[0]).get("fingerprint")
+
+
+def test_interrupt_counts_what_is_in_the_file(job_config, tiny_llama: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal right after a record is written, before the run's own bookkeeping: the summary
+    still counts that record (it is read back from the file)."""
+    from batchgen import LLM
+    from batchgen.output import JsonlWriter
+    from batchgen.pipeline import Interrupted
+
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory=8 * 2**20, max_num_seqs=4)
+    real_write = JsonlWriter.write
+    count = [0]
+
+    def write(self: JsonlWriter, record: dict[str, Any]) -> None:
+        real_write(self, record)
+        count[0] += 1
+        if count[0] == 3:
+            raise Interrupted(15)  # SIGTERM lands between the write and the counters
+
+    monkeypatch.setattr(JsonlWriter, "write", write)
+    with pytest.raises(Interrupted):
+        _run(job_config(), llm)
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    assert (summary["status"], summary["signal"]) == ("interrupted", "SIGTERM")
+    assert summary["records"]["total"] == summary["records"]["this_run"] == 3 == len(_read(tmp_path / "out" / "results.jsonl"))

@@ -72,3 +72,18 @@ def test_examples_run_as_plugins(
     registry.notify("batchgen_record_finished", record={"id": 1, "generations": [{"finish_reason": "stop"}]})
     registry.notify("batchgen_run_end", summary={"metrics": {"word_count": {"words": 2.0}}})
     assert (tmp_path / "metrics-history.jsonl").read_text() == '{"word_count": {"words": 2.0}}\n'
+
+
+def test_builtin_sampler_options_are_documented() -> None:
+    """docs/plugins.md names every option of the shipped samplers with its default."""
+    import json
+
+    from batchgen.plugins.manager import describe_options
+
+    section = DOC.read_text(encoding="utf-8").split("## Built-in samplers", 1)[1].split("\n## ", 1)[0]
+    registry = load_registry()
+    for name in ("epsilon", "top_a", "typical", "eta"):
+        assert f"`{name}`" in section, name
+        for option in describe_options(registry.samplers[name].options_model):
+            assert f"`{option['name']}`" in section, (name, option["name"])
+            assert f"default `{json.dumps(option['default'])}`" in section, (name, option)

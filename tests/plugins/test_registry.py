@@ -150,8 +150,32 @@ def test_extra_module_contributes_sampler_metric_and_lifecycle(make_module: Make
 
     entry = next(e for e in registry.describe() if e["name"] == name)
     assert entry["source"] == "module" and entry["distribution"] is None
-    assert entry["samplers"] == [{"name": "mask_token", "description": "Mask one token id."}]
+    assert entry["samplers"] == [
+        {
+            "name": "mask_token",
+            "description": "Mask one token id.",
+            "options": [
+                {"name": "token", "type": "int", "constraints": ">= 0", "required": False, "default": 0, "description": None}
+            ],
+        }
+    ]
     assert entry["hooks"] == ["batchgen_record_finished", "batchgen_run_end", "batchgen_run_start"]
+
+
+def test_sampler_returning_nan_or_inf_is_named(make_module: MakeModule) -> None:
+    name = make_module("bg_nan_plugin", GOOD_PLUGIN)
+    proc = load_registry([name]).build_sampler("mask_token", {"token": 2})
+    for bad, what in ((float("nan"), "NaN"), (float("inf"), "+inf")):
+        logits = torch.zeros(3, 5)
+        logits[1, 4] = bad
+        with pytest.raises(PluginError) as info:
+            proc(logits, [[], [], []])
+        assert str(info.value) == (
+            f"sampler 'mask_token' (plugin '{name}' (module)) returned {what} logits in row(s) [1]; "
+            "a processor may only lower logits (use -inf to mask a token)"
+        )
+    out = proc(torch.zeros(3, 5), [[], [], []])  # -inf is a mask, not an error
+    assert torch.isneginf(out[:, 2]).all()
 
 
 def test_same_module_listed_twice_registers_once(make_module: MakeModule) -> None:

@@ -56,7 +56,7 @@ def test_unknown_section_gets_did_you_mean() -> None:
 
 def test_wrong_type_names_path_and_value() -> None:
     (error,) = _errors(_with(engine={"block_size": "big"}))
-    assert error == "engine.block_size: Input should be a valid integer, unable to parse string as an integer (got 'big')"
+    assert error == "engine.block_size: expected an integer, got 'big'"
 
 
 def test_bad_choice_lists_choices_with_suggestion() -> None:

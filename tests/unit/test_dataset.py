@@ -166,3 +166,30 @@ def test_iter_prompts_skips_done_ids(jsonl: Path) -> None:
     records = list(iter_prompts(data, PromptBuilder(config.prompt), skip_ids={"1", "3"}))
     assert [r.id for r in records] == ["0", "2", "4"]
     assert records[1].row["answer"] == "4" and records[1].prompt == "What is 2 + 2?"
+
+
+def test_empty_prompt_is_caught_before_the_chat_template_wraps_it(tokenizer: Any) -> None:
+    builder = PromptBuilder(_config(prompt={"column": "q"}).prompt, tokenizer, 2048, 8)
+    assert builder.use_chat  # the wrapped text would not be empty
+    for value in ("", "   \n", [{"role": "user", "content": " "}]):
+        record = builder.build("r", 0, {"q": value})
+        assert record.error == "the prompt is empty" and record.prompt_token_ids is None, value
+    assert builder.build("r", 0, {"q": "Hi"}).error is None
+
+
+def test_csv_ids_are_text(tmp_path: Path) -> None:
+    csv = tmp_path / "ids.csv"
+    csv.write_text("id,prompt\n007,a\n01,b\n10,c\n")
+    data = load_rows(_config(data={"source": str(csv), "id_column": "id"}).data)
+    assert data.ids == ["007", "01", "10"] and data.dataset[0]["id"] == "007"
+
+
+def test_bad_utf8_outside_a_text_file_names_row_and_column(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    prompts = pa.array([b"ok", b"fine", b"bad \xff"], type=pa.binary()).cast(pa.string(), safe=False)
+    pq.write_table(pa.table({"prompt": prompts}), path)
+    with pytest.raises(DataError, match=r"row 2, column 'prompt' is not valid UTF-8"):
+        load_rows(_config(data={"source": str(path)}).data)

@@ -1,10 +1,14 @@
-"""The JSONL writer, resume repair and the atomic summary."""
+"""The JSONL writer, resume repair, the atomic summary, the output lock and a full disk."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,12 @@ from batchgen.output import (
     JsonlWriter,
     OutputError,
     OutputExistsError,
+    OutputInUseError,
+    OutputLock,
+    OutputWriteError,
     check_writable,
     encode_record,
+    lock_path,
     prepare_output,
     read_records,
     write_json_atomic,
@@ -108,12 +116,21 @@ def test_unwritable_output_paths(tmp_path: Path) -> None:
     assert (tmp_path / "new" / "deeper" / "out.jsonl").is_file()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root bypasses file permissions")
-def test_permission_denied(tmp_path: Path) -> None:
+def test_permission_denied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    with pytest.raises(OutputError, match="permission denied"):
+    existing = tmp_path / "read-only.jsonl"
+    existing.write_text("")
+    existing.chmod(0o400)
+    if os.geteuid() == 0:
+        # Root ignores permission bits; make the folder and the file read-only for everyone.
+        real_access = os.access
+        denied = {str(locked), str(existing)}
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) in denied else real_access(p, mode))
+    with pytest.raises(OutputError, match=r"cannot create files in .*locked \(permission denied\)"):
         check_writable(locked / "out.jsonl")
+    with pytest.raises(OutputError, match=r"read-only.jsonl is not writable \(permission denied\)"):
+        check_writable(existing)
 
 
 def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -125,3 +142,95 @@ def test_write_json_atomic_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.write_text("")
     assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def test_full_disk_leaves_complete_lines_and_names_the_path(tmp_path: Path, full_disk) -> None:
+    path = tmp_path / "out.jsonl"
+    record = {"id": "r", "text": "x" * 100}
+    line = len(encode_record(record))
+    full_disk(tmp_path).left = 2 * line + line // 2  # the third line is cut
+    with JsonlWriter(path) as writer:
+        writer.write(record | {"id": "a"})
+        writer.write(record | {"id": "b"})
+        with pytest.raises(OutputWriteError) as info:
+            writer.write(record | {"id": "c"})
+    assert str(info.value) == f"cannot write to {path}: no space left on device"
+    assert info.value.errno == errno.ENOSPC
+    # The cut line was truncated away: the file is valid JSONL as it stands.
+    assert path.read_bytes().endswith(b"\n") and len(path.read_bytes()) == 2 * line
+    assert [r["id"] for r in read_records(path)] == ["a", "b"]
+
+
+def test_full_disk_keeps_the_old_summary(tmp_path: Path, full_disk) -> None:
+    path = tmp_path / "run.summary.json"
+    write_json_atomic(path, {"status": "running"})
+    full_disk(tmp_path).left = 10
+    with pytest.raises(OutputWriteError, match=rf"cannot write {path}: no space left on device"):
+        write_json_atomic(path, {"status": "completed", "pad": "x" * 1000})
+    assert json.loads(path.read_text()) == {"status": "running"}  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.summary.json"]  # no temp left
+
+
+def test_full_tmpfs(tmp_path: Path) -> None:
+    """The same on a real full file system, where the platform lets us mount a small tmpfs."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN); the injected ENOSPC tests cover this path")
+    try:
+        path = mount / "out.jsonl"
+        with JsonlWriter(path) as writer, pytest.raises(OutputWriteError, match="no space left on device"):
+            for i in range(1000):
+                writer.write({"id": str(i), "text": "y" * 500})
+        ids = [r["id"] for r in read_records(path)]
+        assert path.read_bytes().endswith(b"\n") and 0 < len(ids) < 1000
+        assert ids == [str(i) for i in range(len(ids))]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+# --------------------------------------------------------------------------- the lock
+
+
+def test_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    with OutputLock(out) as first:
+        assert lock_path(out).is_file() and first.held
+        # A flock belongs to an open file: a second open in this process conflicts as well.
+        with pytest.raises(OutputInUseError) as info:
+            OutputLock(out).acquire()
+        message = str(info.value)
+        assert message.startswith(f"output file {out} is in use by pid {os.getpid()} (started ")
+        assert str(lock_path(out)) in message
+        assert OutputLock(out).holder().startswith(f"pid {os.getpid()}")
+    assert not lock_path(out).exists() and OutputLock(out).holder() is None
+    with OutputLock(out):  # free again
+        pass
+
+
+def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    code = (
+        "import sys, time\n"
+        "from batchgen.output import OutputLock\n"
+        "lock = OutputLock(sys.argv[1]).acquire()\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "locked\n"
+        with pytest.raises(OutputInUseError, match=rf"in use by pid {child.pid} "):
+            OutputLock(out).acquire()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert json.loads(lock_path(out).read_text())["pid"] == child.pid  # left behind...
+    with OutputLock(out) as lock:  # ...and free: the kernel dropped the dead process's flock
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid() and lock.held

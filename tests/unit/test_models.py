@@ -1,0 +1,108 @@
+"""Model resolution: stale conversion folders, a quiet conversion, unknown names named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from batchgen.models import ModelNotFoundError, _convert_gguf, check_model, remove_stale_temp_folders
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_stale_temp_folders_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    target = tmp_path / "smollm2-abc"
+    folders = {
+        "dead": tmp_path / f"smollm2-abc.tmp-{_dead_pid()}-x1",
+        "live": tmp_path / f"smollm2-abc.tmp-{os.getpid()}-x2",
+        "live-but-old": tmp_path / f"smollm2-abc.tmp-{os.getpid()}-x3",
+        "no-pid-recent": tmp_path / "smollm2-abc.tmp-k2j3h4",
+        "no-pid-old": tmp_path / "smollm2-abc.tmp-a8s7d6",
+        "other-model": tmp_path / f"other.tmp-{_dead_pid()}-x4",
+    }
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    _age(folders["live-but-old"], 7200)
+    _age(folders["no-pid-old"], 7200)
+    removed = remove_stale_temp_folders(target)
+    assert sorted(p.name for p in removed) == sorted(folders[k].name for k in ("dead", "live-but-old", "no-pid-old"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        folders[k].name for k in ("live", "no-pid-recent", "other-model")
+    )
+
+
+def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The conversion itself is transformers' (20 s on the real model); a stand-in that draws a
+    bar with plain tqdm, as transformers' GGUF loader does, checks what batchgen adds."""
+    import transformers
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    def load_model(*args: object, **kwargs: object) -> SimpleNamespace:
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        save = lambda path, **kw: (Path(path) / "config.json").write_text("{}")  # noqa: E731
+        return SimpleNamespace(config=SimpleNamespace(quantization_config={}), save_pretrained=save)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SimpleNamespace(save_pretrained=lambda p: None))
+    models = tmp_path / "models"
+    models.mkdir()
+    stale = models / f"m-1.tmp-{_dead_pid()}-q"
+    stale.mkdir()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.disable_progress_bar()  # what --quiet (or stderr off a terminal) does
+        _convert_gguf(Path("model.gguf"), models / "m-1")
+        assert capsys.readouterr().err == ""
+        assert (models / "m-1" / "config.json").is_file() and not stale.exists()
+        assert sorted(p.name for p in models.iterdir()) == ["m-1"]
+        hf_logging.enable_progress_bar()
+        _convert_gguf(Path("model.gguf"), models / "m-2")
+        assert "Converting and de-quantizing GGUF tensors" in capsys.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError) as info:
+        check_model("smollm2-999m")
+    message = str(info.value)
+    assert message.startswith("model 'smollm2-999m' is not a built-in model ('smollm2-135m-instruct')")
+    assert "not in the HF cache and HF_HUB_OFFLINE is set" in message
+    with pytest.raises(ModelNotFoundError, match="'bad name!' is not a valid hub id"):
+        check_model("bad name!")
+
+
+def test_hub_that_cannot_be_reached_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def unreachable(self: object, name: str, **kwargs: object) -> None:
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    with pytest.raises(ModelNotFoundError, match=r"'org/nope-7b' .* the hub did not provide it \(ConnectionError: Name or service"):
+        check_model("org/nope-7b")

