@@ -125,3 +125,17 @@ def signal_after_records():
         return out.read_bytes(), proc.returncode, err
 
     return run
+
+
+@pytest.fixture
+def sigkill_after_records(signal_after_records):
+    """``sigkill_after_records(command, out, records=3) -> bytes``: :func:`signal_after_records`
+    with SIGKILL; returns the file's bytes after the kill."""
+    import signal
+
+    def run(command: list[str], out: Path, records: int = 3) -> bytes:
+        data, returncode, _ = signal_after_records(command, out, records)
+        assert returncode == -signal.SIGKILL
+        return data
+
+    return run
