@@ -111,6 +111,7 @@ def local_records(smollm2_path: str, prompts_file: Path, tmp_path_factory: pytes
     return out
 
 
+@pytest.mark.slow
 class TestTwoReplicas:
     """Two SmolLM2 replicas, started once for the class and stopped after it."""
 
