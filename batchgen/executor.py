@@ -27,8 +27,10 @@ work in flight per replica is bounded. Ray is imported lazily, only here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -261,6 +263,27 @@ def check_address(section: ExecutorSection, timeout: float = 5.0) -> str | None:
     return f"Ray cluster at {address}: {int(resources.get('CPU', 0))} CPUs, {gpus} GPUs"
 
 
+@contextlib.contextmanager
+def _caller_signal_handlers() -> Iterator[None]:
+    """Keep the process's own SIGINT and SIGTERM handlers across ``ray.init``.
+
+    ``ray.init`` installs a SIGTERM handler that exits at once (with a local Ray it first kills
+    Ray's processes), which would skip the run's clean stop: summary, lock, exit status 143 (see
+    ``batchgen.cli``). A handler the caller installed is put back; a caller that left the
+    default keeps Ray's. The clean stop ends the replicas itself (:meth:`RayExecutor.close`).
+    """
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler not in (signal.SIG_DFL, None) and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
 # --------------------------------------------------------------------------- Ray: the replica
 
 
@@ -414,7 +437,8 @@ class RayExecutor:
             if address == "local":
                 kwargs["include_dashboard"] = False
             try:
-                ray.init(**kwargs)
+                with _caller_signal_handlers():
+                    ray.init(**kwargs)
             except Exception as exc:  # noqa: BLE001 - reported with the address
                 raise ExecutorError(f"cannot start or join Ray at {address!r}: {type(exc).__name__}: {exc}") from None
             self._owns_ray = True

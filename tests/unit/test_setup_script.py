@@ -1,11 +1,14 @@
-"""scripts/setup.sh: a second run only checks; a changed pyproject installs again.
+"""scripts/setup.sh: a second run only checks; a changed pyproject, or a package changed in the
+venv since, installs again.
 
 The script runs on a copy of the files that decide the install, with a `.venv/bin/python` that
-records pip's calls instead of making them and otherwise is this test's own interpreter.
+records pip's calls instead of making them and otherwise is this test's own interpreter (with a
+folder of this test's own on its path, where a package can appear).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +24,9 @@ exec {python} "$@"
 
 
 def _setup(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(repo / "site")}
+    return subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
 def _pip_calls(repo: Path) -> list[str]:
@@ -38,6 +43,7 @@ def test_second_run_only_checks(tmp_path: Path) -> None:
     python.parent.mkdir(parents=True)
     python.write_text(FAKE_PYTHON.format(python=sys.executable))
     python.chmod(0o755)
+    (repo / "site").mkdir()
 
     assert _setup(repo, "--check").returncode == 1
     first = _setup(repo)
@@ -48,6 +54,15 @@ def test_second_run_only_checks(tmp_path: Path) -> None:
     second = _setup(repo)
     assert second.returncode == 0 and "up to date (nothing to install)" in second.stdout
     assert _pip_calls(repo) == []  # nothing reinstalled
+    assert _setup(repo, "--check").returncode == 0
+
+    # A package installed (or removed, or upgraded) behind the script's back: install again.
+    info = repo / "site" / "stray_package-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: stray-package\nVersion: 1.0\n")
+    assert _setup(repo, "--check").returncode == 1
+    assert _setup(repo).returncode == 0 and _pip_calls(repo)
+    (python.parent / "pip-calls").unlink()
     assert _setup(repo, "--check").returncode == 0
 
     with open(repo / "pyproject.toml", "a") as f:
