@@ -173,13 +173,17 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def prepare_output(path: str | Path, if_exists: Literal["error", "resume", "overwrite"]) -> set[str]:
+def prepare_output(
+    path: str | Path, if_exists: Literal["error", "resume", "overwrite"], key: str | None = "id"
+) -> set[str]:
     """Make ``path`` ready for appending and return the ids already written there.
 
     * missing or empty file: create it (and its folders); no ids.
     * ``"error"``: an existing non-empty file raises :class:`OutputExistsError` naming both flags.
     * ``"overwrite"``: truncate it; no ids.
-    * ``"resume"``: drop a torn last line, then return every id in the file.
+    * ``"resume"``: drop a torn last line, then return the ``key`` field of every record in the
+      file (null keys left out); with ``key=None`` return nothing, for a caller that reads the
+      file itself.
     """
     path = Path(path)
     check_writable(path)
@@ -191,7 +195,9 @@ def prepare_output(path: str | Path, if_exists: Literal["error", "resume", "over
             )
         if if_exists == "resume":
             _repair_tail(path)
-            return {str(record["id"]) for record in read_records(path)}
+            if key is None:
+                return set()
+            return {str(record[key]) for record in read_records(path) if record.get(key) is not None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb"):
