@@ -291,8 +291,9 @@ class LineParser:
         self.max_model_len = max_model_len
         self.model_names = list(dict.fromkeys(model_names))
         self.logits_processors = list(logits_processors)
-        self._chat = PromptBuilder(PromptSection(), tokenizer, max_model_len, 0)
-        self._plain = PromptBuilder(PromptSection(chat_template=False), tokenizer, max_model_len, 0)
+        # The builders render and tokenize; the length check is this class's (it knows max_tokens).
+        self._chat = PromptBuilder(PromptSection(), tokenizer)
+        self._plain = PromptBuilder(PromptSection(chat_template=False), tokenizer)
 
     def parse(self, line: dict[str, Any], custom_id: str, index: int) -> BatchPrompt:
         """The request of a line whose ``custom_id`` is known; problems land in ``error``."""
@@ -341,8 +342,7 @@ class LineParser:
             record = self._completion_record(parsed.prompt, prompt)
             where = "prompt"
         if record.error is not None:
-            code = CONTEXT_LENGTH_EXCEEDED if "too long" in record.error else "invalid_value"
-            raise LineError(record.error, where, code)
+            raise LineError(record.error, where, "invalid_value")
         prompt.prompt, prompt.prompt_token_ids = record.prompt, record.prompt_token_ids
         num_prompt = len(record.prompt_token_ids or ())
         prompt.params = self._params(parsed, num_prompt, where)
@@ -382,11 +382,7 @@ class LineParser:
             raise LineError("'prompt' is empty.", "prompt", "invalid_value")
         if any(t < 0 for t in value):
             raise LineError("'prompt' token ids must be >= 0.", "prompt", "invalid_value")
-        record = PromptRecord(id=prompt.id or "", index=prompt.index, row={}, prompt=None, prompt_token_ids=list(value))
-        if len(value) > self.max_model_len:
-            record.error = (f"prompt too long: {len(value)} tokens exceed the model's context length of "
-                            f"{self.max_model_len} tokens")
-        return record
+        return PromptRecord(id=prompt.id or "", index=prompt.index, row={}, prompt=None, prompt_token_ids=list(value))
 
     def _max_tokens(self, body: _ChatBody | _CompletionBody, num_prompt: int, where: str) -> int:
         requested = body.max_tokens
