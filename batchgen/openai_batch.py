@@ -14,9 +14,9 @@ Contract:
   flat whatever the file's length.
 * A line that cannot run never raises and never stops the others: invalid JSON, no usable
   ``custom_id``, a duplicate ``custom_id``, an unknown url, an invalid, unknown or unsupported
-  body field, a ``model`` this job does not serve, a prompt that does not fit, or an engine
-  error for that request each give one output line with status 400 and an OpenAI error body
-  (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``).
+  body field, a prompt that does not fit, or an engine error for that request each give one
+  output line with status 400 (404 for a ``model`` this job does not serve) and an OpenAI error
+  body (``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``).
 * Unknown body fields are rejected, as OpenAI does ("Unrecognized request argument"), rather
   than ignored as vLLM does: a misspelt parameter never silently changes what is generated.
 * Resume: an output line answers its ``custom_id``. Lines without a usable ``custom_id`` and
@@ -68,6 +68,7 @@ LINE_FIELDS = ("custom_id", "method", "url", "body")
 #: OpenAI error codes written by this module (``body.error.code``).
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MODEL_NOT_FOUND = "model_not_found"  # status 404, as OpenAI and vLLM answer it; every other error is a 400
 
 #: OpenAI reports an impossible token's logprob as this instead of -inf.
 MIN_LOGPROB = -9999.0
@@ -355,7 +356,7 @@ class LineParser:
         raise LineError(
             f"The model '{model}' is not served by this job, which runs '{served}'; map it with "
             f"--model {model}={served} (or list it in model.aliases).",
-            "model", "model_not_found",
+            "model", MODEL_NOT_FOUND,
         )
 
     @staticmethod
@@ -682,8 +683,11 @@ def _new_id(prefix: str) -> str:
 
 
 def error_line(custom_id: str | None, message: str, param: str | None = None, code: str | None = None,
-               status: int = 400) -> dict[str, Any]:
-    """An output line for a request that failed with an HTTP-style error."""
+               status: int | None = None) -> dict[str, Any]:
+    """An output line for a request that failed with an HTTP-style error (status 400, or 404 for an
+    unknown model, unless given)."""
+    if status is None:
+        status = 404 if code == MODEL_NOT_FOUND else 400
     return {
         "id": _new_id("batch_req_"),
         "custom_id": custom_id,

@@ -706,8 +706,9 @@ def _generate(
         prompts = iter_prompts(job.data, builder, job.done_ids)
     pending: dict[str, PromptRecord] = {}
     error_path = config.output.error_path
-    with JsonlWriter(config.output.path) as writer, (
-        JsonlWriter(error_path) if error_path else contextlib.nullcontext(writer)
+    # Group commit: records finishing together (one engine step) share one fsync.
+    with JsonlWriter(config.output.path, group_commit=True) as writer, (
+        JsonlWriter(error_path, group_commit=True) if error_path else contextlib.nullcontext(writer)
     ) as errors, Progress(job.todo, mode="off" if quiet else None) as progress:
 
         def finish(prompt: PromptRecord, output: Any | None) -> None:

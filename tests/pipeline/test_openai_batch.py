@@ -61,8 +61,10 @@ def by_id(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def error_of(entry: dict[str, Any]) -> dict[str, Any]:
-    assert entry["response"]["status_code"] == 400 and entry["error"] is None
-    return entry["response"]["body"]["error"]
+    error = entry["response"]["body"]["error"]
+    assert entry["response"]["status_code"] == (404 if error["code"] == "model_not_found" else 400)
+    assert entry["error"] is None
+    return error
 
 
 # --------------------------------------------------------------------------- a mixed file
