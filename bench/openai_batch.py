@@ -17,7 +17,7 @@ Two parts, each run in fresh worker processes:
 
 ::
 
-    python -m bench.openai_batch stream --sizes 5000,20000,80000
+    python -m bench.openai_batch stream --sizes 5000x3,20000x3,80000 --per-line-sizes 5000x3
     python -m bench.openai_batch w32 --repeats 3
     python -m bench.openai_batch report          # the plot, from the committed JSON
 """
@@ -171,8 +171,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def stream_worker(source: str, output: str) -> dict[str, Any]:
-    """One timed run of a batch file on the instant engine (in this fresh process)."""
+def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dict[str, Any]:
+    """One timed run of a batch file on the instant engine (in this fresh process).
+
+    ``per_line_fsync`` writes with one fsync per line instead of the default group commit.
+    """
+    if per_line_fsync:
+        import batchgen.pipeline
+        from batchgen.output import JsonlWriter
+
+        class PerLineWriter(JsonlWriter):
+            def __init__(self, path: Any, *, group_commit: bool = False) -> None:
+                super().__init__(path, group_commit=False)
+
+        batchgen.pipeline.JsonlWriter = PerLineWriter  # type: ignore[misc]
     from transformers import AutoTokenizer
 
     from batchgen.config import validate_config
@@ -220,6 +232,7 @@ def stream_worker(source: str, output: str) -> dict[str, Any]:
         "ru_maxrss_mib": peak_rss_mib(),
         "rss_samples": [[round(t, 3), n, round(r, 2)] for t, n, r in samples],
         "output_bytes": Path(output).stat().st_size,
+        "fsync": "per line" if per_line_fsync else "group commit",
     }
 
 
@@ -297,18 +310,46 @@ def _machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 
-def part_stream(sizes: list[int], out: Path, timeout: float) -> dict[str, Any]:
+def _sizes(spec: str) -> list[tuple[int, int]]:
+    """``"5000x3,80000"`` -> ``[(5000, 3), (80000, 1)]`` (size, repeats)."""
+    pairs = []
+    for item in filter(None, spec.split(",")):
+        size, _, times = item.partition("x")
+        pairs.append((int(size), int(times or 1)))
+    return pairs
+
+
+def part_stream(sizes: list[tuple[int, int]], per_line: list[tuple[int, int]], out: Path, timeout: float) -> dict[str, Any]:
+    """Each (size, mode) run ``repeats`` times, the repeats of all of them interleaved."""
     result: dict[str, Any] = {"machine": _machine(), "engine": "instant (tokenizer and chat template real, no model)",
-                              "runs": []}
+                              "runs": [], "per_line_fsync_runs": []}
+    plan_ = [(size, times, "runs") for size, times in sizes] + [(size, times, "per_line_fsync_runs") for size, times in per_line]
     with tempfile.TemporaryDirectory() as tmp:
-        for size in sizes:
+        kinds = {}
+        for size, _, _ in plan_:
             source = Path(tmp) / f"in_{size}.jsonl"
-            kinds = make_batch_file(source, size)
-            run = _spawn(["worker-stream", str(source), str(Path(tmp) / f"out_{size}.jsonl")], timeout)
-            run.update(size=size, kinds=kinds, input_bytes=source.stat().st_size)
-            print(f"{size} lines: {run['lines_per_s']:.0f} lines/s, RSS {run['rss_baseline_mib']:.1f} -> peak "
-                  f"{run['rss_peak_sampled_mib']:.1f} MiB", flush=True)
-            result["runs"].append(run)
+            if not source.exists():
+                kinds[size] = make_batch_file(source, size)
+        for repeat in range(max(times for _, times, _ in plan_)):
+            for size, times, key in plan_:
+                if repeat >= times:
+                    continue
+                source = Path(tmp) / f"in_{size}.jsonl"
+                extra = ["--per-line-fsync"] if key != "runs" else []
+                run = _spawn(["worker-stream", str(source), str(Path(tmp) / f"out_{size}.jsonl"), *extra], timeout)
+                run.update(size=size, repeat=repeat, kinds=kinds[size], input_bytes=source.stat().st_size)
+                print(f"{size} lines ({run['fsync']}): {run['lines_per_s']:.0f} lines/s, RSS "
+                      f"{run['rss_baseline_mib']:.1f} -> peak {run['rss_peak_sampled_mib']:.1f} MiB", flush=True)
+                result[key].append(run)
+    table = {}
+    for key in ("runs", "per_line_fsync_runs"):
+        for size in sorted({r["size"] for r in result[key]}):
+            rates = [r["lines_per_s"] for r in result[key] if r["size"] == size]
+            growth = [r["rss_peak_sampled_mib"] - r["rss_baseline_mib"] for r in result[key] if r["size"] == size]
+            table[f"{size} {result[key][0]['fsync']}"] = {
+                "repeats": len(rates), "lines_per_s_median": statistics.median(rates),
+                "lines_per_s_min": min(rates), "lines_per_s_max": max(rates), "rss_growth_mib_max": max(growth)}
+    result["summary"] = table
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -344,7 +385,7 @@ def part_w32(repeats: int, out: Path, timeout: float) -> dict[str, Any]:
 
 
 def report(stream: Path = STREAM_JSON, png: Path | None = None) -> None:
-    """RSS against lines answered, one curve per file size."""
+    """Resident memory above the run's starting point against lines answered, one curve per size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,15 +393,20 @@ def report(stream: Path = STREAM_JSON, png: Path | None = None) -> None:
 
     data = json.loads(stream.read_text())
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run in data["runs"]:
+    for run in (r for r in data["runs"] if r.get("repeat", 0) == 0):
         xs = [s[1] for s in run["rss_samples"]]
-        ys = [s[2] for s in run["rss_samples"]]
-        ax.plot(xs, ys, label=f"{run['size']:,} lines ({run['lines_per_s']:,.0f} lines/s)")
+        ys = [s[2] - run["rss_baseline_mib"] for s in run["rss_samples"]]
+        ax.plot(xs, ys, label=f"{run['size']:,} lines: {run['lines_per_s']:,.0f} lines/s, "
+                f"peak +{run['rss_peak_sampled_mib'] - run['rss_baseline_mib']:.1f} MiB")
+    largest = max(data["runs"], key=lambda r: r["size"])
+    ax.text(0.02, 0.95, f"the {largest['size']:,}-line file: input {largest['input_bytes'] / 2**20:.0f} MiB, "
+            f"output {largest['output_bytes'] / 2**20:.0f} MiB\n(a runner that holds the file and its answers in "
+            "memory grows by at least that much)", transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xlabel("lines answered")
-    ax.set_ylabel("resident memory (MiB)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylabel("resident memory above the start (MiB)")
+    ax.set_ylim(-1, 10)
     ax.set_title("batchgen batch on an instant engine: memory stays flat")
-    ax.legend()
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(png or stream.with_suffix(".png"), dpi=120)
 
@@ -369,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.openai_batch", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="part", required=True)
     s = sub.add_parser("stream")
-    s.add_argument("--sizes", default="5000,20000,80000")
+    s.add_argument("--sizes", default="5000x3,20000x3,80000", help="sizes, each SIZExREPEATS (default 1 repeat)")
+    s.add_argument("--per-line-sizes", default="5000x3", help="also run these with one fsync per line ('' for none)")
     s.add_argument("--out", type=Path, default=STREAM_JSON)
     w = sub.add_parser("w32")
     w.add_argument("--repeats", type=int, default=3)
@@ -378,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ws = sub.add_parser("worker-stream")
     ws.add_argument("source")
     ws.add_argument("output")
+    ws.add_argument("--per-line-fsync", action="store_true")
     ww = sub.add_parser("worker-w32")
     ww.add_argument("kind", choices=["run", "batch"])
     ww.add_argument("source")
@@ -386,14 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     if args.part == "stream":
-        part_stream([int(x) for x in args.sizes.split(",")], args.out, args.timeout)
+        part_stream(_sizes(args.sizes), _sizes(args.per_line_sizes), args.out, args.timeout)
         report(args.out)
     elif args.part == "w32":
         part_w32(args.repeats, args.out, args.timeout)
     elif args.part == "report":
         report()
     elif args.part == "worker-stream":
-        print("@@RESULT " + json.dumps(stream_worker(args.source, args.output)), flush=True)
+        print("@@RESULT " + json.dumps(stream_worker(args.source, args.output, args.per_line_fsync)), flush=True)
     else:
         print("@@RESULT " + json.dumps(w32_worker(args.kind, args.source, args.output)), flush=True)
     return 0
