@@ -354,12 +354,16 @@ def part_stream(sizes: list[tuple[int, int]], per_line: list[tuple[int, int]], o
     return result
 
 
-def part_w32(repeats: int, out: Path, timeout: float) -> dict[str, Any]:
+def part_w32(repeats: int, out: Path, timeout: float, merge: bool = False) -> dict[str, Any]:
+    """``repeats`` pairs of runs, the order alternating by repeat; ``merge`` adds them to ``out``."""
     result: dict[str, Any] = {"machine": _machine(), "workload": "W32, greedy, max_tokens 64, SmolLM2-135M fp32, 1 thread",
                               "runs": []}
+    if merge and out.exists():
+        result["runs"] = json.loads(out.read_text())["runs"]
+    first = len(result["runs"]) // 2
     with tempfile.TemporaryDirectory() as tmp:
         batch, rows = w32_files(Path(tmp))
-        for r in range(repeats):
+        for r in range(first, first + repeats):
             order = [("run", rows), ("batch", batch)]
             for kind, source in (order if r % 2 == 0 else order[::-1]):
                 run = _spawn(["worker-w32", kind, str(source), str(Path(tmp) / f"{kind}.jsonl")], timeout)
@@ -367,9 +371,9 @@ def part_w32(repeats: int, out: Path, timeout: float) -> dict[str, Any]:
                 print(f"repeat {r} {kind}: {run['tokens_per_s']:.1f} tok/s ({run['generated_tokens']} tokens)", flush=True)
                 result["runs"].append(run)
     runs = result["runs"]
-    same = all(a["texts"] == b["texts"] for a in runs for b in runs)
-    for run in runs:
-        run.pop("texts")
+    for run in runs:  # keep one copy of the texts, and whether every run gave the same
+        run["texts_sha"] = run.pop("texts_sha", None) or _sha(run.pop("texts"))
+    same = len({run["texts_sha"] for run in runs}) == 1
     per = {k: [x["tokens_per_s"] for x in runs if x["kind"] == k] for k in ("run", "batch")}
     ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[0::2], runs[1::2])]
     ratios = [q if runs[2 * i]["kind"] == "run" else 1 / q for i, q in enumerate(ratios)]
@@ -382,6 +386,12 @@ def part_w32(repeats: int, out: Path, timeout: float) -> dict[str, Any]:
     }
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _sha(texts: dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(texts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def report(stream: Path = STREAM_JSON, png: Path | None = None) -> None:
@@ -421,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("w32")
     w.add_argument("--repeats", type=int, default=3)
     w.add_argument("--out", type=Path, default=W32_JSON)
+    w.add_argument("--merge", action="store_true", help="add the runs to those already in --out")
     sub.add_parser("report")
     ws = sub.add_parser("worker-stream")
     ws.add_argument("source")
@@ -437,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         part_stream(_sizes(args.sizes), _sizes(args.per_line_sizes), args.out, args.timeout)
         report(args.out)
     elif args.part == "w32":
-        part_w32(args.repeats, args.out, args.timeout)
+        part_w32(args.repeats, args.out, args.timeout, args.merge)
     elif args.part == "report":
         report()
     elif args.part == "worker-stream":

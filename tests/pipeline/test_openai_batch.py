@@ -8,11 +8,9 @@ in a child process.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -377,7 +375,7 @@ def test_invalid_bodies(parser: LineParser, body: dict[str, Any], url: str, para
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
-def test_sigkill_then_resume_answers_every_line_once(tmp_path: Path, tiny_llama: str) -> None:
+def test_sigkill_then_resume_answers_every_line_once(tmp_path: Path, tiny_llama: str, sigkill_after_records: Any) -> None:
     lines: list[Any] = []
     for i in range(18):
         lines.append(chat(f"r{i:02d}", f"Item {i}", max_tokens=24, ignore_eos=True, temperature=0))
@@ -391,25 +389,7 @@ def test_sigkill_then_resume_answers_every_line_once(tmp_path: Path, tiny_llama:
                "--set", "model.device=cpu", "--set", "engine.kv_cache_memory=8MiB", "--quiet"]
 
     # Two sequences at a time: answers land two by two, one wave every 24 steps.
-    proc = subprocess.Popen([*command, "--set", "engine.max_num_seqs=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline:
-            if out.exists() and out.read_bytes().count(b'"status_code": 200') >= 3:
-                break
-            if proc.poll() is not None:
-                pytest.fail(f"the run ended before it could be killed: {proc.communicate()[1].decode()[-2000:]}")
-            time.sleep(0.02)
-        else:
-            pytest.fail("no lines were written within 300 s")
-        assert proc.poll() is None, "the run finished before the kill; make the job longer"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    killed = out.read_bytes()
+    killed = sigkill_after_records([*command, "--set", "engine.max_num_seqs=2"], out, 6)
     complete = killed[: killed.rfind(b"\n") + 1]
     before = len(complete.splitlines())
     assert 3 <= before < len(lines)
