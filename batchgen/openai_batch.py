@@ -36,6 +36,7 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -612,6 +613,29 @@ class BatchFile:
                 continue
             assert line is not None
             yield parser.parse(line, custom_id, index)
+
+
+    def preview(self, tokenizer: Any, model_names: Iterable[str], lines: int) -> list[str]:
+        """Why each of the first ``lines`` lines would fail, for ``batchgen validate`` (which loads
+        no model: the context length is not checked). Without a tokenizer only the line's
+        envelope (JSON, ``custom_id``) is checked."""
+        parser = LineParser(tokenizer, 2**62, model_names) if tokenizer is not None else None
+        problems = []
+        seen: dict[str, int] = {}
+        for index, raw in islice(self.lines(), lines):
+            custom_id, line, problem = _envelope(raw)
+            if custom_id is not None and custom_id in seen:
+                problem = LineError(f"duplicate custom_id: it was first used on line {seen[custom_id] + 1}")
+            elif custom_id is not None:
+                seen[custom_id] = index
+            if problem is None and parser is not None and line is not None and custom_id is not None:
+                prompt = parser.parse(line, custom_id, index)
+                if prompt.error is not None:
+                    problem = LineError(prompt.error, prompt.error_param, prompt.error_code)
+            if problem is not None:
+                who = f" (custom_id {json.dumps(custom_id)})" if custom_id is not None else ""
+                problems.append(f"line {index + 1}{who}: {problem.message}")
+        return problems
 
 
 def _envelope(raw: bytes) -> tuple[str | None, dict[str, Any] | None, LineError | None]:

@@ -287,6 +287,19 @@ def test_cli_maps_model_names_and_splits_errors(tmp_path: Path, tiny_llama: str,
     assert "drop 'generation.max_tokens'" in capsys.readouterr().err
 
 
+def test_validate_previews_the_first_lines(tmp_path: Path, tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_lines(tmp_path / "in.jsonl", [chat("a"), "nope", chat("a"), chat("b", max_token=3)])
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"model": {"name": tiny_llama}, "data": {"source": str(source), "format": "openai_batch"},
+                               "output": {"path": str(tmp_path / "out.jsonl")}}))
+    assert main(["validate", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "note: line 2: the line is not valid JSON" in out
+    assert 'note: line 3 (custom_id "a"): duplicate custom_id: it was first used on line 1' in out
+    assert 'note: line 4 (custom_id "b"): Unrecognized request argument supplied: max_token' in out
+    assert "ok (4 lines in" in out and not (tmp_path / "out.jsonl").exists()
+
+
 def test_config_rules() -> None:
     base = {"data": {"source": "in.jsonl", "format": "openai_batch"}, "output": {"path": "out.jsonl"}}
     assert validate_config(base).output.format == "openai_batch"
