@@ -207,6 +207,43 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _MESSAGE_FIELDS = {"role", "content", "name", "refusal"}
 
 
+def _structured_outputs_type() -> Any:
+    """The engine's ``StructuredOutputsParams`` when this batchgen has structured outputs, else None."""
+    import dataclasses
+
+    try:
+        from batchgen.sampling.params import StructuredOutputsParams  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    names = {f.name for f in dataclasses.fields(SamplingParams)} & {f.name for f in dataclasses.fields(BeamSearchParams)}
+    return StructuredOutputsParams if "structured_outputs" in names else None
+
+
+def _constraint(response_format: dict[str, Any] | None) -> Any:
+    """``response_format`` as structured outputs: None for free text; a 400 when it cannot be honoured."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind not in ("json_object", "json_schema"):
+        raise LineError(f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
+                        "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
+    structured = _structured_outputs_type()
+    if structured is None:
+        raise LineError(f"response_format {{'type': '{kind}'}} needs structured outputs, which this version "
+                        "of batchgen does not have; drop 'response_format' to generate free text",
+                        "response_format", "unsupported_value")
+    if kind == "json_object":
+        return structured(json_object=True)
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise LineError("'response_format.json_schema.schema' must be a JSON schema object.",
+                        "response_format.json_schema.schema", "invalid_value")
+    try:
+        return structured(json=spec["schema"])
+    except ValueError as exc:
+        raise LineError(str(exc), "response_format.json_schema.schema", "invalid_value") from None
+
+
 def _validation_error(exc: ValidationError, fields: Iterable[str]) -> LineError:
     """The first problem pydantic found, worded as OpenAI words it."""
     err = exc.errors()[0]
@@ -333,7 +370,7 @@ class LineParser:
         for name, (is_off, why) in _UNSUPPORTED.items():
             if name in parsed.model_fields_set and not is_off(getattr(parsed, name)):
                 raise LineError(why, name, "unsupported_parameter")
-        self._check_response_format(parsed.response_format)
+        constraint = _constraint(parsed.response_format)
         if isinstance(parsed, _ChatBody):
             if not self._chat.use_chat:
                 raise LineError(f"this model has no chat template; send '{COMPLETIONS_URL}' lines", "url",
@@ -347,7 +384,7 @@ class LineParser:
             raise LineError(record.error, where, "invalid_value")
         prompt.prompt, prompt.prompt_token_ids = record.prompt, record.prompt_token_ids
         num_prompt = len(record.prompt_token_ids or ())
-        prompt.params = self._params(parsed, num_prompt, where)
+        prompt.params = self._params(parsed, num_prompt, where, constraint)
         prompt.top_logprobs = self._top_logprobs(parsed)
 
     def _check_model(self, model: str | None) -> None:
@@ -359,18 +396,6 @@ class LineParser:
             f"--model {model}={served} (or list it in model.aliases).",
             "model", MODEL_NOT_FOUND,
         )
-
-    @staticmethod
-    def _check_response_format(value: dict[str, Any] | None) -> None:
-        if value is None or value.get("type") == "text":
-            return
-        kind = value.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise LineError(f"response_format {{'type': '{kind}'}} needs structured outputs, which this version "
-                            "of batchgen does not have; drop 'response_format' to generate free text",
-                            "response_format", "unsupported_value")
-        raise LineError(f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
-                        "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
 
     def _completion_record(self, value: Any, prompt: BatchPrompt) -> PromptRecord:
         if isinstance(value, list) and value and not isinstance(value[0], int):
@@ -407,10 +432,11 @@ class LineParser:
             )
         return requested
 
-    def _params(self, body: _ChatBody | _CompletionBody, num_prompt: int, where: str) -> Any:
+    def _params(self, body: _ChatBody | _CompletionBody, num_prompt: int, where: str, constraint: Any = None) -> Any:
         max_tokens = self._max_tokens(body, num_prompt, where)
         n = 1 if body.n is None else body.n
-        common: dict[str, Any] = dict(
+        common: dict[str, Any] = {} if constraint is None else {"structured_outputs": constraint}
+        common.update(
             max_tokens=max_tokens,
             min_tokens=body.min_tokens or 0,
             stop=body.stop,

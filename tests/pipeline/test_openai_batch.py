@@ -88,7 +88,6 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_llm: Any) -> dict[str, 
         chat("typo", max_token=4),
         chat("wrong-type", max_tokens="4"),
         chat("other-model", model="gpt-4o-mini", max_tokens=4),
-        chat("json-mode", response_format={"type": "json_object"}, max_tokens=4),
         line("too-long", COMPLETIONS, prompt=[1] * 300, max_tokens=4),
         {"method": "POST", "url": CHAT, "body": {}},  # no custom_id
     ]
@@ -162,7 +161,6 @@ def test_bad_lines_become_their_own_400_lines(mixed: dict[str, Any]) -> None:
         ("typo", "unknown_parameter"),
         ("wrong-type", "invalid_type"),
         ("other-model", "model_not_found"),
-        ("json-mode", "unsupported_value"),
         ("too-long", "context_length_exceeded"),
         (None, "invalid_value"),  # no custom_id
     }
@@ -174,12 +172,12 @@ def test_bad_lines_become_their_own_400_lines(mixed: dict[str, Any]) -> None:
     assert "--model gpt-4o-mini=" in messages["other-model"]["message"]
     keyless = [error_of(e)["message"] for e in errors if e["custom_id"] is None]
     assert any(m.startswith("line 7: the line is not valid JSON") for m in keyless)
-    assert any(m.startswith("line 15: 'custom_id' is missing") for m in keyless)
+    assert any(m.startswith("line 14: 'custom_id' is missing") for m in keyless)
     # Every input line is answered exactly once, in one of the two files.
     assert len(mixed["out"]) + len(errors) == len(mixed["lines"])
     summary = mixed["summary"]
     assert summary["status"] == "completed"
-    assert summary["request_counts"] == {"total": 15, "completed": 6, "failed": 9}
+    assert summary["request_counts"] == {"total": 14, "completed": 6, "failed": 8}
 
 
 # --------------------------------------------------------------------------- the engine's own answers
@@ -367,8 +365,7 @@ def test_openai_defaults_and_field_mapping(parser: LineParser) -> None:
          "messages.0.content.0", "unsupported_value", "text parts only"),
         ({"messages": [{"role": "robot", "content": "x"}]}, CHAT, "messages.0.role", "invalid_value", "expected one of"),
         ({"messages": []}, CHAT, "messages", "invalid_value", "at least one message"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, CHAT, "response_format",
-         "unsupported_value", "structured outputs"),
+        ({"response_format": {"type": "xml"}}, CHAT, "response_format.type", "invalid_value", "expected 'text'"),
         ({"prompt": ["a", "b"]}, COMPLETIONS, "prompt", "invalid_value", "one prompt per line"),
         ({"prompt": []}, COMPLETIONS, "prompt", "invalid_value", "empty"),
         ({"echo": True}, COMPLETIONS, "echo", "unsupported_parameter", "'echo' is not supported"),
@@ -382,6 +379,22 @@ def test_invalid_bodies(parser: LineParser, body: dict[str, Any], url: str, para
     prompt = parsed(parser, url, **body)
     assert (prompt.error_param, prompt.error_code) == (param, code), prompt.error
     assert words in prompt.error and prompt.params is None
+
+
+def test_response_format_maps_onto_structured_outputs(parser: LineParser) -> None:
+    from batchgen.openai_batch import _structured_outputs_type
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    by_schema = parsed(parser, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    by_object = parsed(parser, COMPLETIONS, response_format={"type": "json_object"})
+    assert parsed(parser, response_format={"type": "text"}).error is None
+    if _structured_outputs_type() is None:  # this batchgen has no structured outputs: refused, never ignored
+        for prompt in (by_schema, by_object):
+            assert (prompt.error_param, prompt.error_code) == ("response_format", "unsupported_value")
+            assert "needs structured outputs" in prompt.error and prompt.params is None
+    else:
+        assert by_schema.error is None and by_schema.params.structured_outputs.json == schema
+        assert by_object.error is None and by_object.params.structured_outputs.json_object is True
 
 
 # --------------------------------------------------------------------------- kill and resume
