@@ -31,6 +31,7 @@ This module imports neither torch nor the engine (their parameter classes are to
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import secrets
 import sqlite3
@@ -223,25 +224,45 @@ def _constraint(response_format: dict[str, Any] | None) -> Any:
     """``response_format`` as structured outputs: None for free text; a 400 when it cannot be honoured."""
     if response_format is None or response_format.get("type") == "text":
         return None
+    result = _constraint_of(json.dumps(response_format, sort_keys=True))
+    if isinstance(result, LineError):
+        raise result
+    return result
+
+
+@functools.lru_cache(maxsize=256)
+def _constraint_of(text: str) -> Any:
+    """The constraint of one ``response_format`` (JSON text), checked once however many lines
+    share it: a StructuredOutputsParams, or the LineError to answer with."""
+    response_format = json.loads(text)
     kind = response_format.get("type")
     if kind not in ("json_object", "json_schema"):
-        raise LineError(f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
-                        "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
+        return LineError(f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
+                         "'json_object' or 'json_schema'.", "response_format.type", "invalid_value")
     structured = _structured_outputs_type()
     if structured is None:
-        raise LineError(f"response_format {{'type': '{kind}'}} needs structured outputs, which this version "
-                        "of batchgen does not have; drop 'response_format' to generate free text",
-                        "response_format", "unsupported_value")
-    if kind == "json_object":
-        return structured(json_object=True)
+        return LineError(f"response_format {{'type': '{kind}'}} needs structured outputs, which this version "
+                         "of batchgen does not have; drop 'response_format' to generate free text",
+                         "response_format", "unsupported_value")
+    where = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
     spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise LineError("'response_format.json_schema.schema' must be a JSON schema object.",
-                        "response_format.json_schema.schema", "invalid_value")
+    if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+        return LineError(f"'{where}' must be a JSON schema object.", where, "invalid_value")
     try:
-        return structured(json=spec["schema"])
+        params = structured(json_object=True) if kind == "json_object" else structured(json=spec["schema"])
     except ValueError as exc:
-        raise LineError(str(exc), "response_format.json_schema.schema", "invalid_value") from None
+        return LineError(str(exc), where, "invalid_value")
+    try:
+        from batchgen.structured import check  # type: ignore[import-not-found]
+    except ImportError:  # no up-front check: the engine reports a bad constraint for this line
+        return params
+    try:
+        check(params)  # the schema compiles, and the grammar library is installed
+    except ImportError as exc:
+        return LineError(str(exc), "response_format", "unsupported_value")
+    except ValueError as exc:
+        return LineError(str(exc), where, "invalid_value")
+    return params
 
 
 def _validation_error(exc: ValidationError, fields: Iterable[str]) -> LineError:

@@ -395,6 +395,8 @@ def test_response_format_maps_onto_structured_outputs(parser: LineParser) -> Non
     else:
         assert by_schema.error is None and by_schema.params.structured_outputs.json == schema
         assert by_object.error is None and by_object.params.structured_outputs.json_object is True
+        broken = parsed(parser, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
+        assert (broken.error_param, broken.error_code) == ("response_format.json_schema.schema", "invalid_value")
 
 
 # --------------------------------------------------------------------------- kill and resume
