@@ -319,25 +319,32 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         job = plan(config, registry, prepare=False, config_path=str(args.config))
         tokenizer, note = _tokenizer_for(config.model.name)
         if config.data.format == "openai_batch":
-            return _validate_batch_file(args, config, job, tokenizer, note)
-        builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
-        issues = []
-        shown = 0
-        for position, row in enumerate(job.data.dataset):
-            if shown >= VALIDATE_ROWS:
-                break
-            shown += 1
-            record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
-            if record.error is not None:
-                issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
-        if issues:
-            raise ConfigError(issues, str(args.config))
+            # A bad line only fails itself: the first lines' problems are notes, not errors.
+            notes = job.data.preview(tokenizer, [config.model.name, *config.model.aliases], VALIDATE_ROWS)
+            checked = f"{len(job.data)} lines in {config.data.source}, the first {VALIDATE_ROWS} checked"
+        else:
+            builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
+            issues = []
+            shown = 0
+            for position, row in enumerate(job.data.dataset):
+                if shown >= VALIDATE_ROWS:
+                    break
+                shown += 1
+                record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
+                if record.error is not None:
+                    issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
+            if issues:
+                raise ConfigError(issues, str(args.config))
+            notes = []
+            checked = f"{len(job.data)} rows from {config.data.source}, template renders on the first {shown}"
         from batchgen.executor import check_address
 
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
+    for problem in notes:
+        print(f"note: {problem}")
     if note:
         print(f"note: {note}")
     if cluster:
@@ -353,22 +360,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
-    print(
-        f"{args.config}: ok ({len(job.data)} rows from {config.data.source}, "
-        f"template renders on the first {shown}, output {config.output.path} is writable)"
-    )
-    return EXIT_OK
-
-
-def _validate_batch_file(args: argparse.Namespace, config: Any, job: Any, tokenizer: Any, note: str | None) -> int:
-    """``validate`` of a job over an OpenAI batch file: a bad line only fails itself, so the first
-    lines' problems are notes, not errors."""
-    for problem in job.data.preview(tokenizer, [config.model.name, *config.model.aliases], VALIDATE_ROWS):
-        print(f"note: {problem}")
-    if note:
-        print(f"note: {note}")
-    print(f"{args.config}: ok ({len(job.data)} lines in {config.data.source}, the first {VALIDATE_ROWS} checked, "
-          f"output {config.output.path} is writable)")
+    print(f"{args.config}: ok ({checked}, output {config.output.path} is writable)")
     return EXIT_OK
 
 

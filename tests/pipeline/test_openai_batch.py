@@ -7,7 +7,10 @@ in a child process.
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -308,6 +311,90 @@ def test_config_rules() -> None:
         validate_config({**base, "metrics": [{"name": "length"}]})
     with pytest.raises(ConfigError, match="'model.aliases' applies to data.format 'openai_batch' only"):
         validate_config({"model": {"aliases": ["gpt"]}, "data": {"source": "x.jsonl"}, "output": {"path": "o.jsonl"}})
+
+
+# --------------------------------------------------------------------------- the run's guarantees
+
+
+def batch_cli(capsys: pytest.CaptureFixture[str], source: Path, out: Path, tiny_llama: str, tiny_engine: Any,
+              *flags: str) -> tuple[int, str]:
+    """``batchgen batch`` in this process on the tiny model: (exit status, stderr)."""
+    engine = [f"--set=engine.{k}={v}" for k, v in tiny_engine.items()]
+    code = main(["batch", str(source), "-o", str(out), "--model", tiny_llama, "--set", "model.device=cpu",
+                 "--quiet", *engine, *flags])
+    return code, capsys.readouterr().err
+
+
+def test_batch_holds_the_lock_and_checks_the_job_on_resume(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.output import OutputLock
+
+    source = write_lines(tmp_path / "in.jsonl", [chat("a", max_tokens=2, temperature=0), chat("b", max_tokens=2, temperature=0)])
+    out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    run = functools.partial(batch_cli, capsys, source, out, tiny_llama, tiny_engine, "--error-file", str(errors))
+    for held in (out, errors):  # a second job on the output, or on the error file, is refused
+        with OutputLock(held):
+            code, err = run()
+        assert code == 2 and err.startswith(f"batchgen: error: output file {held} is in use by pid {os.getpid()} (started ")
+    assert not out.exists() and not errors.exists()
+
+    assert run("--set", "data.limit=1")[0] == 0  # answers 'a'
+    # A resume whose job answers differently is refused, naming what changed.
+    code, err = run("--resume", "--set", "engine.seed=7")
+    assert code == 2 and "  - engine.seed: 0 before, 7 now\n" in err and "--force-resume" in err
+    code, err = run("--resume", "--model", f"gpt-4o={tiny_llama}")
+    assert code == 2 and '  - model.aliases: [] before, ["gpt-4o"] now\n' in err
+    assert [e["custom_id"] for e in read_lines(out)] == ["a"]
+    assert run("--force-resume", "--set", "engine.seed=7")[0] == 0
+    assert sorted(e["custom_id"] for e in read_lines(out)) == ["a", "b"]
+
+
+def test_counts_read_back_from_openai_lines(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Error lines carry ``"error": null`` and a 400 status: the summary, --max-error-rate and
+    the exit status read them as failures, across a resume."""
+    source = write_lines(tmp_path / "in.jsonl", [chat(f"bad{i:02d}", max_token=2) for i in range(11)])
+    out = tmp_path / "out.jsonl"
+    run = functools.partial(batch_cli, capsys, source, out, tiny_llama, tiny_engine)
+    code, err = run("--max-error-rate", "0.5")
+    assert code == 3 and err.startswith("batchgen: error: run stopped: 10 of the 10 records written so far are errors "
+                                        "(100%), over --max-error-rate 0.5; the last one, custom_id 'bad09': "
+                                        "Unrecognized request argument supplied: max_token")
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["status"] == "failed" and summary["request_counts"] == {"total": 10, "completed": 0, "failed": 10}
+
+    code, err = run("--resume")
+    assert code == 3 and err.startswith(f"batchgen: error: no record succeeded: all 11 records in {out} are errors, "
+                                        "e.g. custom_id 'bad00': Unrecognized request argument supplied: max_token")
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    records = summary["records"]
+    assert (records["total"], records["ok"], records["error"], records["resumed"]) == (11, 0, 11, 10)
+    assert (records["this_run"], records["this_run_error"]) == (1, 1)
+    assert records["first_error"]["custom_id"] == "bad00"
+    assert summary["request_counts"] == {"total": 11, "completed": 0, "failed": 11}
+
+
+def test_a_failed_background_fsync_is_the_full_disk_error(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC from the group commit's fsync (a file system that reports a full disk only then)
+    stops the job with the one error a failed write gives."""
+    source = write_lines(tmp_path / "in.jsonl", [chat(f"r{i}", max_tokens=2, temperature=0) for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(out):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    code, err = batch_cli(capsys, source, out, tiny_llama, tiny_engine)
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[0] == f"batchgen: error: run failed: cannot write to {out}: no space left on device"
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == f"cannot write to {out}: no space left on device"
+    assert out.read_bytes() == b"" and summary["records"]["total"] == 0  # no fsync covered a line: none is kept
 
 
 # --------------------------------------------------------------------------- one line -> request
