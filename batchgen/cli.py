@@ -4,6 +4,9 @@ Commands:
 
 * ``batchgen run CONFIG [--set KEY=VALUE ...] [--resume | --force-resume | --overwrite]
   [--max-error-rate RATE] [--quiet]``
+* ``batchgen batch INPUT -o OUTPUT [--model M | --model NAME=M] [--error-file FILE]
+  [--resume | --force-resume | --overwrite] [--max-error-rate RATE] [--set KEY=VALUE ...] [--quiet]``:
+  an OpenAI Batch API file in, OpenAI response lines out.
 * ``batchgen validate CONFIG [--set KEY=VALUE ...]``: every check that needs no model run.
 * ``batchgen plugins [--json]``: what is installed, what each plugin registers, and its options.
 * ``batchgen --version``.
@@ -55,25 +58,48 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config key, e.g. --set data.limit=5 (VALUE is parsed as YAML); repeatable",
         )
 
+    def run_args(p: argparse.ArgumentParser, ids: str) -> None:
+        mode = p.add_mutually_exclusive_group()
+        mode.add_argument("--resume", action="store_true", help=f"skip the {ids} already in the output file")
+        mode.add_argument(
+            "--force-resume",
+            action="store_true",
+            help="resume even though the earlier run's generation config differs (records of both kinds end up in one file)",
+        )
+        mode.add_argument("--overwrite", action="store_true", help="start the output file over")
+        p.add_argument(
+            "--max-error-rate",
+            type=_rate,
+            default=None,
+            metavar="RATE",
+            help="stop (exit 3) once more than this share (0..1) of the records written are errors, "
+            "checked from the 10th record on",
+        )
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress output and no final report")
+
     run = sub.add_parser("run", help="generate for every row of the dataset")
     config_args(run)
-    mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="skip the ids already in the output file")
-    mode.add_argument(
-        "--force-resume",
-        action="store_true",
-        help="resume even though the earlier run's generation config differs (records of both kinds end up in one file)",
+    run_args(run, "ids")
+
+    batch = sub.add_parser(
+        "batch", help="answer an OpenAI Batch API input file (a drop-in for 'vllm run-batch')",
+        description="Answer every line of an OpenAI Batch API input file (/v1/chat/completions and "
+        "/v1/completions) and write OpenAI-shaped output lines as they finish. A bad line gets its own "
+        "status-400 output line; the others run.",
     )
-    mode.add_argument("--overwrite", action="store_true", help="start the output file over")
-    run.add_argument(
-        "--max-error-rate",
-        type=_rate,
-        default=None,
-        metavar="RATE",
-        help="stop (exit 3) once more than this share (0..1) of the records written are errors, "
-        "checked from the 10th record on",
+    batch.add_argument("input", metavar="INPUT", help="the batch input file (JSONL)")
+    batch.add_argument("-o", "--output", required=True, metavar="OUTPUT", help="the output file (JSONL)")
+    batch.add_argument(
+        "--model", dest="models", action="append", default=[], metavar="MODEL | NAME=MODEL",
+        help="the model to run (default: the embedded SmolLM2-135M-Instruct); NAME=MODEL also answers "
+        "lines whose 'model' is NAME with MODEL; repeatable",
     )
-    run.add_argument("--quiet", "-q", action="store_true", help="no progress output and no final report")
+    batch.add_argument("--error-file", metavar="FILE", help="write failed requests here instead of to OUTPUT")
+    batch.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set engine.max_num_seqs=64 (VALUE is parsed as YAML); repeatable",
+    )
+    run_args(batch, "custom_ids")
 
     validate = sub.add_parser("validate", help="check a config without running the model")
     config_args(validate)
@@ -169,6 +195,32 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The job of ``batchgen batch``: a config built from its flags, then ``--set`` applied."""
+    from batchgen.config import ConfigError, ConfigIssue, apply_overrides, validate_config
+    from batchgen.plugins import load_registry
+
+    output: dict[str, Any] = {"path": args.output, "format": "openai_batch"}
+    if args.error_file:
+        output["error_path"] = args.error_file
+    raw: dict[str, Any] = {"data": {"source": args.input, "format": "openai_batch"}, "output": output}
+    targets, aliases = [], []
+    for spec in args.models:
+        name, sep, target = spec.partition("=")
+        if sep and not (name and target):
+            raise ConfigError([ConfigIssue("--model", f"expected MODEL or NAME=MODEL, got '{spec}'")])
+        targets.append(target if sep else name)
+        aliases += [name] if sep else []
+    if len(set(targets)) > 1:
+        raise ConfigError([ConfigIssue("--model", f"one job runs one model; got {', '.join(sorted(set(targets)))}")])
+    if targets:
+        raw["model"] = {"name": targets[0], "aliases": aliases}
+    data = apply_overrides(raw, args.overrides)
+    modules = data.get("plugins") if isinstance(data.get("plugins"), list) else []
+    registry = load_registry([m for m in modules if isinstance(m, str)])
+    return registry, validate_config(data, registry=registry, source="batchgen batch")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     with _StopOnSignal() as signals:
         try:
@@ -180,17 +232,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from batchgen.pipeline import SETUP_ERRORS, RunFailed, TooManyErrors, execute, plan
+    from batchgen.pipeline import SETUP_ERRORS, RunFailed, TooManyErrors, error_example, execute, plan
 
     if args.quiet or not sys.stderr.isatty():
         _quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
-        registry, config = _load(args)
+        registry, config = _batch_config(args) if args.command == "batch" else _load(args)
         if args.resume or args.force_resume:
             config.output.if_exists = "resume"
         elif args.overwrite:
             config.output.if_exists = "overwrite"
-        job = plan(config, registry, config_path=str(args.config), force_resume=args.force_resume)
+        job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -218,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         example = records.get("first_error") or {}
         _error(
             f"no record succeeded: all {records['total']} records in {config.output.path} are errors, "
-            f"e.g. id {example.get('id')!r}: {example.get('error')}"
+            f"e.g. {error_example(example)}"
         )
         return EXIT_RECORDS_FAILED
     return EXIT_OK
@@ -266,24 +318,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         registry, config = _load(args)
         job = plan(config, registry, prepare=False, config_path=str(args.config))
         tokenizer, note = _tokenizer_for(config.model.name)
-        builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
-        issues = []
-        shown = 0
-        for position, row in enumerate(job.data.dataset):
-            if shown >= VALIDATE_ROWS:
-                break
-            shown += 1
-            record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
-            if record.error is not None:
-                issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
-        if issues:
-            raise ConfigError(issues, str(args.config))
+        if config.data.format == "openai_batch":
+            # A bad line only fails itself: the first lines' problems are notes, not errors.
+            notes = job.data.preview(tokenizer, [config.model.name, *config.model.aliases], VALIDATE_ROWS)
+            checked = f"{len(job.data)} lines in {config.data.source}, the first {VALIDATE_ROWS} checked"
+        else:
+            builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
+            issues = []
+            shown = 0
+            for position, row in enumerate(job.data.dataset):
+                if shown >= VALIDATE_ROWS:
+                    break
+                shown += 1
+                record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
+                if record.error is not None:
+                    issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
+            if issues:
+                raise ConfigError(issues, str(args.config))
+            notes = []
+            checked = f"{len(job.data)} rows from {config.data.source}, template renders on the first {shown}"
         from batchgen.executor import check_address
 
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
+    for problem in notes:
+        print(f"note: {problem}")
     if note:
         print(f"note: {note}")
     if cluster:
@@ -299,10 +360,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
-    print(
-        f"{args.config}: ok ({len(job.data)} rows from {config.data.source}, "
-        f"template renders on the first {shown}, output {config.output.path} is writable)"
-    )
+    print(f"{args.config}: ok ({checked}, output {config.output.path} is writable)")
     return EXIT_OK
 
 
@@ -341,7 +399,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     args = _parser().parse_args(argv)
-    handler = {"run": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
+    handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
     try:
         return handler(args)
     except BrokenPipeError:  # e.g. `batchgen plugins | head`: the reader left, nothing to report

@@ -107,6 +107,10 @@ class ModelSection(_Section):
     """``model:`` which weights to run and how."""
 
     name: str = Field(DEFAULT_MODEL, min_length=1, description="model name, alias or local HF folder")
+    aliases: list[str] = Field(
+        default_factory=list,
+        description="other names the 'model' field of an OpenAI batch line may give for this model",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
 
@@ -134,7 +138,9 @@ class DataSection(_Section):
             "'package:<pkg>/<file>' for a file shipped inside an installed package, or a hub name"
         ),
     )
-    format: Literal["auto", "json", "csv", "parquet", "text", "arrow"] = "auto"
+    format: Literal["auto", "json", "csv", "parquet", "text", "arrow", "openai_batch"] = Field(
+        "auto", description="'openai_batch': an OpenAI Batch API input file, streamed line by line"
+    )
     name: str | None = Field(None, description="hub dataset configuration (subset) name")
     split: str = "train"
     limit: PositiveInt | None = None
@@ -408,6 +414,11 @@ class OutputSection(_Section):
         "error", description="'error' (stop), 'resume' (skip ids already written) or 'overwrite'"
     )
     summary_path: str | None = Field(None, description="default: <path without .jsonl>.summary.json")
+    format: Literal["auto", "jsonl", "openai_batch"] = Field(
+        "auto", description="'jsonl' (batchgen records) or 'openai_batch' (OpenAI Batch API output lines); "
+        "'auto' = 'openai_batch' when data.format is 'openai_batch', else 'jsonl'"
+    )
+    error_path: str | None = Field(None, description="failed records go to this file instead of 'path'")
 
     @property
     def summary_file(self) -> Path:
@@ -417,6 +428,12 @@ class OutputSection(_Section):
         path = Path(self.path)
         stem = path.name[: -len(path.suffix)] if path.suffix else path.name
         return path.with_name(f"{stem}.summary.json")
+
+
+def _explicit(section: BaseModel) -> set[str]:
+    """Keys of ``section`` given with a non-default value."""
+    fields = type(section).model_fields
+    return {k for k in section.model_fields_set if getattr(section, k) != fields[k].get_default(call_default_factory=True)}
 
 
 class RunConfig(_Section):
@@ -431,6 +448,33 @@ class RunConfig(_Section):
     metrics: list[MetricRef] = Field(default_factory=list)
     output: OutputSection
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to import")
+
+    @model_validator(mode="after")
+    def _openai_batch(self) -> RunConfig:
+        """Resolve ``output.format: auto`` and reject keys an OpenAI batch file makes meaningless."""
+        if self.output.format == "auto":
+            self.output.format = "openai_batch" if self.data.format == "openai_batch" else "jsonl"
+        problems = []
+        if self.data.format == "openai_batch":
+            # Each line carries its own prompt and generation parameters.
+            given = [f"data.{k}" for k in sorted(_explicit(self.data)) if k not in ("source", "format", "limit")]
+            given += [f"prompt.{k}" for k in sorted(_explicit(self.prompt))]
+            given += [f"generation.{k}" for k in sorted(_explicit(self.generation)) if k != "sampler"]
+            if given:
+                problems.append(
+                    "with data.format 'openai_batch' each line carries its own prompt and generation "
+                    f"parameters; drop {', '.join(repr(k) for k in given)}"
+                )
+        elif self.model.aliases:
+            problems.append("'model.aliases' applies to data.format 'openai_batch' only")
+        if self.output.format == "openai_batch" and self.metrics:
+            problems.append("metrics score batchgen records; with output.format 'openai_batch' drop 'metrics' "
+                            "or write output.format 'jsonl'")
+        if self.output.error_path is not None and Path(self.output.error_path) == Path(self.output.path):
+            problems.append("'output.error_path' must differ from 'output.path'")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @field_validator("metrics")
     @classmethod

@@ -77,7 +77,8 @@ class PromptRecord:
 
     ``prompt`` is the exact text sent to the model (after the chat template), and
     ``prompt_token_ids`` its tokens when a tokenizer was given. ``error`` is set (and the
-    prompt may be None) when the row cannot be generated from.
+    prompt may be None) when the row cannot be generated from. ``params`` (a SamplingParams or
+    BeamSearchParams) overrides the job's generation parameters for this row; None uses them.
     """
 
     id: str
@@ -86,6 +87,7 @@ class PromptRecord:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     error: str | None = None
+    params: Any = None
 
 
 @dataclass

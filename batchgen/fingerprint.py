@@ -4,12 +4,13 @@
 write the same record for the same row, so a resume compares the fingerprint of its config with
 the one in the earlier run's summary and refuses on a difference (``--force-resume`` overrides).
 
-In the fingerprint: the model and its dtype; which dataset and how rows are identified (source,
-subset, split, id column); the whole ``prompt`` and ``generation`` sections (sampler plugin
-options included, defaults filled); the engine seed. Not in it: what only selects rows or
-changes speed (``data.limit``, ``data.shuffle``, block size, KV budget, backends, batch sizes),
-the output paths, and metrics (they score records, and the summary aggregates each metric over
-the records that carry it).
+In the fingerprint: the model, its dtype and the other names an OpenAI batch line may give it;
+which dataset and how rows are identified (source, subset, split, id column); the whole
+``prompt`` and ``generation`` sections (sampler plugin options included, defaults filled); the
+engine seed; the output format (batchgen records or OpenAI lines). Not in it: what only selects
+rows or changes speed (``data.limit``, ``data.shuffle``, block size, KV budget, backends, batch
+sizes), the output paths, and metrics (they score records, and the summary aggregates each
+metric over the records that carry it).
 
 This module imports neither torch nor the engine.
 """
@@ -27,6 +28,7 @@ __all__ = ["FINGERPRINT_KEYS", "config_differences", "fingerprint", "fingerprint
 FINGERPRINT_KEYS: tuple[str, ...] = (
     "model.name",
     "model.dtype",
+    "model.aliases",
     "data.source",
     "data.name",
     "data.split",
@@ -34,6 +36,7 @@ FINGERPRINT_KEYS: tuple[str, ...] = (
     "prompt",
     "generation",
     "engine.seed",
+    "output.format",
 )
 
 

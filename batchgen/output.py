@@ -3,8 +3,10 @@
 Invariants:
 
 * One JSON object per line, each line written with a single ``write`` of the whole encoded line
-  (newline included), then flushed and ``fsync``-ed. A process killed at any instant therefore
-  leaves complete lines followed by at most one torn tail without a newline.
+  (newline included), then ``fsync``-ed: at once, or with ``group_commit`` by a background
+  flusher whose one fsync covers every line written meanwhile (a few milliseconds later;
+  ``close`` waits for it). A process killed at any instant therefore leaves complete lines
+  followed by at most one torn tail without a newline.
 * Resuming truncates the file to its last newline (dropping that torn tail) before anything is
   appended, so every line stays valid JSON and lines written before the kill stay byte-identical.
 * Non-finite floats (``-inf`` logprobs) are written as ``null``: the file is strict JSON.
@@ -12,7 +14,8 @@ Invariants:
   ``os.replace``, so a reader sees the old summary or the new one, never half of one.
 * A write that fails (a full disk, a quota, an I/O error) raises :class:`OutputWriteError`
   naming the path and the cause; a record line that was cut by the failure is truncated away
-  first, so the file still ends with a complete line.
+  first, so the file still ends with a complete line. A background fsync that fails raises the
+  same error at the next write or at ``close``, after truncating the lines it did not cover.
 * One run at a time per output: :class:`OutputLock` holds an exclusive ``flock`` on
   ``<output>.lock`` for the whole run. The kernel drops the lock when its process dies, even by
   SIGKILL, so a lock file left behind by a killed run is free and is simply taken over.
@@ -30,6 +33,7 @@ import math
 import os
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -173,13 +177,17 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def prepare_output(path: str | Path, if_exists: Literal["error", "resume", "overwrite"]) -> set[str]:
+def prepare_output(
+    path: str | Path, if_exists: Literal["error", "resume", "overwrite"], key: str | None = "id"
+) -> set[str]:
     """Make ``path`` ready for appending and return the ids already written there.
 
     * missing or empty file: create it (and its folders); no ids.
     * ``"error"``: an existing non-empty file raises :class:`OutputExistsError` naming both flags.
     * ``"overwrite"``: truncate it; no ids.
-    * ``"resume"``: drop a torn last line, then return every id in the file.
+    * ``"resume"``: drop a torn last line, then return the ``key`` field of every record in the
+      file (null keys left out); with ``key=None`` return nothing, for a caller that reads the
+      file itself.
     """
     path = Path(path)
     check_writable(path)
@@ -191,7 +199,9 @@ def prepare_output(path: str | Path, if_exists: Literal["error", "resume", "over
             )
         if if_exists == "resume":
             _repair_tail(path)
-            return {str(record["id"]) for record in read_records(path)}
+            if key is None:
+                return set()
+            return {str(record[key]) for record in read_records(path) if record.get(key) is not None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb"):
@@ -210,46 +220,140 @@ def read_summary(path: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+class _Flusher:
+    """Group commit: a thread that fsyncs a file whenever lines were written since its last fsync.
+
+    It syncs through its own duplicate of the writer's descriptor, so that the writer may close
+    its own at any moment (a signal landing in ``close``) without the thread syncing a closed or
+    reused descriptor. ``synced`` is the file size the last successful fsync covers; an fsync
+    error is kept in ``error`` and ends the thread.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = os.dup(fd)
+        self._cond = threading.Condition()
+        self._written = self.synced = size
+        self._closing = False
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="batchgen-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._written == self.synced and not self._closing:
+                        self._cond.wait()
+                    target = self._written
+                    if target == self.synced:  # closing, nothing left
+                        return
+                try:
+                    os.fsync(self._fd)  # releases the GIL; lines written meanwhile ride on the next one
+                except OSError as exc:
+                    with self._cond:
+                        self.error = exc
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self.synced = target
+                    self._cond.notify_all()
+        finally:
+            os.close(self._fd)
+
+    def written(self, size: int) -> None:
+        """The file holds ``size`` bytes of complete lines now: have them fsynced soon."""
+        with self._cond:
+            self._written = size
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Return once every line written is fsynced, or the fsync failed (see ``error``)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+
 class JsonlWriter:
     """Appends records to a JSONL file, one durable line per record.
 
-    Use as a context manager. :meth:`write` returns only after the line is fsync-ed; when the
-    line cannot be written whole it truncates the file back to where the line began and raises
-    :class:`OutputWriteError`.
+    Use as a context manager. :meth:`write` returns only after the line is fsync-ed, or, with
+    ``group_commit=True``, as soon as it is written, with a background fsync that covers all the
+    lines written meanwhile (for jobs that finish many records at once); :meth:`close` returns
+    once every line is fsynced.
+
+    When a line cannot be written whole, :meth:`write` truncates the file back to where the line
+    began and raises :class:`OutputWriteError`. When a background fsync fails, the next
+    :meth:`write` or :meth:`close` truncates the file back to what the last good fsync covered
+    (the lines after it may not be on disk) and raises the same error.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, group_commit: bool = False) -> None:
         self.path = Path(path)
         # One os.write of the whole line per record (see the module invariants).
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
         self._size = os.fstat(self._fd).st_size
+        self._flusher = _Flusher(self._fd, self._size) if group_commit else None
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line and make it durable."""
+        """Append ``record`` as one line and make it durable (see the class docstring)."""
         assert self._fd is not None, "the writer is closed"
+        self._check_flusher()
         data = encode_record(record)
         try:
             _write_all(self._fd, data)
-            os.fsync(self._fd)
+            if self._flusher is None:
+                os.fsync(self._fd)
         except OSError as exc:
-            try:  # drop the part of the line that made it, so that the file stays valid
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass  # resume drops a torn last line anyway
-            raise OutputWriteError(f"cannot write to {self.path}: {_os_reason(exc)}", exc.errno) from exc
+            self._truncate(self._size)  # drop the part of the line that made it
+            raise self._write_error(exc) from exc
         self._size += len(data)
+        if self._flusher is not None:
+            self._flusher.written(self._size)
+
+    def _write_error(self, exc: OSError) -> OutputWriteError:
+        return OutputWriteError(f"cannot write to {self.path}: {_os_reason(exc)}", exc.errno)
+
+    def _truncate(self, size: int) -> None:
+        """Cut the file back to ``size`` bytes, so that it stays valid JSONL."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError:
+            pass  # resume drops a torn last line anyway
+        self._size = min(self._size, size)
+
+    def _check_flusher(self) -> None:
+        """Raise the group commit's fsync error, after dropping the lines it may have lost."""
+        flusher = self._flusher
+        if flusher is not None and flusher.error is not None:
+            self._truncate(flusher.synced)
+            raise self._write_error(flusher.error) from flusher.error
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
-        if self._fd is not None:
+        """Wait for the last fsync and close the file (idempotent); raises as :meth:`write` does
+        when a background fsync failed."""
+        if self._fd is None:
+            return
+        try:
+            if self._flusher is not None:
+                self._flusher.close()
+                self._check_flusher()
+        finally:
             fd, self._fd = self._fd, None
             os.close(fd)
 
     def __enter__(self) -> JsonlWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except OutputWriteError:
+            pass  # the exception on its way out is the one to report; the file is valid either way
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

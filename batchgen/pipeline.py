@@ -21,11 +21,15 @@ so they are exact whenever the run stopped.
 
 Records are written in finish order, one per dataset row, each as soon as it is final; rows whose
 prompt cannot be built are written as error records straight away and never reach the engine.
+With ``data.format: openai_batch`` the rows are the lines of an OpenAI batch file, each with its
+own generation parameters, and with ``output.format: openai_batch`` the records are OpenAI
+response lines; both live in :mod:`batchgen.openai_batch`.
 Lifecycle hooks fire only here, at the edges; the engine's step loop never calls a hook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import platform
 import time
@@ -107,21 +111,24 @@ class Job:
     data: LoadedData
     metrics: list[tuple[MetricRef, Any]]
     logits_processors: list[Any]
-    done_ids: set[str] = field(default_factory=set)
+    done_ids: Any = field(default_factory=set)  # a set of ids, or an openai_batch.ResumeIndex
     config_path: str | None = None
-    #: The output's lock, held from :func:`plan` to the end of :func:`execute`.
-    lock: OutputLock | None = None
+    #: The locks of the output files (the output, and the error file if any), held from
+    #: :func:`plan` to the end of :func:`execute`.
+    locks: list[OutputLock] = field(default_factory=list)
     #: The summary of the run this one resumes (None for a fresh run).
     previous: dict[str, Any] | None = None
 
     def release(self) -> None:
-        """Release the output's lock (idempotent; :func:`execute` does it when it ends)."""
-        if self.lock is not None:
-            self.lock.release()
+        """Release the outputs' locks (idempotent; :func:`execute` does it when it ends)."""
+        for lock in self.locks:
+            lock.release()
 
     @property
     def todo(self) -> int:
         """Rows this run still has to write."""
+        if hasattr(self.data, "todo"):  # a streamed OpenAI batch file
+            return self.data.todo(self.done_ids)
         return sum(1 for i in self.data.ids if i not in self.done_ids)
 
 
@@ -205,27 +212,40 @@ def plan(
     from batchgen.executor import check_executor
 
     check_executor(config)  # backend 'ray' without Ray installed: say what to install
-    data = load_rows(config.data)
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
-    check_columns(data.columns, config, required)
-    check_writable(config.output.path)
-    check_writable(config.output.summary_file)
+    if config.data.format == "openai_batch":
+        from batchgen.openai_batch import open_input
+
+        data: Any = open_input(config, required)
+    else:
+        data = load_rows(config.data)
+        check_columns(data.columns, config, required)
+    outputs = _output_paths(config)
+    for path in (*outputs, config.output.summary_file):
+        check_writable(path)
     job = Job(config, registry, data, metrics, processors, set(), config_path)
     if not prepare:
         return job
-    job.lock = OutputLock(config.output.path).acquire()
     try:
+        for path in outputs:  # the error file too: a second job must not write into it either
+            job.locks.append(OutputLock(path).acquire())
         previous = read_summary(config.output.summary_file)
-        output = Path(config.output.path)
-        resuming = config.output.if_exists == "resume" and output.is_file() and output.stat().st_size > 0
+        resuming = config.output.if_exists == "resume" and any(
+            Path(p).is_file() and Path(p).stat().st_size > 0 for p in outputs
+        )
         if resuming and not force_resume and previous is not None:
             _check_same_config(config, previous, resolved_dict(config, registry))
-        job.done_ids = prepare_output(config.output.path, config.output.if_exists)
+        job.done_ids = _prepare_outputs(config, outputs)
         job.previous = previous if job.done_ids else None
     except BaseException:
         job.release()
         raise
     return job
+
+
+def _output_paths(config: RunConfig) -> list[str]:
+    """The record files of a run: ``output.path``, then ``output.error_path`` when set."""
+    return [p for p in (config.output.path, config.output.error_path) if p]
 
 
 def _check_same_config(config: RunConfig, previous: dict[str, Any], resolved: dict[str, Any]) -> None:
@@ -242,6 +262,72 @@ def _check_same_config(config: RunConfig, previous: dict[str, Any], resolved: di
             f"(from {config.output.summary_file}); resuming would mix records of both:\n{lines}\n"
             "restore those settings, pass --force-resume to append anyway, or --overwrite to start over"
         )
+
+
+def _prepare_outputs(config: RunConfig, paths: Sequence[str]) -> Any:
+    """Create, truncate or repair the output file(s); return what they already answer."""
+    if config.data.format == "openai_batch":
+        from batchgen.openai_batch import resume_index
+
+        for path in paths:
+            prepare_output(path, config.output.if_exists, key=None)
+        return resume_index(config)
+    key = "custom_id" if config.output.format == "openai_batch" else "id"
+    return set().union(*(prepare_output(path, config.output.if_exists, key=key) for path in paths))
+
+
+class _BatchgenRecords:
+    """``output.format: jsonl``: batchgen's own records (see :func:`make_record`).
+
+    A record kind makes records (``make``) and reads them back (the static methods), which is
+    all the summary's counts, ``--max-error-rate`` and resume need to know of a format; the
+    other kind is :class:`batchgen.openai_batch.ResponseBuilder`.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def make(self, prompt: PromptRecord, output: Any | None) -> dict[str, Any]:
+        return make_record(prompt, output, self.config)
+
+    @staticmethod
+    def failed(record: dict[str, Any]) -> bool:
+        """True for an error record."""
+        return record.get("error") is not None
+
+    @staticmethod
+    def key(record: dict[str, Any]) -> str | None:
+        """The row id a record answers (None for a row that had none)."""
+        value = record.get("id")
+        return None if value is None else str(value)
+
+    @staticmethod
+    def output_tokens(record: dict[str, Any]) -> int:
+        """The tokens a record keeps (``usage.generated_tokens``)."""
+        return int((record.get("usage") or {}).get("generated_tokens") or 0)
+
+    @staticmethod
+    def describe_error(record: dict[str, Any]) -> dict[str, Any]:
+        """``{"id", "error"}`` of a record, for the summary's ``first_error`` and messages."""
+        return {"id": record.get("id"), "error": record.get("error")}
+
+
+def error_example(example: dict[str, Any]) -> str:
+    """``id 'q00': <error>`` (``custom_id 'x': ...`` for OpenAI lines) of a ``describe_error``."""
+    name = "custom_id" if "custom_id" in example else "id"
+    return f"{name} {example.get(name)!r}: {example.get('error')}"
+
+
+def _records(config: RunConfig, llm: Any = None, builder: PromptBuilder | None = None) -> Any:
+    """The record kind of ``config.output.format`` (``make`` needs ``llm``; reading back does not)."""
+    if config.output.format != "openai_batch":
+        return _BatchgenRecords(config)
+    from batchgen.openai_batch import ResponseBuilder
+
+    if llm is None:
+        return ResponseBuilder
+    return ResponseBuilder(config.model.name, llm.tokenizer, chat=builder is not None and builder.use_chat,
+                           top_logprobs=config.generation.logprobs)
 
 
 # --------------------------------------------------------------------------- records
@@ -283,8 +369,12 @@ def make_record(prompt: PromptRecord, output: Any | None, config: RunConfig) -> 
             "cached_tokens": stats.num_cached_tokens,
         }
         error = output.error
-        beam = config.generation.mode == "beam"
-        with_logprobs = config.generation.logprobs is not None
+        from batchgen.sampling.params import BeamSearchParams
+
+        params = prompt.params  # the row's own, else the job's
+        beam = config.generation.mode == "beam" if params is None else isinstance(params, BeamSearchParams)
+        logprobs = config.generation.logprobs if params is None else getattr(params, "logprobs", None)
+        with_logprobs = logprobs is not None
         if beam:
             # Best beam first, indexed by rank, so that "the first generation" means the same
             # thing (the model's best answer) in every mode.
@@ -345,18 +435,24 @@ def _tally(job: Job, with_metrics: bool) -> tuple[dict[str, Any], dict[str, Any]
     output_tokens = 0
     first_error = None
     per_metric: dict[str, list[dict[str, Any]]] = {ref.key: [] for ref, _ in job.metrics}
-    for record in read_records(job.config.output.path):
-        failed = record.get("error") is not None
-        new = str(record.get("id")) not in job.done_ids
+    kind = _records(job.config)
+    keyless_done = getattr(job.done_ids, "keyless", 0)  # answered in input order: the first ones are old
+    for record in (r for path in _output_paths(job.config) if Path(path).exists() for r in read_records(path)):
+        failed = kind.failed(record)
+        key = kind.key(record)
+        if key is None:
+            new, keyless_done = keyless_done <= 0, keyless_done - 1
+        else:
+            new = key not in job.done_ids
         counts["total"] += 1
         counts["error" if failed else "ok"] += 1
         if new:
             counts["this_run"] += 1
             counts["this_run_error" if failed else "this_run_ok"] += 1
-            output_tokens += int((record.get("usage") or {}).get("generated_tokens") or 0)
+            output_tokens += kind.output_tokens(record)
         if failed:
             if first_error is None:
-                first_error = {"id": record.get("id"), "error": record.get("error")}
+                first_error = kind.describe_error(record)
             continue
         for key, scores in per_metric.items():
             value = (record.get("metrics") or {}).get(key)
@@ -556,6 +652,9 @@ def _finish_summary(
         "dataset_rows": len(job.data),
         "resumed": len(job.done_ids),
     }
+    if config.output.format == "openai_batch":  # as OpenAI's Batch object counts them
+        failed = counts.get("error", counts.get("this_run_error", 0))
+        summary["request_counts"] = {"total": counts["total"], "completed": counts["total"] - failed, "failed": failed}
     stats = executor.stats()
     summary["executor"] = executor.describe()
     throughput = _throughput(stats, before, timings, counts.get("this_run", 0), output_tokens)
@@ -595,29 +694,44 @@ def _generate(
     config = job.config
     builder = PromptBuilder(config.prompt, llm.tokenizer, llm.max_model_len, config.generation.max_tokens)
     params = build_params(config.generation, job.logits_processors)
+    records = _records(config, llm, builder)
+    prompts: Iterator[PromptRecord]
+    if config.data.format == "openai_batch":
+        from batchgen.openai_batch import LineParser
+
+        names = [config.model.name, *config.model.aliases]
+        parser = LineParser(llm.tokenizer, llm.max_model_len, names, job.logits_processors)
+        prompts = job.data.prompts(parser, job.done_ids)
+    else:
+        prompts = iter_prompts(job.data, builder, job.done_ids)
     pending: dict[str, PromptRecord] = {}
-    with JsonlWriter(config.output.path) as writer, Progress(job.todo, mode="off" if quiet else None) as progress:
+    error_path = config.output.error_path
+    # Group commit: records finishing together (one engine step) share one fsync.
+    with JsonlWriter(config.output.path, group_commit=True) as writer, (
+        JsonlWriter(error_path, group_commit=True) if error_path else contextlib.nullcontext(writer)
+    ) as errors, Progress(job.todo, mode="off" if quiet else None) as progress:
 
         def finish(prompt: PromptRecord, output: Any | None) -> None:
-            record = make_record(prompt, output, config)
-            _score(job, record, prompt.row)
-            writer.write(record)
-            failed = record["error"] is not None
+            record = records.make(prompt, output)
+            if job.metrics:
+                _score(job, record, prompt.row)
+            failed = records.failed(record)
+            (errors if failed else writer).write(record)
             new_records["error" if failed else "ok"] += 1
-            progress.record_finished(record["usage"]["generated_tokens"], failed)
+            progress.record_finished(records.output_tokens(record), failed)
             hooks("batchgen_record_finished", record=record)
             if max_error_rate is not None:
-                _check_error_rate(new_records, max_error_rate, record)
+                _check_error_rate(new_records, max_error_rate, records.describe_error(record))
 
         def requests() -> Iterator[Any]:
             from batchgen.engine.llm import Request
 
-            for prompt in iter_prompts(job.data, builder, job.done_ids):
+            for prompt in prompts:
                 if prompt.error is not None:
                     finish(prompt, None)
                     continue
                 pending[prompt.id] = prompt
-                yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, params)
+                yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, prompt.params or params)
 
         for output in llm.stream(requests(), on_tokens=progress.on_tokens):
             prompt = pending.pop(output.request_id, None)
@@ -629,6 +743,7 @@ def _generate(
 
 
 def _check_error_rate(new_records: dict[str, int], limit: float, record: dict[str, Any]) -> None:
+    """Raise :class:`TooManyErrors` past ``limit``; ``record`` is the last one's ``describe_error``."""
     written = new_records["ok"] + new_records["error"]
     if written < MIN_RECORDS_FOR_ERROR_RATE:
         return
@@ -636,7 +751,7 @@ def _check_error_rate(new_records: dict[str, int], limit: float, record: dict[st
     if rate > limit:
         raise TooManyErrors(
             f"{new_records['error']} of the {written} records written so far are errors ({rate:.0%}), "
-            f"over --max-error-rate {limit:g}; the last one, id {record['id']!r}: {record['error']}"
+            f"over --max-error-rate {limit:g}; the last one, {error_example(record)}"
         )
 
 

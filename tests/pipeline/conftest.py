@@ -53,6 +53,12 @@ TINY_ENGINE = {"kv_cache_memory": "16MiB", "max_num_seqs": 8, "block_size": 16}
 
 
 @pytest.fixture
+def tiny_engine() -> dict[str, Any]:
+    """The ``engine`` section of the tiny jobs (the settings of ``tiny_llm``)."""
+    return dict(TINY_ENGINE)
+
+
+@pytest.fixture
 def job_config(tmp_path: Path, tiny_llama: str, qa_file: Path):
     """Factory: ``job_config(**sections) -> Path`` of a YAML job over the QA file and tiny model."""
 

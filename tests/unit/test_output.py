@@ -51,6 +51,68 @@ def test_lines_are_strict_json_one_per_record(tmp_path: Path) -> None:
     assert [r["id"] for r in read_records(path)] == ["a", "b"]
 
 
+def test_group_commit_fsyncs_lines_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With group commit every line is written at once and fsynced by the flusher, in fewer
+    fsyncs than lines; close() returns after the last one."""
+    import threading
+
+    path = tmp_path / "out.jsonl"
+    calls: list[int] = []
+    release = threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        release.wait(5)  # the first fsync blocks until every line is written
+        calls.append(path.read_bytes().count(b"\n"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    with JsonlWriter(path, group_commit=True) as writer:
+        for i in range(50):
+            writer.write({"id": str(i)})
+            assert path.read_bytes().count(b"\n") == i + 1  # written at once, whatever the fsync
+        release.set()
+    assert 1 <= len(calls) <= 2 and calls[-1] == 50  # one or two fsyncs covered all 50 lines
+    assert [r["id"] for r in read_records(path)] == [str(i) for i in range(50)]
+
+
+def test_group_commit_fsync_error_is_the_full_disk_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync that fails in the flusher (ENOSPC, as delayed allocation reports it) surfaces as
+    the writer's one OutputWriteError, and the lines it did not cover are cut away."""
+    import threading
+
+    synced_once = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if synced_once.is_set():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+        synced_once.set()
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "out.jsonl"
+    writer = JsonlWriter(path, group_commit=True)
+    writer.write({"id": "a"})
+    assert synced_once.wait(5)
+    writer.write({"id": "b"})  # its fsync fails
+    with pytest.raises(OutputWriteError) as info:
+        writer.close()
+    assert str(info.value) == f"cannot write to {path}: no space left on device"
+    assert info.value.errno == errno.ENOSPC
+    assert [r["id"] for r in read_records(path)] == ["a"]  # what the good fsync covered
+    writer.close()  # idempotent
+
+    # With an exception already on its way (Ctrl-C), that one is reported, not the fsync's.
+    synced_once.clear()
+    with pytest.raises(KeyboardInterrupt), JsonlWriter(path, group_commit=True) as writer:
+        writer.write({"id": "c"})
+        assert synced_once.wait(5)
+        writer.write({"id": "d"})
+        raise KeyboardInterrupt
+    assert [r["id"] for r in read_records(path)] == ["a", "c"]
+
+
 def test_existing_output_without_flag_names_both_flags(tmp_path: Path) -> None:
     path = tmp_path / "out.jsonl"
     _write(path, [{"id": "a"}])
