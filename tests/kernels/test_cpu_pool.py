@@ -36,11 +36,8 @@ def probe_source(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def threads():
-    """Set the kernels' thread count for one test, then restore it."""
-    before = loader.num_threads()
-    yield loader.set_num_threads
-    loader.set_num_threads(before)
+def threads(kernel_threads):
+    return kernel_threads
 
 
 def _probe(source: Path, tag: str = "a"):

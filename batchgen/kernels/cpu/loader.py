@@ -19,6 +19,7 @@ loaded so far and those loaded later.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -66,6 +67,32 @@ def _machine_tag() -> str:
         return os.uname().machine
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
     return os.uname().machine + "\n" + "\n".join(keep)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``), or None where
+    they cannot be read (then only the build, and each library's own check, decide)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
+
+
+def missing_cpu_features(*names: str) -> str | None:
+    """Why this CPU cannot run code that needs ``names`` (``/proc/cpuinfo`` spellings, e.g.
+    ``avx2``, ``fma``, ``avx512_bf16``), or None when it has them all or its flags are unknown."""
+    flags = cpu_flags()
+    if flags is None:
+        return None
+    missing = [name for name in names if name not in flags]
+    if not missing:
+        return None
+    return f"this CPU lacks {', '.join(n.upper() for n in missing)} (flags from /proc/cpuinfo)"
 
 
 def _subnormals_work() -> bool:
