@@ -161,10 +161,8 @@ class ModelRunner:
         if why is not None:
             if attention_backend == backend:
                 raise ValueError(f"attention_backend={backend!r} cannot serve this model: {why}")
-            # A float16/bfloat16 model on the CPU is an expected case; anything else is news.
-            log = logger.info if backend == "cpu" and self.dtype != torch.float32 else logger.warning
-            log("the %s attention kernel cannot serve this model (%s); using the torch backend",
-                backend, why.splitlines()[0])
+            logger.warning("the %s attention kernel cannot serve this model (%s); using the torch "
+                           "backend", backend, why.splitlines()[0])
             backend = "torch"
         self.attention_backend = backend
         self.ops = kernels.get_ops(backend)

@@ -151,12 +151,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     """Each row's argmax (first index on ties, as ``torch.argmax``) and its log-probability
-    ``max - logsumexp(row)``, for float32 CPU ``[rows, vocab]`` logits.
+    ``max - logsumexp(row)``, for float32 CPU ``[rows, vocab]`` logits. The difference is taken
+    in double, from the float32 max and the float32 :func:`logsumexp`, so a sampler that
+    computes ``double(x) - double(logsumexp(row))`` gets the same bits for the same token.
 
     Returns None, so that the caller takes torch's path, when the library is unavailable,
     the logits are not float32 on the CPU, or a row holds NaN or infinities (torch's NaN and
     infinity rules then apply, and an all ``-inf`` row gets the caller's error).
     """
+    result = _greedy_pass(logits)
+    if result is None:
+        return None
+    ids, maxes, lse = result
+    top = maxes.tolist()
+    norm = lse.tolist()
+    if not all(math.isfinite(a) and math.isfinite(b) for a, b in zip(top, norm)):
+        return None
+    return ids.tolist(), [a - b for a, b in zip(top, norm)]
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor | None:
+    """``log(sum(exp(row)))`` of each row of float32 CPU ``[rows, vocab]`` logits, the value
+    :func:`greedy` uses (float32; NaN or infinite for rows that hold NaN or infinities).
+
+    A row's value does not depend on the other rows. None when the library is unavailable or
+    the logits are not float32 on the CPU.
+    """
+    result = _greedy_pass(logits)
+    return None if result is None else result[2]
+
+
+def _greedy_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(argmax, max, logsumexp)`` of each row from ``batchgen_greedy_f32``, or None when it
+    cannot run here."""
     if (logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 2
             or not available()):
         return None
@@ -168,12 +195,8 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     lse = torch.empty(m, dtype=torch.float32)
     if m:
         load_fused().batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, n, ids.data_ptr(),
-                                     maxes.data_ptr(), lse.data_ptr())
-    top = maxes.tolist()
-    norm = lse.tolist()
-    if not all(math.isfinite(a) and math.isfinite(b) for a, b in zip(top, norm)):
-        return None
-    return ids.tolist(), [a - b for a, b in zip(top, norm)]
+                                         maxes.data_ptr(), lse.data_ptr())
+    return ids, maxes, lse
 
 
 class FusedRMSNorm(torch.nn.Module):
