@@ -263,3 +263,30 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert 2.2250738585072014e-308 / 4.0 != 0.0
     assert (torch.tensor([1.0e-38]) / 100.0).item() != 0.0
     assert kcpu.loader._subnormals_work()
+
+
+def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None:
+    """The dot product is written three times (AVX-512, AVX2, plain C) with one order of
+    operations, so a machine without AVX-512 reproduces an AVX-512 machine's results. Head
+    size 40 covers the partial last group of 16 lanes."""
+    import ctypes
+
+    results = []
+    for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
+        path = tmp_path / f"attention{len(extra)}.so"
+        error = loader._compile(kcpu.compiler(), kcpu.attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
+                                ["-DHEAD_SIZE=40", "-DGROUP=3"], path)
+        if error is not None and not extra:
+            pytest.skip(f"no -march=native build here: {error.splitlines()[-1]}")
+        assert error is None, error
+        lib = ctypes.CDLL(str(path))
+        kcpu.attention._declare_attention(lib)
+        case = make_decode_case(dtype=torch.float32, head_size=40, block_size=16,
+                                context_lens=[1, 17, 130, 300], num_kv_heads=2, group=3, seed=5)
+        q, out = case.query, torch.empty_like(case.query)
+        assert lib.batchgen_paged_attention(
+            out.data_ptr(), q.data_ptr(), case.k_cache.data_ptr(), case.v_cache.data_ptr(),
+            case.block_tables.data_ptr(), None, case.context_lens.data_ptr(), 4, 4, 2, 16,
+            case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, case.k_cache.shape[0], 0) == 0
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

@@ -1,0 +1,232 @@
+"""Bitwise reproducibility on the CPU path: a request's tokens and every logprob are the same bits
+whatever else the engine runs (see "Reproducibility" in docs/kernels.md).
+
+The needle test (as vLLM's and SGLang's batch-invariance tests): each needle request runs alone,
+then at random positions inside random batches of W32 prompts with random parameters (greedy,
+sampled, seeded or not, parallel samples, beams, logprobs or none), under every condition that
+changes how the needle's tokens are computed:
+
+* the thread count (1 and 2, kernels and torch alike);
+* the prefix cache, cold (a fresh engine) and warm (the needle's own prompt, or the shared
+  system prompt, cached by an earlier request);
+* the prefill chunking (``max_num_batched_tokens`` of 2048, 61 and 16: the needle's prompt is
+  cut at other places, and shares steps with other prompts' chunks and with decodes);
+* preemption by recompute (a KV cache too small for the batch; the recomputed tokens were first
+  computed by decode, and are now recomputed by prefill).
+
+Each needle is greedy or seeded sampling with ``logprobs=5``; tokens, cumulative logprob and
+every reported logprob must be equal (``torch.equal`` on float64 tensors). A tiny random Llama
+covers every condition in a few seconds; the real SmolLM2 runs one case of each kind. The same
+comparison on the plain torch backends is reported, and may differ.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.kernels.cpu import compiler, loader
+from batchgen.sampling.params import BeamSearchParams
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="the CPU path needs a C compiler")
+
+W32 = Path(__file__).resolve().parents[2] / "bench" / "w32.jsonl"
+NEEDLE_PROMPTS = 8
+NEEDLE_TOKENS = 20
+
+
+@contextmanager
+def threads(n: int):
+    """Run torch and the C kernels on ``n`` threads."""
+    before = torch.get_num_threads(), loader.num_threads()
+    torch.set_num_threads(n)
+    loader.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        loader.set_num_threads(before[1])
+
+
+@pytest.fixture(scope="module")
+def w32() -> list[list[int]]:
+    return [json.loads(line)["prompt_token_ids"] for line in W32.read_text().splitlines() if line.strip()]
+
+
+def needles(w32: list[list[int]], max_tokens: int = NEEDLE_TOKENS, count: int = NEEDLE_PROMPTS):
+    """(prompt, params) of the needle requests: each prompt greedy and seeded, logprobs=5."""
+    rng = random.Random(7)
+    prompts = rng.sample(range(len(w32)), count)
+    out = []
+    for i, p in enumerate(prompts):
+        out.append((w32[p], SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5)))
+        out.append((w32[p], SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i,
+                                           max_tokens=max_tokens, logprobs=5)))
+    return out
+
+
+def filler(rng: random.Random, w32: list[list[int]], max_tokens: int):
+    """A random W32 request: greedy or sampled, seeded or not, n=2, beams, logprobs or none."""
+    prompt = rng.choice(w32)
+    kind = rng.random()
+    tokens = rng.randint(2, max_tokens)
+    if kind < 0.1:
+        return prompt, BeamSearchParams(beam_width=2, max_tokens=tokens)
+    logprobs = rng.choice([None, None, 1, 5])
+    if kind < 0.4:
+        return prompt, SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=logprobs)
+    seed = rng.choice([None, rng.randrange(1 << 30)])
+    return prompt, SamplingParams(temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([1.0, 0.9]),
+                                  seed=seed, n=rng.choice([1, 1, 2]), max_tokens=tokens, logprobs=logprobs)
+
+
+def batch_with(needle_list, w32, seed: int, max_tokens: int, sizes=(8, 48)):
+    """The needles at random positions among 8-48 random fillers."""
+    rng = random.Random(seed)
+    requests = [filler(rng, w32, max_tokens) for _ in range(rng.randint(*sizes))]
+    positions = []
+    for needle in needle_list:
+        at = rng.randint(0, len(requests))
+        requests.insert(at, needle)
+        positions = [p + (p >= at) for p in positions] + [at]
+    return requests, positions
+
+
+def record(out) -> tuple:
+    """A completion as (tokens, cumulative logprob, per-token logprob ids, their values)."""
+    c = out.outputs[0]
+    assert out.error is None, out.error
+    ids = [sorted(d) for d in c.logprobs]
+    values = torch.tensor([d[t] for d in c.logprobs for t in sorted(d)], dtype=torch.float64)
+    return c.token_ids, c.cumulative_logprob, ids, values
+
+
+def mismatches(expected: list[tuple], got: list[tuple]) -> list[int]:
+    """Indices of needles whose tokens or any logprob differ, bit for bit."""
+    bad = []
+    for i, (a, b) in enumerate(zip(expected, got)):
+        same = (a[0] == b[0] and a[2] == b[2] and torch.equal(a[3], b[3])
+                and torch.equal(torch.tensor(a[1], dtype=torch.float64), torch.tensor(b[1], dtype=torch.float64)))
+        if not same:
+            bad.append(i)
+    return bad
+
+
+def run_alone(llm: LLM, needle_list) -> list[tuple]:
+    return [record(llm.generate([p], [sp])[0]) for p, sp in needle_list]
+
+
+def run_batch(llm: LLM, needle_list, w32, seed: int, max_tokens: int) -> list[tuple]:
+    requests, positions = batch_with(needle_list, w32, seed, max_tokens)
+    outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+    return [record(outs[i]) for i in positions]
+
+
+# ---------------------------------------------------------------------- a tiny random model
+@pytest.fixture(scope="module")
+def tiny_llama(shared_tiny_model) -> str:
+    # head size 32, three query heads per KV head (SmolLM2's grouping)
+    return shared_tiny_model("llama", hidden_size=192, intermediate_size=256, num_attention_heads=6,
+                             num_key_value_heads=2, num_hidden_layers=2)
+
+
+ENGINE = {"kv_cache_memory": 2**26, "linear_backend": "cpu"}  # TEMP
+CONDITIONS = {  # name: (threads, engine settings, batch seeds run one after another on one engine)
+    "1 thread, cold then warm cache": (1, {}, [1, 2]),
+    "2 threads, cold then warm cache": (2, {}, [3, 4]),
+    "prefill chunks of 61 tokens, 2 threads": (2, {"max_num_batched_tokens": 61}, [5]),
+    "prefill chunks of 16 tokens, 1 thread": (1, {"max_num_batched_tokens": 16}, [6]),
+    "preemption by recompute, 2 threads": (2, {"kv_blocks": 64}, [7, 8]),
+}
+
+
+def engine(path: str, dtype: str, **settings) -> LLM:
+    """An engine on the default backends; ``kv_blocks`` sizes the cache in blocks."""
+    blocks = settings.pop("kv_blocks", None)
+    if blocks is not None:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+        elem = 4 if dtype == "float32" else 2
+        settings["kv_cache_memory"] = (blocks * 2 * c.num_hidden_layers * 16 * c.num_key_value_heads
+                                       * (c.hidden_size // c.num_attention_heads) * elem)
+    llm = LLM(path, dtype=dtype, **{**ENGINE, **settings})
+    assert (llm.runner.attention_backend, llm.runner.linear_backend) == ("cpu", "cpu")
+    return llm
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def tiny_reference(request, tiny_llama, w32):
+    """The needles alone, one at a time, on one thread with the prefix cache off (cold)."""
+    dtype = request.param
+    with threads(1):
+        llm = engine(tiny_llama, dtype, enable_prefix_caching=False)
+        return dtype, run_alone(llm, needles(w32))
+
+
+@pytest.mark.parametrize("condition", list(CONDITIONS))
+def test_needles_are_bitwise_identical_inside_random_batches(condition, tiny_reference, tiny_llama, w32):
+    dtype, expected = tiny_reference
+    num_threads, settings, seeds = CONDITIONS[condition]
+    with threads(num_threads):
+        llm = engine(tiny_llama, dtype, **settings)
+        for seed in seeds:
+            got = run_batch(llm, needles(w32), w32, seed, max_tokens=32)
+            assert mismatches(expected, got) == [], f"{condition}, batch {seed}"
+        stats = llm.stats()
+    if "cache" in condition:
+        assert stats.prefix_cache_hits > 0
+    if "preemption" in condition:
+        assert stats.num_preemptions > 0
+    # the needles really differ from each other (a comparison of constants would pass too)
+    assert len({tuple(r[0]) for r in expected}) > len(expected) // 2
+
+
+def test_the_torch_backends_are_reported(tiny_llama, w32, capsys):
+    """The inverse test: the same comparison on the plain torch backends (MKL GEMMs, SDPA over
+    gathered blocks), which make no such promise. Reported, not required to match; its tokens
+    and logprobs stay close to the CPU path's."""
+    needle_list = needles(w32, count=4)
+    counts = []
+    for num_threads in (1, 2):
+        with threads(num_threads):
+            ref = LLM(tiny_llama, dtype="float32", enable_prefix_caching=False, kv_cache_memory=2**26,
+                      attention_backend="torch", linear_backend="torch")
+            expected = run_alone(ref, needle_list)
+            llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=2**26, max_num_batched_tokens=61,
+                      attention_backend="torch", linear_backend="torch")
+            got = run_batch(llm, needle_list, w32, seed=9, max_tokens=32)
+        bad = mismatches(expected, got)
+        counts.append(len(bad))
+        for a, b in zip(expected, got):
+            if a[0] == b[0] and a[2] == b[2]:
+                torch.testing.assert_close(a[3], b[3], atol=1e-4, rtol=0)
+    with capsys.disabled():
+        print(f"\ntorch backends: needles not bitwise identical in a batch: {counts[0]} of "
+              f"{len(needle_list)} on 1 thread, {counts[1]} on 2")
+
+
+# ---------------------------------------------------------------------- the real model
+@pytest.mark.slow
+def test_smollm2_needles_alone_and_in_a_batch(smollm2_path, w32):
+    """SmolLM2 in float32: four needles (greedy and seeded) alone on one thread, then inside
+    one random batch of W32 prompts on two threads, prefill chunked at 128 tokens, with the
+    system prompt and the needles' own prompts already cached."""
+    needle_list = needles(w32, max_tokens=12, count=2)
+    with threads(1):
+        alone = engine(smollm2_path, "float32", enable_prefix_caching=False)
+        expected = run_alone(alone, needle_list)
+    del alone
+    with threads(2):
+        llm = engine(smollm2_path, "float32", max_num_batched_tokens=128)
+        llm.generate([p for p, _ in needle_list], SamplingParams(max_tokens=1))  # warm the cache
+        requests, positions = batch_with(needle_list, w32, seed=11, max_tokens=12, sizes=(12, 12))
+        outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests])
+        got = [record(outs[i]) for i in positions]
+    assert mismatches(expected, got) == []
