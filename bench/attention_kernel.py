@@ -11,13 +11,17 @@ one layer call of each kind a run makes:
 
 Variants: the torch path (``reference.py``: gather the blocks, then SDPA) and the C kernel,
 each in float32 and in bfloat16 (bfloat16 query and cache; the kernel computes in float32),
-each at 1 thread and at ``--threads`` (torch's intra-op threads and the kernel pool's alike).
-Within a block of one thread count the four variants are timed in turn, call by call, so a
-noisy machine slows them alike; the blocks of 1 and of ``--threads`` threads alternate
-``--blocks`` times (switching thread counts between calls would time the switch). The summary
-gives each variant's median and fastest call, its speed relative to the float32 kernel on one
-thread, with the spread of that ratio over the blocks, and its largest difference from the
-float32 torch path.
+each at 1 thread and at ``--threads``. Threads are set as the engine sets them: the torch path
+gets torch's intra-op threads; the kernel gets the pool's threads, with torch on one (torch's
+OpenMP workers spin after a parallel region, on the cores the pool needs).
+
+Timing: one block per (path, thread count), the blocks in turn, ``--blocks`` times over; in a
+block, float32 and bfloat16 calls alternate, ``--rounds`` each, after an untimed warm-up. Before
+every timed call a 64 MiB buffer is written, so that K/V come from memory as they do in a model
+step (between two attention calls the step streams every weight of a layer). The summary gives
+each variant's median and fastest call, its speed relative to the float32 kernel on one
+thread (the ratio of block medians, block by block: its median and spread), and its largest
+difference from the float32 torch path.
 """
 
 from __future__ import annotations
@@ -89,16 +93,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="calls of each variant per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks of each thread count, alternating")
     ap.add_argument("--cases", default=",".join(cases()))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
     why = unsupported_reason(torch.float32, HEAD_SIZE, HEADS, KV_HEADS)
     if why is not None:
         raise SystemExit(f"the CPU attention kernel cannot run here: {why}")
     cpu, ref = get_ops("cpu"), reference
     workspace = reference.Workspace()
-    kinds = {"torch_f32": (ref, torch.float32), "torch_bf16": (ref, torch.bfloat16),
-             "cpu_f32": (cpu, torch.float32), "cpu_bf16": (cpu, torch.bfloat16)}
+    paths = {"torch": ref, "cpu": cpu}
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     thread_counts = sorted({1, args.threads})
     base = "cpu_f32_t1"
+    flush = torch.zeros(16 * 2**20)
     result: dict = {"threads": args.threads, "blocks": args.blocks, "rounds": args.rounds,
                     "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
                               "block_size": BLOCK}, "results": []}
@@ -107,27 +116,31 @@ def main() -> None:
         if name not in wanted:
             continue
         case = make_case(lens, q_lens, seed=len(name))
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes.values():
             for key in "qkv":
                 case[f"{key}_{dtype}"] = case[key].to(dtype)
         # per variant, one list of call times per block
-        times: dict[str, list[list[float]]] = {f"{k}_t{t}": [] for t in thread_counts for k in kinds}
+        times: dict[str, list[list[float]]] = {f"{p}_{d}_t{t}": [] for t in thread_counts for p in paths
+                                               for d in dtypes}
         outs = {}
         with torch.inference_mode():
             for _ in range(args.blocks):
                 for t in thread_counts:
-                    loader.set_num_threads(t)
-                    torch.set_num_threads(t)
-                    for kind, (ops, dtype) in kinds.items():  # warm up at this thread count
-                        outs[kind] = call(ops, case, dtype, workspace).float()
-                    block = {kind: [] for kind in kinds}
-                    for _ in range(args.rounds):
-                        for kind, (ops, dtype) in kinds.items():
-                            t0 = time.perf_counter()
-                            call(ops, case, dtype, workspace)
-                            block[kind].append(time.perf_counter() - t0)
-                    for kind, ts in block.items():
-                        times[f"{kind}_t{t}"].append(ts)
+                    for pname, ops in paths.items():
+                        loader.set_num_threads(t if pname == "cpu" else 1)
+                        torch.set_num_threads(1 if pname == "cpu" else t)
+                        time.sleep(0.05)  # let the other path's idle workers go to sleep
+                        for dname, dtype in dtypes.items():
+                            outs[f"{pname}_{dname}"] = call(ops, case, dtype, workspace).float()
+                        block: dict[str, list[float]] = {d: [] for d in dtypes}
+                        for _ in range(args.rounds):
+                            for dname, dtype in dtypes.items():
+                                flush.add_(1.0)
+                                t0 = time.perf_counter()
+                                call(ops, case, dtype, workspace)
+                                block[dname].append(time.perf_counter() - t0)
+                        for dname, ts in block.items():
+                            times[f"{pname}_{dname}_t{t}"].append(ts)
         truth = outs["torch_f32"]
         row = {"case": name, "num_seqs": len(lens), "query_tokens": len(lens) if q_lens is None else sum(q_lens),
                "context_tokens": sum(lens), "variants": {}}
@@ -144,6 +157,31 @@ def main() -> None:
                                          for v, d in row["variants"].items()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Median call time of every variant, per case (log scale), as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    variants = list(rows[0]["variants"])
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        xs = [c + (i - (len(variants) - 1) / 2) * width for c in range(len(rows))]
+        ax.bar(xs, [r["variants"][v]["median_ms"] for r in rows], width, label=v.replace("_", " "))
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer call (median)")
+    ax.set_title(f"paged attention on SmolLM2's shape: torch path vs the C kernel "
+                 f"(1 and {result['threads']} threads)")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
