@@ -7,18 +7,20 @@ sampled, seeded or not, parallel samples, beams, logprobs or none), under every 
 changes how the needle's tokens are computed:
 
 * the thread count (1 and 2, kernels and torch alike);
-* the prefix cache, cold (a fresh engine) and warm (the needle's own prompt, or the shared
-  system prompt, cached by an earlier request);
+* the prefix cache: cold (a fresh engine), shared within a step (rows admitted in one step
+  read the prefix blocks that an earlier row of that step computes), and warm (the needle's
+  own prompt, or the shared system prompt, cached by an earlier request);
+* the waiting queue's order (``scheduling_policy``: prefix order, or arrival order);
 * the prefill chunking (``max_num_batched_tokens`` of 2048, 61 and 16: the needle's prompt is
   cut at other places, and shares steps with other prompts' chunks and with decodes);
 * preemption by recompute (a KV cache too small for the batch; the recomputed tokens were first
   computed by decode, and are now recomputed by prefill).
 
-Each needle is greedy or seeded sampling with ``logprobs=5``, or greedy without logprobs;
-tokens, cumulative logprob and every reported logprob must be equal (``torch.equal`` on float64
-tensors). A tiny random Llama
-covers every condition in a few seconds; the real SmolLM2 runs one case of each kind. The same
-comparison on the plain torch backends is reported, and may differ.
+Each needle is greedy or seeded sampling with ``logprobs=5``, greedy without logprobs, or beam
+search; tokens, cumulative logprobs and every reported logprob must be equal (``torch.equal``
+on float64 tensors). A tiny random Llama covers every condition in a few seconds, in float32
+and bfloat16; the real SmolLM2 runs one case of each kind. The same comparison on the plain
+torch backends is reported, and may differ.
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ def w32() -> list[list[int]]:
 
 def needles(w32: list[list[int]], max_tokens: int = NEEDLE_TOKENS, count: int = NEEDLE_PROMPTS):
     """(prompt, params) of the needle requests: each prompt greedy and seeded with logprobs=5,
-    and half of them greedy without logprobs (alone, those take the sampler's fused greedy
-    pick; in a batch with sampled rows, torch's path: the cumulative logprob must not tell)."""
+    half of them greedy without logprobs (alone, those take the sampler's fused greedy pick; in
+    a batch with sampled rows, torch's path: the cumulative logprob must not tell), and a
+    quarter of them beam search (width 2, both beams returned)."""
     rng = random.Random(7)
     prompts = rng.sample(range(len(w32)), count)
     out = []
     for i, p in enumerate(prompts):
         if i % 2:
             out.append((w32[p], SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+        if i % 4 == 0:
+            out.append((w32[p], BeamSearchParams(beam_width=2, max_tokens=max_tokens, num_return_sequences=2)))
         out.append((w32[p], SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5)))
         out.append((w32[p], SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i,
                                            max_tokens=max_tokens, logprobs=5)))
@@ -90,21 +95,24 @@ def batch_with(needle_list, w32, seed: int, max_tokens: int, sizes=(8, 48)):
 
 
 def record(out) -> tuple:
-    """A completion as (tokens, cumulative logprob, per-token logprob ids, their values)."""
-    c = out.outputs[0]
+    """A request's completions as (their tokens, their cumulative logprobs, the ids of every
+    reported logprob, their values), logprobs as float64 tensors."""
     assert out.error is None, out.error
-    logprobs = c.logprobs or []
-    ids = [sorted(d) for d in logprobs]
-    values = torch.tensor([d[t] for d in logprobs for t in sorted(d)], dtype=torch.float64)
-    return c.token_ids, c.cumulative_logprob, ids, values
+    tokens, ids, values = [], [], []
+    for c in out.outputs:
+        tokens.append(c.token_ids)
+        for d in c.logprobs or []:
+            ids.append(sorted(d))
+            values.extend(d[t] for t in sorted(d))
+    cumulative = torch.tensor([c.cumulative_logprob for c in out.outputs], dtype=torch.float64)
+    return tokens, cumulative, ids, torch.tensor(values, dtype=torch.float64)
 
 
 def mismatches(expected: list[tuple], got: list[tuple]) -> list[int]:
     """Indices of needles whose tokens or any logprob differ, bit for bit."""
     bad = []
     for i, (a, b) in enumerate(zip(expected, got)):
-        same = (a[0] == b[0] and a[2] == b[2] and torch.equal(a[3], b[3])
-                and torch.equal(torch.tensor(a[1], dtype=torch.float64), torch.tensor(b[1], dtype=torch.float64)))
+        same = a[0] == b[0] and a[2] == b[2] and torch.equal(a[1], b[1]) and torch.equal(a[3], b[3])
         if not same:
             bad.append(i)
     return bad
@@ -131,7 +139,8 @@ def tiny_llama(shared_tiny_model) -> str:
 CONDITIONS = {  # name: (threads, engine settings, batch seeds run one after another on one engine)
     "1 thread, cold then warm cache": (1, {}, [1, 2]),
     "2 threads, cold then warm cache": (2, {}, [3, 4]),
-    "prefill chunks of 61 tokens, 2 threads": (2, {"max_num_batched_tokens": 61}, [5]),
+    "prefill chunks of 61 tokens, arrival order, 2 threads":
+        (2, {"max_num_batched_tokens": 61, "scheduling_policy": "fcfs"}, [5]),
     "prefill chunks of 16 tokens, 1 thread": (1, {"max_num_batched_tokens": 16}, [6]),
     "preemption by recompute, 2 threads": (2, {"kv_blocks": 64}, [7, 8]),
 }
@@ -152,6 +161,25 @@ def engine(path: str, dtype: str, num_threads: int, **settings) -> LLM:
     return llm
 
 
+def count_prefix_hits(llm: LLM) -> dict[str, int]:
+    """Count the prefix-cache blocks that the scheduler's lookups find, split into blocks
+    cached by an earlier step and blocks pending in the step being planned (computed by a row
+    scheduled earlier in that same step): the counts tell which case a batch exercised."""
+    bm = llm.block_manager
+    counts = {"cached": 0, "in_step": 0}
+    lookup = bm.get_computed_blocks
+
+    def counted(seq, max_num_tokens=None):
+        hits, num_tokens = lookup(seq, max_num_tokens)
+        pending = set(bm._pending.values())
+        for block_id in hits:
+            counts["in_step" if block_id in pending else "cached"] += 1
+        return hits, num_tokens
+
+    bm.get_computed_blocks = counted
+    return counts
+
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def tiny_reference(request, tiny_llama, w32):
     """The needles alone, one at a time, on one thread with the prefix cache off (cold)."""
@@ -165,16 +193,19 @@ def test_needles_are_bitwise_identical_inside_random_batches(condition, tiny_ref
     dtype, expected = tiny_reference
     num_threads, settings, seeds = CONDITIONS[condition]
     llm = engine(tiny_llama, dtype, num_threads, **settings)
-    for seed in seeds:
+    hits = count_prefix_hits(llm)
+    for i, seed in enumerate(seeds):
         got = run_batch(llm, needles(w32), w32, seed, max_tokens=32)
         assert mismatches(expected, got) == [], f"{condition}, batch {seed}"
+        if i == 0:  # cold: rows admitted together shared blocks that one of them computed
+            assert hits["in_step"] > 0, hits
     stats = llm.stats()
     if "cache" in condition:
-        assert stats.prefix_cache_hits > 0
+        assert hits["cached"] > 0, hits  # warm: blocks cached by the first batch
     if "preemption" in condition:
         assert stats.num_preemptions > 0
     # the needles really differ from each other (a comparison of constants would pass too)
-    assert len({tuple(r[0]) for r in expected}) > len(expected) // 2
+    assert len({tuple(map(tuple, r[0])) for r in expected}) > len(expected) // 2
 
 
 def test_the_torch_backends_are_reported(tiny_llama, w32, capsys):
