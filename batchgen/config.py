@@ -337,7 +337,11 @@ class EngineSection(_Section):
     attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
     linear_backend: Literal["auto", "torch", "cpu"] = Field(
         "auto", description="'cpu': the model's linear layers through batchgen's C GEMM; "
-        "'auto' = 'cpu' for float32 on the CPU with one torch thread, else 'torch'"
+        "'auto' = 'cpu' on the CPU wherever it builds, else 'torch'"
+    )
+    num_threads: Literal["auto"] | PositiveInt = Field(
+        "auto", description="CPU threads: 'auto' = OMP_NUM_THREADS if set, else the CPUs "
+        "this process may use (affinity, cgroup quota)"
     )
     seed: int = Field(
         0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"

@@ -88,6 +88,7 @@ def engine_kwargs(config: RunConfig) -> dict[str, Any]:
         scheduling_policy=engine.scheduling_policy,
         attention_backend=engine.attention_backend,
         linear_backend=engine.linear_backend,
+        num_threads=engine.num_threads,
         seed=engine.seed,
     )
 
@@ -313,6 +314,8 @@ class EngineReplica:
 
         if threads:
             torch.set_num_threads(threads)
+            if engine.get("num_threads", "auto") == "auto":  # the replica's CPUs, not the host's
+                engine = {**engine, "num_threads": threads}
         self.engine = (factory or build_engine)(engine)
         self.load_seconds = time.perf_counter() - t0
 

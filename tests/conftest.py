@@ -36,6 +36,13 @@ def tiny_model(tmp_path: Path, smollm2_tokenizer):
     return lambda model_type, **overrides: save_tiny_model(tmp_path, model_type, smollm2_tokenizer, **overrides)
 
 
+@pytest.fixture(scope="session")
+def shared_tiny_model(tmp_path_factory, smollm2_tokenizer):
+    """``tiny_model`` for module- and session-scoped fixtures (each call saves a new folder)."""
+    return lambda model_type, **overrides: save_tiny_model(
+        tmp_path_factory.mktemp(model_type), model_type, smollm2_tokenizer, **overrides)
+
+
 def save_tiny_model(tmp_dir: Path, model_type: str, tokenizer, **overrides) -> str:
     """Build a tiny random HF causal LM of ``model_type`` and save it with ``tokenizer``.
 

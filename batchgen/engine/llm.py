@@ -49,7 +49,9 @@ class LLM:
             order). Either way ``generate`` returns outputs in input order.
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
         linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"``: the model's linear layers through
-            batchgen's CPU GEMM (``auto``: for float32 on the CPU with one torch thread).
+            batchgen's CPU GEMM (``auto``: on the CPU wherever it builds).
+        num_threads: CPU threads, ``"auto"`` (``OMP_NUM_THREADS`` if set, else the CPUs this
+            process may use: affinity and cgroup quota) or a count; see :mod:`batchgen.threads`.
         seed: derives a per-request seed for requests that give none, so whole runs repeat.
     """
 
@@ -68,6 +70,7 @@ class LLM:
         linear_backend: str = "auto",
         seed: int | None = 0,
         trust_remote_code: bool = False,
+        num_threads: int | str = "auto",
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -80,6 +83,7 @@ class LLM:
             resolved.path, dtype=dtype, device=device, block_size=block_size,
             kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
             linear_backend=linear_backend, trust_remote_code=trust_remote_code,
+            num_threads=num_threads,
         )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)

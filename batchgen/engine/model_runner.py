@@ -9,6 +9,7 @@ sequence that samples this step.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class ModelRunner:
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
         linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"`` (the model's ``nn.Linear`` layers
             through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu.linear`).
+        num_threads: ``"auto"`` or a count of CPU threads (see :mod:`batchgen.threads`).
     """
 
     def __init__(
@@ -114,12 +116,16 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         trust_remote_code: bool = False,
+        num_threads: int | str = "auto",
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from batchgen import threads
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        self.num_threads = threads.resolve_num_threads(num_threads)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         model_cls = _causal_lm_class(config)
         window = check_supported(config, model_cls)
@@ -155,10 +161,8 @@ class ModelRunner:
         if why is not None:
             if attention_backend == backend:
                 raise ValueError(f"attention_backend={backend!r} cannot serve this model: {why}")
-            # A float16/bfloat16 model on the CPU is an expected case; anything else is news.
-            log = logger.info if backend == "cpu" and self.dtype != torch.float32 else logger.warning
-            log("the %s attention kernel cannot serve this model (%s); using the torch backend",
-                backend, why.splitlines()[0])
+            logger.warning("the %s attention kernel cannot serve this model (%s); using the torch "
+                           "backend", backend, why.splitlines()[0])
             backend = "torch"
         self.attention_backend = backend
         self.ops = kernels.get_ops(backend)
@@ -166,6 +170,12 @@ class ModelRunner:
 
         self.workspace = Workspace()
         self.linear_backend = self._setup_linears(linear_backend)
+        self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
+        if self.device.type == "cpu":
+            threads.apply(self.threads)
+            logger.info("threads: %s (%s)", self.threads.describe(),
+                        "num_threads=auto: OMP_NUM_THREADS" if num_threads == "auto" and os.environ.get("OMP_NUM_THREADS")
+                        else f"num_threads={num_threads}: {threads.available_cpus()} CPUs available")
         self.generation_config = getattr(self.model, "generation_config", None)
 
     def _setup_linears(self, name: str) -> str:
@@ -178,11 +188,13 @@ class ModelRunner:
 
             fused = cpu_fused.fuse_modules(self.model)  # before packing: it packs gate+up as one
             count = cpu_linear.pack_linears(self.model)
-            logger.info("linear backend cpu: %d layers packed for the C GEMM; fused %d RMSNorms "
-                        "and %d gated MLPs (%d candidates left as they were)", count,
+            path = f", bfloat16 through {cpu_linear.bf16_path()}" if self.dtype == torch.bfloat16 else ""
+            logger.info("linear backend cpu: %d layers packed for the C GEMM%s; fused %d RMSNorms "
+                        "and %d gated MLPs (%d candidates left as they were)", count, path,
                         fused["rms_norm"], fused["gated_mlp"], fused["rejected"])
         elif why is not None and self.device.type == "cpu":
-            logger.info("linear backend torch: %s", why.splitlines()[0])
+            # the C kernels would have carried the step: say plainly why they do not
+            logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
         return backend
 
     @property

@@ -92,8 +92,9 @@ class Sampler:
     Args:
         fused_greedy: pick an all-greedy plain batch (no penalties, processors or requested
             logprobs) with :func:`batchgen.kernels.cpu.fused.greedy` when the logits are
-            float32 on the CPU: the same tokens, and logprobs equal within float32 rounding.
-            The engine turns it on with ``linear_backend="cpu"``.
+            float32 on the CPU, and take every row's logsumexp from the same C pass: the same
+            tokens and logprobs, bit for bit, whichever path a batch takes. The engine turns it
+            on with ``linear_backend="cpu"``.
     """
 
     def __init__(self, fused_greedy: bool = False) -> None:
@@ -158,10 +159,11 @@ class Sampler:
             if sampled_idx:
                 chosen[sampled_idx] = self._sample(x, rows, sampled_idx)
 
-        # Reported logprobs: log-softmax of the raw logits, as raw - logsumexp(raw), one
-        # formula for the chosen token and the alternatives so that both agree exactly.
-        lse = torch.logsumexp(raw, dim=-1)
-        chosen_lp = raw.gather(1, chosen[:, None]).squeeze(1) - lse
+        # Reported logprobs: log-softmax of the raw logits, as raw - logsumexp(raw) taken in
+        # double, one formula for the chosen token and the alternatives (and the fused greedy
+        # pick) so that all agree exactly.
+        lse = self._logsumexp(raw)
+        chosen_lp = raw.gather(1, chosen[:, None]).squeeze(1).double() - lse
         token_ids = chosen.tolist()
         logprobs = chosen_lp.tolist()
         top: list[dict[int, float] | None] = [None] * num_rows
@@ -171,7 +173,7 @@ class Sampler:
             if k_max > 0:
                 want_t = torch.tensor(want, device=device)
                 values, indices = torch.topk(raw[want_t], k_max, dim=-1)
-                values = (values - lse[want_t, None]).tolist()
+                values = (values.double() - lse[want_t, None]).tolist()
                 indices = indices.tolist()
             for j, i in enumerate(want):
                 k = min(params[i].logprobs or 0, vocab)
@@ -181,6 +183,24 @@ class Sampler:
                         entry.setdefault(t, v)
                 top[i] = entry
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+    def _logsumexp(self, raw: torch.Tensor) -> torch.Tensor:
+        """Each row's logsumexp (float32 values, returned as float64); a row's value never
+        depends on the other rows. With the fused ops on it is the fused greedy pick's own
+        (:func:`batchgen.kernels.cpu.fused.logsumexp`), so that a greedy row gets the same
+        logprob whichever path its batch takes; torch's otherwise, and for rows holding NaN or
+        infinities."""
+        lse = None
+        if self.fused_greedy:
+            from batchgen.kernels.cpu import fused as cpu_fused
+
+            lse = cpu_fused.logsumexp(raw)
+        if lse is None:
+            return torch.logsumexp(raw, dim=-1).double()
+        bad = ~torch.isfinite(lse)
+        if bool(bad.any()):
+            lse[bad] = torch.logsumexp(raw[bad], dim=-1)
+        return lse.double()
 
     # ------------------------------------------------------------------------ stages
     @staticmethod

@@ -98,17 +98,25 @@ def test_greedy_equals_hf_on_the_torch_backend(smollm2_path, prompts, hf_referen
     _assert_same(ours, hf_reference)
 
 
-def test_greedy_equals_hf_on_the_cpu_linear_backend(smollm2_path, prompts, hf_reference):
-    """batchgen's own GEMM for every linear layer (the default with one torch thread) sums in
-    another order than MKL; the tokens stay HF's."""
+def test_greedy_equals_hf_on_the_cpu_linear_backend_at_one_and_two_threads(smollm2_path, prompts, hf_reference):
+    """batchgen's own GEMM for every linear layer (the default wherever it builds) sums in
+    another order than MKL; the tokens stay HF's, at one thread and at two."""
     from batchgen.kernels.cpu.linear import PackedLinear, unsupported_reason
 
     why = unsupported_reason(torch.float32, torch.device("cpu"))
     if why is not None:
         pytest.skip(f"the CPU linear kernel cannot run here: {why}")
-    llm, ours = _run(smollm2_path, prompts, block_size=16, linear_backend="cpu")
-    assert llm.runner.linear_backend == "cpu"
-    assert isinstance(llm.runner.model.lm_head, PackedLinear)
+    for threads in (1, 2):
+        llm, ours = _run(smollm2_path, prompts, block_size=16, num_threads=threads)
+        assert llm.runner.linear_backend == "cpu" and llm.runner.threads.kernels == threads
+        assert isinstance(llm.runner.model.lm_head, PackedLinear)
+        _assert_same(ours, hf_reference)
+
+
+def test_greedy_equals_hf_on_the_torch_linear_backend(smollm2_path, prompts, hf_reference):
+    """torch's linear layers (where the C kernels cannot run) give the same tokens."""
+    llm, ours = _run(smollm2_path, prompts, block_size=16, linear_backend="torch")
+    assert llm.runner.linear_backend == "torch"
     _assert_same(ours, hf_reference)
 
 

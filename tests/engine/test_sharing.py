@@ -87,10 +87,14 @@ def hf_beams(smollm2_path, w32, oracle_cache, hf_map):
 @pytest.mark.parametrize("length_penalty", [1.0, 0.6])
 @pytest.mark.parametrize("early_stopping", [True, False])
 def test_beam_search_equals_hf(smollm2_path, hf_beams, w32, width, length_penalty, early_stopping,
-                               linear_backend="torch"):
+                               linear_backend="auto"):
+    """On the default path (batchgen's C kernels wherever they build), and on torch's layers."""
+    from batchgen.kernels.cpu.linear import unsupported_reason
+
     prompts = w32[:8]
     llm = LLM(smollm2_path, dtype="float32", block_size=16, linear_backend=linear_backend)
-    assert llm.runner.linear_backend == linear_backend
+    default = "cpu" if unsupported_reason(torch.float32, torch.device("cpu")) is None else "torch"
+    assert llm.runner.linear_backend == (default if linear_backend == "auto" else linear_backend)
     params = BeamSearchParams(beam_width=width, max_tokens=BEAM_TOKENS, length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=width)
     outs = llm.generate(prompts, params)
@@ -103,14 +107,9 @@ def test_beam_search_equals_hf(smollm2_path, hf_beams, w32, width, length_penalt
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_beam_search_equals_hf_on_the_cpu_linear_backend(smollm2_path, hf_beams, w32):
-    """batchgen's own GEMM for every linear layer: beams and scores stay HF's."""
-    from batchgen.kernels.cpu.linear import unsupported_reason
-
-    why = unsupported_reason(torch.float32, torch.device("cpu"))
-    if why is not None:
-        pytest.skip(f"the CPU linear kernel cannot run here: {why}")
-    test_beam_search_equals_hf(smollm2_path, hf_beams, w32, 4, 1.0, False, linear_backend="cpu")
+def test_beam_search_equals_hf_on_the_torch_linear_backend(smollm2_path, hf_beams, w32):
+    """torch's own linear layers (where the C kernels cannot run): beams and scores stay HF's."""
+    test_beam_search_equals_hf(smollm2_path, hf_beams, w32, 4, 1.0, False, linear_backend="torch")
 
 
 @pytest.mark.parametrize("kind", ["beam", "sample"])

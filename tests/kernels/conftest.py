@@ -23,3 +23,13 @@ def runner(request: pytest.FixtureRequest) -> Runner:
     from batchgen.kernels.cuda.attention import get_cuda_ops
 
     return Runner("gpu", torch.device("cuda"), [("cupy", get_cuda_ops())])
+
+
+@pytest.fixture
+def kernel_threads():
+    """Set the C kernels' thread count for one test (``kernel_threads(n)``), then restore it."""
+    from batchgen.kernels.cpu import loader
+
+    before = loader.num_threads()
+    yield loader.set_num_threads
+    loader.set_num_threads(before)

@@ -1,4 +1,5 @@
-"""The ``cpu`` backend: the C decode kernel against the torch reference, its checks, its build.
+"""The ``cpu`` backend: the C attention kernel (decode and prefill) against the torch reference,
+its batch-, chunk- and thread-invariance, its checks, its build.
 
 The kernel is built here by the system C compiler exactly as the engine builds it; a machine
 without one skips these tests with that reason (the engine then falls back to ``torch``).
@@ -14,16 +15,34 @@ from kernel_cases import assert_close_to_reference, make_decode_case, reference_
 
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels import cpu_unsupported_reason, get_ops, reference
+from batchgen.kernels.cpu import loader
 
 pytestmark = pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
+    before = torch.get_num_threads(), loader.num_threads()
     torch.set_num_threads(1)
+    loader.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
+    torch.set_num_threads(before[0])
+    loader.set_num_threads(before[1])
+
+
+def prefill_inputs(case, q_lens: list[int], seed: int = 0):
+    """Prefill queries over ``case``'s cache: sequence s's last ``q_lens[s]`` tokens."""
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(starts[-1], *case.query.shape[1:], generator=gen).to(case.query.dtype)
+    return query, torch.tensor(starts, dtype=torch.int32)
+
+
+def prefill(ops, case, query, starts):
+    return ops.paged_prefill_attention(query, case.k_cache, case.v_cache, case.block_tables,
+                                       starts, case.context_lens, case.scale)
 
 
 @pytest.mark.parametrize("head_size,group,block_size", [
@@ -67,17 +86,103 @@ def test_a_sequence_result_does_not_depend_on_the_batch() -> None:
         assert torch.equal(alone[0], together[row]), row
 
 
-def test_the_torch_thread_count_does_not_change_the_result() -> None:
-    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,
-                            context_lens=[3, 250, 40, 41, 120, 7, 64, 65, 199], num_kv_heads=3, group=3,
-                            seed=11)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_and_prefill_in_half_precision_caches(dtype: torch.dtype) -> None:
+    """bfloat16 and float16 caches are read into float32; the output is rounded once."""
+    case = make_decode_case(dtype=dtype, head_size=64, block_size=16, context_lens=[1, 17, 130],
+                            num_kv_heads=2, group=3, seed=5)
     ops = get_ops("cpu")
-    one = ops.paged_decode_attention(*case.args())
-    torch.set_num_threads(3)
-    workspace = reference.Workspace()
-    three = ops.paged_decode_attention(*case.args(), workspace=workspace)
-    assert torch.equal(one, three)
-    assert workspace.num_bytes > 0  # the score scratch came from the workspace
+    out = ops.paged_decode_attention(*case.args())
+    assert out.dtype == dtype
+    assert_close_to_reference(out, reference_decode(case), dtype, f"decode {dtype}")
+    query, starts = prefill_inputs(case, [1, 9, 130])
+    out = prefill(ops, case, query, starts)
+    ref = reference.paged_prefill_attention(query.float(), case.k_cache.float(), case.v_cache.float(),
+                                            case.block_tables, starts, case.context_lens, case.scale)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, dtype, f"prefill {dtype}")
+
+
+@pytest.mark.parametrize("head_size,group,block_size", [(64, 3, 16), (80, 8, 32), (32, 2, 1), (96, 16, 16)])
+def test_prefill_matches_the_reference(head_size: int, group: int, block_size: int) -> None:
+    """Whole prompts, chunks over a cached prefix, one-token chunks, and an empty query."""
+    lens = [1, block_size + 1, 37, 137, 300, 64]
+    case = make_decode_case(dtype=torch.float32, head_size=head_size, block_size=block_size,
+                            context_lens=lens, num_kv_heads=2, group=group, seed=head_size)
+    query, starts = prefill_inputs(case, [1, block_size + 1, 5, 1, 300, 0], seed=group)
+    out = prefill(get_ops("cpu"), case, query, starts)
+    ref = reference.paged_prefill_attention(query, case.k_cache, case.v_cache, case.block_tables,
+                                            starts, case.context_lens, case.scale)
+    assert_close_to_reference(out, ref, torch.float32, f"prefill h{head_size} g{group}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_is_computed_the_same_by_decode_by_any_prefill_chunk_and_in_any_batch(dtype) -> None:
+    """The kernel's contract for reproducibility: one query row's result is a function of its
+    query and its context alone. Compute every token of a 150-token sequence (and of two
+    neighbours) as whole-prompt prefill, as prefill chunks of several sizes after a cached
+    prefix, as single decodes, alone and batched: every route gives the same bits."""
+    lens = [150, 90, 33]
+    case = make_decode_case(dtype=dtype, head_size=64, block_size=16, context_lens=lens,
+                            num_kv_heads=3, group=3, seed=21)
+    ops = get_ops("cpu")
+    gen = torch.Generator().manual_seed(4)
+    # one query vector per token of each sequence
+    queries = [torch.randn(n, 9, 64, generator=gen).to(dtype) for n in lens]
+
+    def chunk(s: int, begin: int, end: int) -> torch.Tensor:
+        """Tokens begin..end-1 of sequence s as one prefill chunk, alone."""
+        one = case.select([s])
+        one.context_lens = torch.tensor([end], dtype=torch.int32)
+        return prefill(ops, one, queries[s][begin:end], torch.tensor([0, end - begin], dtype=torch.int32))
+
+    whole = [chunk(s, 0, n) for s, n in enumerate(lens)]
+    for s, n in enumerate(lens):
+        for size in (1, 7, 16, 61):
+            parts = torch.cat([chunk(s, b, min(b + size, n)) for b in range(0, n, size)])
+            assert torch.equal(parts, whole[s]), (s, size)
+    # decode of each token (the batch holds the three sequences at different positions)
+    for p in (0, 15, 16, 32, 89):
+        pos = [min(p, n - 1) for n in lens]
+        dec = ops.paged_decode_attention(torch.stack([queries[s][q] for s, q in enumerate(pos)]),
+                                         case.k_cache, case.v_cache, case.block_tables,
+                                         torch.tensor([q + 1 for q in pos], dtype=torch.int32), case.scale)
+        for s, q in enumerate(pos):
+            assert torch.equal(dec[s], whole[s][q]), (s, q)
+    # all three sequences in one prefill call, with mid-sequence chunks
+    begins = [100, 0, 30]
+    starts = torch.tensor([0, 50, 140, 143], dtype=torch.int32)
+    batched = prefill(ops, case, torch.cat([queries[s][b:] for s, b in enumerate(begins)]), starts)
+    for s, b in enumerate(begins):
+        assert torch.equal(batched[starts[s]:starts[s + 1]], whole[s][b:]), s
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_the_thread_count_does_not_change_the_result(threads: int) -> None:
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,
+                            context_lens=[3, 250, 40, 41, 120, 7, 64, 65, 199] * 3, num_kv_heads=3,
+                            group=3, seed=11)
+    ops = get_ops("cpu")
+    query, starts = prefill_inputs(case, [3, 250, 1, 41, 2, 7, 0, 65, 100] * 3)
+    one = ops.paged_decode_attention(*case.args()), prefill(ops, case, query, starts)
+    loader.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    many = ops.paged_decode_attention(*case.args()), prefill(ops, case, query, starts)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_prefill_inputs_outside_the_contract_are_refused() -> None:
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16, context_lens=[20, 30],
+                            num_kv_heads=2, group=2, seed=1)
+    ops = get_ops("cpu")
+    query, starts = prefill_inputs(case, [20, 30])
+    for bad in ([0, 21, 50], [0, 30, 20], [1, 20, 50], [0, 20, 49]):
+        with pytest.raises(ValueError, match="query_start_loc must rise from 0"):
+            prefill(ops, case, query, torch.tensor(bad, dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not fit context_lens"):
+        prefill(ops, case, query, starts[:2])
+    with pytest.raises(ValueError, match="one dtype"):
+        prefill(ops, case, query.bfloat16(), starts)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -85,7 +190,7 @@ def test_the_torch_thread_count_does_not_change_the_result() -> None:
     (lambda c: c.__setattr__("context_lens", torch.tensor([5, 999], dtype=torch.int32)), "context_lens must be in"),
     (lambda c: c.block_tables.__setitem__((0, 0), 10_000), "block table entries must be in"),
     (lambda c: c.block_tables.__setitem__((1, 0), -1), "block table entries must be in"),
-    (lambda c: c.__setattr__("query", c.query.double()), "query must be a float32 CPU tensor"),
+    (lambda c: c.__setattr__("query", c.query.double()), "query must be a float32, bfloat16 or float16 CPU"),
     (lambda c: c.__setattr__("query", c.query[:, :, :32]), "does not fit the cache"),
     (lambda c: c.__setattr__("context_lens", c.context_lens[:1]), "2 queries but"),
 ])
@@ -100,7 +205,9 @@ def test_inputs_outside_the_contract_are_refused(change, message: str) -> None:
 
 def test_unsupported_reason_names_what_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_unsupported_reason(torch.float32, 64, 9, 3) is None
-    assert "float32 only" in cpu_unsupported_reason(torch.bfloat16, 64, 9, 3)
+    assert cpu_unsupported_reason(torch.bfloat16, 64, 9, 3) is None
+    assert cpu_unsupported_reason(torch.float16, 64, 9, 3) is None
+    assert "dtype torch.float64 unsupported" in cpu_unsupported_reason(torch.float64, 64, 9, 3)
     assert "at most 16" in cpu_unsupported_reason(torch.float32, 64, 34, 2)
     assert "not a multiple" in cpu_unsupported_reason(torch.float32, 64, 9, 2)
     assert "head_size 1024 unsupported" in cpu_unsupported_reason(torch.float32, 1024, 8, 8)
@@ -144,8 +251,9 @@ def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, mon
     assert "no C compiler" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot serve this model: no C compiler"):
         ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu")
+    monkeypatch.delenv("CC")
     bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20)
-    assert bf16.attention_backend == "torch"
+    assert bf16.attention_backend == "cpu"
 
 
 def test_loading_the_kernel_keeps_subnormal_floats() -> None:
@@ -155,3 +263,30 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert 2.2250738585072014e-308 / 4.0 != 0.0
     assert (torch.tensor([1.0e-38]) / 100.0).item() != 0.0
     assert kcpu.loader._subnormals_work()
+
+
+def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None:
+    """The dot product is written three times (AVX-512, AVX2, plain C) with one order of
+    operations, so a machine without AVX-512 reproduces an AVX-512 machine's results. Head
+    size 40 covers the partial last group of 16 lanes."""
+    import ctypes
+
+    results = []
+    for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
+        path = tmp_path / f"attention{len(extra)}.so"
+        error = loader._compile(kcpu.compiler(), kcpu.attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
+                                ["-DHEAD_SIZE=40", "-DGROUP=3"], path)
+        if error is not None and not extra:
+            pytest.skip(f"no -march=native build here: {error.splitlines()[-1]}")
+        assert error is None, error
+        lib = ctypes.CDLL(str(path))
+        kcpu.attention._declare_attention(lib)
+        case = make_decode_case(dtype=torch.float32, head_size=40, block_size=16,
+                                context_lens=[1, 17, 130, 300], num_kv_heads=2, group=3, seed=5)
+        q, out = case.query, torch.empty_like(case.query)
+        assert lib.batchgen_paged_attention(
+            out.data_ptr(), q.data_ptr(), case.k_cache.data_ptr(), case.v_cache.data_ptr(),
+            case.block_tables.data_ptr(), None, case.context_lens.data_ptr(), 4, 4, 2, 16,
+            case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, case.k_cache.shape[0], 0) == 0
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

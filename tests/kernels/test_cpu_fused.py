@@ -1,9 +1,11 @@
 """The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, the greedy pick, module fusion.
 
-Each op is checked against the torch ops it replaces, including the edges of its ``exp``
-(overflow, underflow, NaN) and argmax ties across vector lanes; module fusion is checked on
-tiny HF models, including one whose norm and activation differ (Gemma), which the probe must
-leave alone. A machine where the library cannot be built skips with that reason.
+Each op is checked against its torch reference (``kernels/cpu/reference.py``, the torch ops it
+replaces), in float32 and, for RMSNorm and SiLU·up, bfloat16 and float16, including the edges
+of its ``exp`` (overflow, underflow, NaN) and argmax ties across vector lanes; rows are
+bit-identical at any thread count and alone or in a batch. Module fusion is checked on tiny HF
+models, including one whose norm and activation differ (Gemma), which the probe must leave
+alone. A machine where the library cannot be built skips with that reason.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu import reference
 from batchgen.kernels.cpu.fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
 from batchgen.sampling.params import SamplingParams
 from batchgen.sampling.sampler import Sampler, SamplingRow
@@ -22,10 +25,51 @@ from batchgen.sampling.sampler import Sampler, SamplingRow
 needs_lib = pytest.mark.skipif(not cpu_fused.available(), reason="the fused CPU ops cannot be built here")
 
 
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm, float32."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+_torch_rms_norm = reference.rms_norm
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal, or one unit in the last place apart (a float32 sum in another order can land a
+    value on the other side of a 16-bit rounding boundary); mostly equal."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    ulp = ULP[got.dtype] * w.abs().clamp_min(torch.finfo(got.dtype).tiny)
+    assert bool(((g - w).abs() <= ulp).all()), f"max diff {(g - w).abs().max():.3e}"
+    assert (got == want).float().mean() >= 0.99
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 7, 8, 17, 576])
+def test_16_bit_rms_norm_and_silu_mul_round_as_torch_does(dtype, width) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(13, width, generator=gen) * 3).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    _assert_within_one_ulp(cpu_fused.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    gu = (torch.randn(13, 2 * width, generator=gen) * 4).to(dtype)
+    _assert_within_one_ulp(cpu_fused.silu_mul(gu), reference.silu_mul(gu))
+    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 5.0, 1.0, 1.0, 1.0, float("nan")]]).to(dtype)
+    got, want = cpu_fused.silu_mul(special)[0], reference.silu_mul(special)[0]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_bit_identical_at_any_thread_count(kernel_threads, dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(70, 600, generator=gen) * 2).to(dtype)
+    weight = torch.randn(600, generator=gen).to(dtype)
+    gu = torch.randn(70, 1200, generator=gen).to(dtype)
+    logits = torch.randn(40, 3000, generator=gen)
+    kernel_threads(1)
+    want = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.silu_mul(gu), cpu_fused.greedy(logits)
+    for n in (2, 3):
+        kernel_threads(n)
+        got = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.silu_mul(gu), cpu_fused.greedy(logits)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+        assert torch.equal(cpu_fused.rms_norm(x[33:34], weight, 1e-6)[0], want[0][33])
+        assert torch.equal(cpu_fused.silu_mul(gu[69:])[0], want[1][69])
 
 
 @needs_lib
@@ -59,7 +103,7 @@ def test_silu_mul_matches_torch_including_the_edges_of_exp() -> None:
     gen = torch.Generator().manual_seed(2)
     u = torch.randn(g.shape, generator=gen)
     got = cpu_fused.silu_mul(torch.cat([g, u])[None])[0]
-    want = F.silu(g) * u
+    want = reference.silu_mul(torch.cat([g, u])[None])[0]
     err = (got - want).abs()
     assert bool((err <= 4e-7 * want.abs() + 1e-37).all()), f"max error {err.max():.3e}"
     special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 5.0, 1.0, 1.0, 1.0, float("nan")]])
@@ -84,12 +128,14 @@ def test_silu_mul_rows_and_shapes() -> None:
 def test_contract_violations_raise() -> None:
     with pytest.raises(ValueError, match="even last dim"):
         cpu_fused.silu_mul(torch.zeros(2, 7))
-    with pytest.raises(ValueError, match="float32 CPU input"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 CPU input"):
         cpu_fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 4\]"):
         cpu_fused.rms_norm(torch.zeros(2, 5), torch.ones(4), 1e-6)
-    with pytest.raises(ValueError, match="1-D float32 weight"):
+    with pytest.raises(ValueError, match="1-D torch.float32 weight"):
         cpu_fused.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-6)
+    with pytest.raises(ValueError, match="1-D torch.bfloat16 weight"):  # one dtype for both
+        cpu_fused.rms_norm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match="inference only"):
         cpu_fused.rms_norm(torch.zeros(2, 4, requires_grad=True), torch.ones(4), 1e-6)
 
@@ -100,9 +146,9 @@ def test_greedy_equals_argmax_and_log_softmax(vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(9, vocab, generator=gen) * 4
     ids, logprobs = cpu_fused.greedy(logits)
-    assert ids == torch.argmax(logits, dim=-1).tolist()
-    exact = torch.log_softmax(logits.double(), dim=-1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), exact, rtol=0, atol=1e-6)
+    want_ids, exact = reference.greedy(logits)
+    assert ids == want_ids
+    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), torch.tensor(exact, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
 @needs_lib

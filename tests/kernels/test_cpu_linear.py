@@ -1,14 +1,18 @@
 """The ``cpu`` linear backend: batchgen's C GEMM (``kernels/cpu/linear.c``) behind ``PackedLinear``.
 
-Checked against a float64 ``F.linear`` with the rounding bound of a sequential sum, for
-shapes that hit every tile height and a partial last panel; batch invariance, strided input,
-the contract, layer replacement in a model, and how ``linear_backend`` resolves. A machine
-where the kernel cannot be built (no compiler, no AVX2/FMA) skips with that reason.
+Checked against its torch reference (``kernels/cpu/reference.py``: the exact product, with the
+rounding bound of a sequential float32 sum) in float32, bfloat16 and float16, for shapes that
+hit every tile height, a partial last panel and several row blocks; bit-identical results at
+1, 2 and 3 threads and whatever the batch around a row; the AVX2 build against the AVX-512 one;
+strided input, the contract, layer replacement in a model, the run-time CPU check and how
+``linear_backend`` resolves. A machine where the kernel cannot be built (no compiler, no
+AVX2/FMA/F16C) skips with that reason.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels.cpu import linear as cpu_linear
+from batchgen.kernels.cpu import loader, reference
 from batchgen.kernels.cpu.linear import PackedLinear, pack_linears
 
 _WHY = cpu_linear.unsupported_reason(torch.float32, torch.device("cpu"))
@@ -43,15 +48,24 @@ def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> torch
     return layer
 
 
+# half a unit in the last place of each output dtype, relative (its own rounding)
+HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
 def _assert_within_rounding(out: torch.Tensor, x: torch.Tensor, layer: torch.nn.Linear) -> None:
-    """|out - exact| <= (K + 2) eps sum_k |x_k w_k| + eps |b|: the bound of a sequential FMA sum."""
-    w, b = layer.weight.detach().double(), layer.bias
-    exact = F.linear(x.double(), w, b.detach().double() if b is not None else None)
-    bound = (x.shape[-1] + 2) * EPS * F.linear(x.double().abs(), w.abs())
+    """|out - exact| <= (K + 2) eps sum_k |x_k w_k| + eps |b| (the bound of a sequential FMA
+    sum, ``reference.linear_error_bound``), plus the output's own rounding in 16 bits."""
+    w, b = layer.weight.detach(), layer.bias
+    exact = F.linear(x.double(), w.double(), b.detach().double() if b is not None else None)
+    bound = reference.linear_error_bound(x, w)
     if b is not None:
         bound = bound + EPS * b.detach().double().abs()
+    bound = bound * (1 + HALF_ULP[out.dtype]) + HALF_ULP[out.dtype] * exact.abs()
     err = (out.double() - exact).abs()
     assert bool((err <= bound + 1e-30).all()), f"max error {err.max():.3e}, max bound {bound.max():.3e}"
+    if out.dtype == torch.float32:  # and the reference, rounded once, is as close
+        ref = reference.linear(x, w, b.detach() if b is not None else None)
+        assert bool(((out.double() - ref.double()).abs() <= 2 * bound + 1e-30).all())
 
 
 @needs_kernel
@@ -64,6 +78,53 @@ def test_matches_float64_within_rounding(rows: int, out_features: int, in_featur
     out = PackedLinear(layer)(x)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
     _assert_within_rounding(out, x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])
+@pytest.mark.parametrize("out_features,in_features", [(17, 7), (200, 577), (33, 96)])
+def test_16_bit_matches_float64_within_rounding(dtype, rows, out_features, in_features) -> None:
+    """bfloat16 / float16 weights and input, float32 sums (AVX512-BF16 pairs of k, or the values
+    widened to float32), one rounding of the output; odd in_features exercise the last pair."""
+    layer = _linear(out_features, in_features, True, seed=rows * 100 + in_features).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    out = PackedLinear(layer)(x)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    _assert_within_rounding(out, x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_threads_and_batch_change_no_bit(kernel_threads, dtype) -> None:
+    """The threads split output columns and row blocks, never the sum: every row, alone or in
+    any batch, at 1, 2 or 3 threads, is bit-identical. in_features 1600 makes row blocks of
+    about 24 rows (float32), so 97 rows span several."""
+    layer = PackedLinear(_linear(200, 1600, True, seed=7).to(dtype))
+    x = torch.randn(97, 1600).to(dtype)
+    kernel_threads(1)
+    want = layer(x)
+    for n in (2, 3):
+        kernel_threads(n)
+        assert torch.equal(layer(x), want)
+        for start, stop in ((0, 1), (5, 6), (3, 35), (40, 97), (96, 97)):
+            assert torch.equal(layer(x[start:stop]), want[start:stop])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_avx2_build_agrees_with_the_native_one(dtype) -> None:
+    """The AVX2 code (what a CPU without AVX-512 runs) against this machine's build: the same
+    float32 multiply-add chain per output, so float32 and float16 agree bit for bit; bfloat16
+    with AVX512-BF16 adds pairs of products, so the two agree within rounding."""
+    layer = _linear(70, 99, True, seed=11).to(dtype)
+    x = torch.randn(29, 99).to(dtype)
+    native, avx2 = PackedLinear(layer), PackedLinear(layer, isa="avx2")
+    if dtype != torch.bfloat16 or cpu_linear.bf16_path() == "avx2":
+        assert torch.equal(native(x), avx2(x))
+    else:
+        _assert_within_rounding(avx2(x), x, layer)
+    _assert_within_rounding(native(x), x, layer)
 
 
 @needs_kernel
@@ -99,14 +160,18 @@ def test_contract_violations_raise() -> None:
     packed = PackedLinear(_linear(8, 16, False, seed=1))
     with pytest.raises(ValueError, match="float32 CPU input"):
         packed(torch.randn(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32 CPU input"):  # the weight's dtype, no other
+        packed(torch.randn(3, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"input \[\.\.\., 16\]"):
         packed(torch.randn(3, 15))
     with pytest.raises(RuntimeError, match="inference only"):
         packed(torch.randn(3, 16, requires_grad=True))
     with torch.no_grad():
         assert packed(torch.randn(3, 16, requires_grad=True)).shape == (3, 8)
-    with pytest.raises(ValueError, match="float32 CPU weight"):
-        PackedLinear(torch.nn.Linear(4, 4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 CPU weight"):
+        PackedLinear(torch.nn.Linear(4, 4).to(torch.float64))
+    with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+        packed.to(torch.bfloat16)
 
 
 @needs_kernel
@@ -131,30 +196,53 @@ def test_pack_linears_replaces_the_layers_of_a_model(tiny_model) -> None:
 
 
 @needs_kernel
-def test_resolve_picks_the_kernel_for_one_thread(threads) -> None:
+def test_resolve_picks_the_kernel_at_any_thread_count(threads) -> None:
     cpu = torch.device("cpu")
-    threads(1)
-    assert cpu_linear.resolve("auto", cpu, torch.float32) == ("cpu", None)
-    threads(2)
-    backend, why = cpu_linear.resolve("auto", cpu, torch.float32)
-    assert backend == "torch" and "2 threads" in why
+    for n in (1, 2):
+        threads(n)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert cpu_linear.resolve("auto", cpu, dtype) == ("cpu", None)
     assert cpu_linear.resolve("cpu", cpu, torch.float32) == ("cpu", None)  # asked for by name
     assert cpu_linear.resolve("torch", cpu, torch.float32) == ("torch", None)
-    threads(1)
-    backend, why = cpu_linear.resolve("auto", cpu, torch.bfloat16)
-    assert backend == "torch" and "float32 only" in why
+    backend, why = cpu_linear.resolve("auto", cpu, torch.float64)
+    assert backend == "torch" and "float32, bfloat16 and float16" in why
     with pytest.raises(ValueError, match="linear_backend='cpu' cannot serve this model: dtype"):
-        cpu_linear.resolve("cpu", cpu, torch.float16)
+        cpu_linear.resolve("cpu", cpu, torch.float64)
     with pytest.raises(ValueError, match="linear_backend='cpu' cannot serve this model: the model runs on cuda"):
         cpu_linear.resolve("cpu", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="linear_backend must be one of auto, cpu, torch"):
         cpu_linear.resolve("mkl", cpu, torch.float32)
 
 
+def test_a_cpu_without_avx2_falls_back_before_building(monkeypatch, tmp_path) -> None:
+    """The flags are read at run time: a CPU without AVX2/FMA/F16C gets torch and the reason,
+    and nothing is compiled (no illegal instruction can follow)."""
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma"}))
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "_loaded", {})
+    backend, why = cpu_linear.resolve("auto", torch.device("cpu"), torch.float32)
+    assert backend == "torch" and why == "this CPU lacks AVX2, F16C (flags from /proc/cpuinfo)"
+    with pytest.raises(ValueError, match="this CPU lacks AVX2, F16C"):
+        cpu_linear.resolve("cpu", torch.device("cpu"), torch.float32)
+    assert not (tmp_path / "cpu_kernels").exists() or not list((tmp_path / "cpu_kernels").iterdir())
+
+
+@needs_kernel
+def test_a_library_built_for_another_cpu_is_refused() -> None:
+    """The build cache is keyed on the CPU's flags, and each library checks at load (cpuid)
+    that the CPU runs what it was built for; one that does not is refused, never called."""
+    if loader.cpu_flags() is not None:
+        assert loader.cpu_flags() <= set(loader._machine_tag().split())
+    lib = cpu_linear.load_linear()
+    assert lib.batchgen_linear_cpu_ok() == 1 and cpu_linear._runs_here(lib) is None
+    foreign = types.SimpleNamespace(batchgen_linear_cpu_ok=lambda: 0)
+    assert cpu_linear._runs_here(foreign) == "built for instructions this CPU lacks"
+
+
 @pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
 def test_a_kernel_that_does_not_build_falls_back(tmp_path, monkeypatch, threads) -> None:
-    """No AVX2/FMA (or a broken source) fails the build: ``auto`` keeps torch, ``cpu`` says why."""
-    threads(1)
+    """A broken source (or a compiler that refuses the ISA) fails the build: ``auto`` keeps
+    torch, ``cpu`` says why."""
     broken = tmp_path / "linear.c"
     broken.write_text('#error "no AVX2 here"\n')
     monkeypatch.setattr(cpu_linear, "LINEAR_SOURCE", broken)
@@ -166,20 +254,21 @@ def test_a_kernel_that_does_not_build_falls_back(tmp_path, monkeypatch, threads)
 
 
 @needs_kernel
-def test_the_engine_packs_its_layers(tiny_model, threads, caplog) -> None:
+def test_the_engine_packs_its_layers(tiny_model, threads, kernel_threads, caplog) -> None:
     from batchgen.engine.model_runner import ModelRunner
 
     path = tiny_model("qwen2")  # q/k/v with bias
-    threads(1)
+    threads(2)  # at any thread count
     with caplog.at_level(logging.INFO, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, num_threads=2)
     assert runner.linear_backend == "cpu" and "layers packed" in caplog.text
+    assert "threads: C kernels on 2 thread(s), torch on 1" in caplog.text
+    assert loader.num_threads() == 2 and torch.get_num_threads() == 1
     assert isinstance(runner.model.model.layers[0].self_attn.q_proj, PackedLinear)
     assert runner.model.model.layers[0].self_attn.q_proj.padded_bias is not None
     maps = Path("/proc/self/maps")
     if maps.is_file():  # the checkpoint's memory map (unpacked weights included) is let go
         assert str(Path(path) / "model.safetensors") not in maps.read_text()
-    threads(2)
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, linear_backend="torch")
     assert runner.linear_backend == "torch"
     assert type(runner.model.lm_head) is torch.nn.Linear

@@ -1,4 +1,4 @@
-/* batchgen: fused float32 element-wise operations for the CPU, one thread.
+/* batchgen: fused element-wise operations for the CPU, threaded over rows.
  *
  * Built and loaded by batchgen/kernels/cpu/fused.py (through loader.py). A decode step
  * of a small model runs a few dozen rows, where each torch element-wise op costs more in
@@ -7,15 +7,39 @@
  *   batchgen_rms_norm_f32   y = w * (x * 1/sqrt(mean(x^2) + eps))      (RMSNorm, per row)
  *   batchgen_silu_mul_f32   y = silu(gate) * up, from one [m, 2n] row   (gated MLP)
  *   batchgen_greedy_f32     argmax, max and logsumexp of each row        (greedy sampling)
+ *   batchgen_rms_norm_16, batchgen_silu_mul_16: the same for bfloat16 / float16 tensors, in
+ *     float32 arithmetic, rounded to the 16-bit type where the torch modules they replace
+ *     round (see each).
  *
- * Rows are independent: a row's result never depends on the other rows of the call.
+ * Rows are independent and each row is computed by one thread, in one fixed order: a row's
+ * result never depends on the other rows of the call, nor on the thread count.
  * Never built with -ffast-math (that would set flush-to-zero for the whole process); the
- * reductions that may be reordered say so with `omp simd reduction` (-fopenmp-simd).
+ * reductions that may be reordered say so with `omp simd reduction` (-fopenmp-simd), which
+ * fixes their order at compile time.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "exp.h"
+#include "pool.h"
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_16 1
+#else
+#define HAVE_16 0
+#endif
+
+enum { BF16 = 1, F16 = 2 };
+
+/* Elements one chunk of rows should hold, at least, to pay for handing it out. */
+#define GRAIN_ELEMS 16384
+
+static int64_t row_grain(int64_t n) { return n >= GRAIN_ELEMS ? 1 : (GRAIN_ELEMS + n - 1) / n; }
+
+/* 1 when the bfloat16 / float16 entry points are built (AVX2 and F16C). */
+int batchgen_fused_has_16(void) { return HAVE_16; }
 
 /* exp(x) over the whole float range (exp.h), relative error about 2e-7: +inf above 88.72
  * (where expf overflows), 0 below -87.33 (where expf goes subnormal, too small to matter in a
@@ -28,43 +52,81 @@ static inline float exp_f32(float x) {
   return x != x ? x : e;
 }
 
-/* y[i, :] = w * (x[i, :] * (1 / sqrt(mean(x[i, :]^2) + eps))), the order HF's RMSNorm uses.
- * x: [m, n], row stride ldx; y: [m, n], row stride ldy; w: [n]. */
-void batchgen_rms_norm_f32(const float *restrict x, int64_t ldx, const float *restrict w,
-                           float *restrict y, int64_t ldy, int64_t m, int64_t n, float eps) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float *xr = x + i * ldx;
-    float *yr = y + i * ldy;
+static inline float silu(float g) { return g / (1.0f + exp_f32(-g)); }
+
+/* ---- float32 ------------------------------------------------------------------------- */
+
+struct rms_args {
+  const void *x, *w;
+  void *y;
+  int64_t ldx, ldy, n;
+  float eps;
+  int dtype;
+};
+
+/* y[i, :] = w * (x[i, :] * (1 / sqrt(mean(x[i, :]^2) + eps))), the order HF's RMSNorm uses. */
+static void rms_rows_f32(void *ctx, int64_t begin, int64_t end) {
+  const struct rms_args *a = ctx;
+  const int64_t n = a->n;
+  const float *restrict w = a->w;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *restrict xr = (const float *)a->x + i * a->ldx;
+    float *restrict yr = (float *)a->y + i * a->ldy;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < n; ++j) ss += xr[j] * xr[j];
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    const float inv = 1.0f / sqrtf(ss / (float)n + a->eps);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) yr[j] = w[j] * (xr[j] * inv);
   }
 }
 
-/* y[i, j] = silu(gu[i, j]) * gu[i, n + j], silu(g) = g / (1 + exp(-g)).
- * gu: [m, 2n] (gate columns, then up columns), row stride ldgu; y: [m, n], row stride ldy. */
-void batchgen_silu_mul_f32(const float *restrict gu, int64_t ldgu, float *restrict y,
-                           int64_t ldy, int64_t m, int64_t n) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float *g = gu + i * ldgu;
-    const float *u = g + n;
-    float *yr = y + i * ldy;
+/* x: [m, n], row stride ldx; y: [m, n], row stride ldy; w: [n]. */
+void batchgen_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
+                           int64_t m, int64_t n, float eps) {
+  struct rms_args a = {x, w, y, ldx, ldy, n, eps, 0};
+  bg_parallel_for(m, row_grain(n), rms_rows_f32, &a);
+}
+
+struct silu_args {
+  const void *gu;
+  void *y;
+  int64_t ldgu, ldy, n;
+  int dtype;
+};
+
+static void silu_rows_f32(void *ctx, int64_t begin, int64_t end) {
+  const struct silu_args *a = ctx;
+  const int64_t n = a->n;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *restrict g = (const float *)a->gu + i * a->ldgu;
+    const float *restrict u = g + n;
+    float *restrict yr = (float *)a->y + i * a->ldy;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) yr[j] = g[j] / (1.0f + exp_f32(-g[j])) * u[j];
+    for (int64_t j = 0; j < n; ++j) yr[j] = silu(g[j]) * u[j];
   }
 }
 
-/* For each row of logits [m, n] (row stride ld): ids[i] = the first index of the row's
- * largest value, maxes[i] = that value, lse[i] = log(sum(exp(row))), within about 2e-7 of
- * the exact value (the exps are float, their sum double). NaN entries are never
- * chosen, but make lse NaN (the caller then falls back); an all -inf row gives max -inf. */
-void batchgen_greedy_f32(const float *restrict logits, int64_t ld, int64_t m, int64_t n,
-                         int64_t *restrict ids, float *restrict maxes, float *restrict lse) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float *row = logits + i * ld;
+/* y[i, j] = silu(gu[i, j]) * gu[i, n + j], silu(g) = g / (1 + exp(-g)).
+ * gu: [m, 2n] (gate columns, then up columns), row stride ldgu; y: [m, n], row stride ldy. */
+void batchgen_silu_mul_f32(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m,
+                           int64_t n) {
+  struct silu_args a = {gu, y, ldgu, ldy, n, 0};
+  bg_parallel_for(m, row_grain(n), silu_rows_f32, &a);
+}
+
+struct greedy_args {
+  const float *logits;
+  int64_t ld, n;
+  int64_t *ids;
+  float *maxes, *lse;
+};
+
+static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
+  const struct greedy_args *a = ctx;
+  const int64_t n = a->n;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *restrict row = a->logits + i * a->ld;
     /* the largest value (NaN never compares larger), then its first index */
     float top = -INFINITY;
 #pragma omp simd reduction(max : top)
@@ -76,16 +138,149 @@ void batchgen_greedy_f32(const float *restrict logits, int64_t ld, int64_t m, in
         break;
       }
     }
-    ids[i] = arg;
-    maxes[i] = top;
+    a->ids[i] = arg;
+    a->maxes[i] = top;
     if (top == -INFINITY || top == INFINITY) {
-      lse[i] = top;
+      a->lse[i] = top;
       continue;
     }
     /* summed in double: a vocabulary-long float sum would lose ~1e-5 of the total */
     double total = 0.0;
 #pragma omp simd reduction(+ : total)
     for (int64_t k = 0; k < n; ++k) total += (double)exp_f32(row[k] - top);
-    lse[i] = (float)((double)top + log(total));
+    a->lse[i] = (float)((double)top + log(total));
   }
 }
+
+/* For each row of logits [m, n] (row stride ld): ids[i] = the first index of the row's
+ * largest value, maxes[i] = that value, lse[i] = log(sum(exp(row))), within about 2e-7 of
+ * the exact value (the exps are float, their sum double). NaN entries are never
+ * chosen, but make lse NaN (the caller then falls back); an all -inf row gives max -inf. */
+void batchgen_greedy_f32(const float *logits, int64_t ld, int64_t m, int64_t n, int64_t *ids,
+                         float *maxes, float *lse) {
+  struct greedy_args a = {logits, ld, n, ids, maxes, lse};
+  bg_parallel_for(m, row_grain(n), greedy_rows, &a);
+}
+
+#if HAVE_16
+/* ---- bfloat16 / float16 -------------------------------------------------------------- */
+
+/* 8 values of a 16-bit type as float32, and back (round to nearest even; a NaN stays a NaN). */
+static inline __m256 load8(int dtype, const uint16_t *p) {
+  __m128i h = _mm_loadu_si128((const __m128i *)p);
+  if (dtype == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+static inline __m128i narrow8(int dtype, __m256 v) {
+  if (dtype == F16) return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256i b = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* v rounded to the 16-bit type, as float32 again: where torch would store a 16-bit tensor */
+static inline __m256 round8(int dtype, __m256 v) {
+  __m128i h = narrow8(dtype, v);
+  if (dtype == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+/* Rows of at most this many elements are handled in 8-wide steps over a padded copy. */
+#define TAIL_PAD 8
+
+/* Copy of the last (n % 8) elements of a row into an 8-wide buffer (zeros after), so that every
+ * step is a full vector; the results for the padding are dropped. */
+static inline void tail_in(const uint16_t *src, int64_t count, uint16_t buf[TAIL_PAD]) {
+  memset(buf, 0, TAIL_PAD * sizeof(uint16_t));
+  memcpy(buf, src, (size_t)count * sizeof(uint16_t));
+}
+
+/* HF's RMSNorm on a 16-bit x and weight: the row in float32, t = x * (1 / sqrt(mean(x^2) + eps))
+ * rounded to the 16-bit type, then y = w * t rounded again (torch's `weight * t.to(dtype)`). */
+static void rms_rows_16(void *ctx, int64_t begin, int64_t end) {
+  const struct rms_args *a = ctx;
+  const int64_t n = a->n, full = n / 8 * 8;
+  const int dtype = a->dtype;
+  const uint16_t *w = a->w;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint16_t *xr = (const uint16_t *)a->x + i * a->ldx;
+    uint16_t *yr = (uint16_t *)a->y + i * a->ldy;
+    uint16_t xt[TAIL_PAD], wt[TAIL_PAD], yt[TAIL_PAD];
+    tail_in(xr + full, n - full, xt);
+    tail_in(w + full, n - full, wt);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < full; j += 8) {
+      __m256 v = load8(dtype, xr + j);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    if (full < n) {
+      __m256 v = load8(dtype, xt);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float lanes[8], ss = 0.f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; ++l) ss += lanes[l];
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + a->eps));
+    for (int64_t j = 0; j < full; j += 8) {
+      __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xr + j), inv));
+      _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(load8(dtype, w + j), t)));
+    }
+    if (full < n) {
+      __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xt), inv));
+      _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(load8(dtype, wt), t)));
+      memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
+    }
+  }
+}
+
+/* As batchgen_rms_norm_f32, for 16-bit x, w and y (dtype 1 = bfloat16, 2 = float16). */
+void batchgen_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y,
+                          int64_t ldy, int64_t m, int64_t n, float eps, int dtype) {
+  struct rms_args a = {x, w, y, ldx, ldy, n, eps, dtype};
+  bg_parallel_for(m, row_grain(n), rms_rows_16, &a);
+}
+
+static inline __m256 silu8(__m256 g) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, g);
+#pragma omp simd
+  for (int l = 0; l < 8; ++l) lanes[l] = silu(lanes[l]);
+  return _mm256_loadu_ps(lanes);
+}
+
+/* torch's `silu(gate) * up` on 16-bit tensors: silu in float32 rounded to the 16-bit type, then
+ * the product rounded again. */
+static void silu_rows_16(void *ctx, int64_t begin, int64_t end) {
+  const struct silu_args *a = ctx;
+  const int64_t n = a->n, full = n / 8 * 8;
+  const int dtype = a->dtype;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint16_t *g = (const uint16_t *)a->gu + i * a->ldgu;
+    const uint16_t *u = g + n;
+    uint16_t *yr = (uint16_t *)a->y + i * a->ldy;
+    for (int64_t j = 0; j < full; j += 8) {
+      __m256 s = round8(dtype, silu8(load8(dtype, g + j)));
+      _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(s, load8(dtype, u + j))));
+    }
+    if (full < n) {
+      uint16_t gt[TAIL_PAD], ut[TAIL_PAD], yt[TAIL_PAD];
+      tail_in(g + full, n - full, gt);
+      tail_in(u + full, n - full, ut);
+      __m256 s = round8(dtype, silu8(load8(dtype, gt)));
+      _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(s, load8(dtype, ut))));
+      memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
+    }
+  }
+}
+
+/* As batchgen_silu_mul_f32, for 16-bit gu and y (dtype 1 = bfloat16, 2 = float16). */
+void batchgen_silu_mul_16(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
+                          int64_t n, int dtype) {
+  struct silu_args a = {gu, y, ldgu, ldy, n, dtype};
+  bg_parallel_for(m, row_grain(n), silu_rows_16, &a);
+}
+#endif

@@ -1,4 +1,5 @@
-"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks.
+"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks;
+float32, and RMSNorm and SiLU·up in bfloat16 and float16 too; threaded over rows.
 
 Why: in a decode step of a small model each of these is a chain of torch ops over a few dozen
 rows (RMSNorm alone is six), so dispatch and temporaries cost more than the arithmetic. One C
@@ -6,7 +7,7 @@ pass per op removes that: on SmolLM2 at 32 sequences the model's non-linear, non
 went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 ms
 (``bench.profile_step``).
 
-- :func:`fuse_modules` replaces, in a float32 CPU model, each RMSNorm by a
+- :func:`fuse_modules` replaces, in a float32, bfloat16 or float16 CPU model, each RMSNorm by a
   :class:`FusedRMSNorm` and each gated MLP (``down(silu(gate(x)) * up(x))``) by a
   :class:`FusedGatedMLP`, whose gate and up projections run as one packed GEMM
   (:class:`~batchgen.kernels.cpu.linear.PackedLinear`) followed by the fused SiLU·up. Modules
@@ -17,9 +18,14 @@ went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 m
   logits instead of torch's argmax plus logsumexp (five passes and three temporaries).
 
 Numerics: results equal torch's within float32 rounding (sums in another order; ``exp`` is a
-polynomial within about 2e-7 relative of the true value). Greedy output still matches HF
-``generate``, which the oracle tests check. Used by ``linear_backend="cpu"``, which already
-needs the C compiler and AVX2.
+polynomial within about 2e-7 relative of the true value). In bfloat16 and float16 the
+arithmetic is float32, rounded to the 16-bit type exactly where the torch modules round
+(RMSNorm: the normalised row, then the product with the weight; SiLU·up: the SiLU, then the
+product), so results mostly equal torch's bit for bit and otherwise differ by one unit in the
+last place. Each row is computed by one thread in one order: results do not depend on the
+other rows nor on the thread count. Greedy output still matches HF ``generate`` in float32,
+which the oracle tests check. Used by ``linear_backend="cpu"``, which already needs the C
+compiler and AVX2.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ from typing import Any
 import torch
 
 from . import loader
-from .linear import PackedLinear, as_rows
+from .linear import DTYPES, PackedLinear, as_rows
 
 logger = logging.getLogger(__name__)
 
 FUSED_SOURCE = Path(__file__).resolve().parent / "fused.c"
 PROBE_ROWS = 5
+# how far a fused module may be from the one it replaces on the probe, relative to the output's
+# scale: float32 rounding, or about two units in the last place of a 16-bit type
+PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 _unavailable: str | None = None
 
 
@@ -59,6 +68,20 @@ def _declare(lib: Any) -> None:
     lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.batchgen_greedy_f32.restype = None
     lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.batchgen_fused_has_16.restype = ctypes.c_int
+    if lib.batchgen_fused_has_16():
+        lib.batchgen_rms_norm_16.restype = None
+        lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.batchgen_silu_mul_16.restype = None
+        lib.batchgen_silu_mul_16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_int]
+
+
+def _check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Raise ValueError unless the library runs ``what`` in ``dtype`` here."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{what} needs float32, bfloat16 or float16 CPU input, got {dtype}")
+    if dtype is not torch.float32 and not load_fused().batchgen_fused_has_16():
+        raise ValueError(f"{what} in {dtype} needs AVX2 and F16C, which this build lacks")
 
 
 def available() -> bool:
@@ -76,24 +99,34 @@ def available() -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x², -1) + eps))`` over the last dim, float32 CPU.
+    """``weight * (x * rsqrt(mean(x², -1) + eps))`` over the last dim, on the CPU, for float32,
+    bfloat16 or float16 ``x`` and ``weight`` of one dtype (16-bit: HF's RMSNorm, which rounds
+    the normalised row before the product; see the module docstring).
 
     Raises:
         ValueError: input of another dtype, device or width; a weight that does not fit.
     """
     n = weight.shape[-1]
-    if weight.dtype is not torch.float32 or weight.dim() != 1 or not weight.is_contiguous():
-        raise ValueError(f"rms_norm needs a contiguous 1-D float32 weight, got {weight.dtype} {tuple(weight.shape)}")
-    rows = as_rows(x, n, "rms_norm")
-    out = torch.empty(x.shape, dtype=torch.float32)
+    dtype = x.dtype
+    _check_dtype(dtype, "rms_norm")
+    if weight.dtype is not dtype or weight.dim() != 1 or not weight.is_contiguous():
+        raise ValueError(f"rms_norm needs a contiguous 1-D {dtype} weight, got {weight.dtype} {tuple(weight.shape)}")
+    rows = as_rows(x, n, "rms_norm", dtype)
+    out = torch.empty(x.shape, dtype=dtype)
     if rows.shape[0]:
-        load_fused().batchgen_rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(),
-                                           out.data_ptr(), n, rows.shape[0], n, eps)
+        lib = load_fused()
+        args = (rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, rows.shape[0], n, eps)
+        if dtype is torch.float32:
+            lib.batchgen_rms_norm_f32(*args)
+        else:
+            lib.batchgen_rms_norm_16(*args, DTYPES[dtype])
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` where ``gate_up = cat([g, u], -1)``: ``[..., 2n] -> [..., n]``.
+    """``silu(g) * u`` where ``gate_up = cat([g, u], -1)``: ``[..., 2n] -> [..., n]``, for
+    float32, bfloat16 or float16 on the CPU (16-bit: torch's roundings; see the module
+    docstring).
 
     Raises:
         ValueError: input of another dtype or device, or an odd last dim.
@@ -101,23 +134,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     width = gate_up.shape[-1]
     if width % 2:
         raise ValueError(f"silu_mul needs an even last dim (gate, then up), got {width}")
-    rows = as_rows(gate_up, width, "silu_mul")
+    dtype = gate_up.dtype
+    _check_dtype(dtype, "silu_mul")
+    rows = as_rows(gate_up, width, "silu_mul", dtype)
     n = width // 2
-    out = torch.empty((*gate_up.shape[:-1], n), dtype=torch.float32)
+    out = torch.empty((*gate_up.shape[:-1], n), dtype=dtype)
     if rows.shape[0]:
-        load_fused().batchgen_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), n,
-                                           rows.shape[0], n)
+        lib = load_fused()
+        args = (rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n)
+        if dtype is torch.float32:
+            lib.batchgen_silu_mul_f32(*args)
+        else:
+            lib.batchgen_silu_mul_16(*args, DTYPES[dtype])
     return out
 
 
 def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     """Each row's argmax (first index on ties, as ``torch.argmax``) and its log-probability
-    ``max - logsumexp(row)``, for float32 CPU ``[rows, vocab]`` logits.
+    ``max - logsumexp(row)``, for float32 CPU ``[rows, vocab]`` logits. The difference is taken
+    in double, from the float32 max and the float32 :func:`logsumexp`, so a sampler that
+    computes ``double(x) - double(logsumexp(row))`` gets the same bits for the same token.
 
     Returns None, so that the caller takes torch's path, when the library is unavailable,
     the logits are not float32 on the CPU, or a row holds NaN or infinities (torch's NaN and
     infinity rules then apply, and an all ``-inf`` row gets the caller's error).
     """
+    result = _greedy_pass(logits)
+    if result is None:
+        return None
+    ids, maxes, lse = result
+    top = maxes.tolist()
+    norm = lse.tolist()
+    if not all(math.isfinite(a) and math.isfinite(b) for a, b in zip(top, norm)):
+        return None
+    return ids.tolist(), [a - b for a, b in zip(top, norm)]
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor | None:
+    """``log(sum(exp(row)))`` of each row of float32 CPU ``[rows, vocab]`` logits, the value
+    :func:`greedy` uses (float32; NaN or infinite for rows that hold NaN or infinities).
+
+    A row's value does not depend on the other rows. None when the library is unavailable or
+    the logits are not float32 on the CPU.
+    """
+    result = _greedy_pass(logits)
+    return None if result is None else result[2]
+
+
+def _greedy_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(argmax, max, logsumexp)`` of each row from ``batchgen_greedy_f32``, or None when it
+    cannot run here."""
     if (logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 2
             or not available()):
         return None
@@ -129,12 +195,8 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
     lse = torch.empty(m, dtype=torch.float32)
     if m:
         load_fused().batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, n, ids.data_ptr(),
-                                     maxes.data_ptr(), lse.data_ptr())
-    top = maxes.tolist()
-    norm = lse.tolist()
-    if not all(math.isfinite(a) and math.isfinite(b) for a, b in zip(top, norm)):
-        return None
-    return ids.tolist(), [a - b for a, b in zip(top, norm)]
+                                         maxes.data_ptr(), lse.data_ptr())
+    return ids, maxes, lse
 
 
 class FusedRMSNorm(torch.nn.Module):
@@ -170,46 +232,55 @@ class FusedGatedMLP(torch.nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
+def _supported(dtype: torch.dtype) -> bool:
+    return dtype is torch.float32 or (dtype in DTYPES and bool(load_fused().batchgen_fused_has_16()))
+
+
 def _norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float] | None:
-    """(weight, eps) if ``module`` looks like an RMSNorm over a float32 CPU weight."""
+    """(weight, eps) if ``module`` looks like an RMSNorm over a CPU weight the library runs."""
     if not type(module).__name__.endswith("RMSNorm"):
         return None
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
-            or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or not _supported(weight.dtype) or weight.device.type != "cpu"
             or not weight.is_contiguous() or not isinstance(eps, float)):
         return None
     return weight, eps
 
 
 def _mlp_candidate(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has float32 CPU ``gate_proj``/``up_proj``/``down_proj`` linears
-    that fit together and an ``act_fn`` (whether it is SiLU is left to the probe)."""
+    """Whether ``module`` has CPU ``gate_proj``/``up_proj``/``down_proj`` linears of one dtype
+    the library runs, that fit together, and an ``act_fn`` (whether it is SiLU is left to the
+    probe)."""
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(type(p) is torch.nn.Linear for p in parts) or not hasattr(module, "act_fn"):
         return False
     gate, up, down = parts
-    if any(p.weight.dtype != torch.float32 or p.weight.device.type != "cpu" for p in parts):
+    dtype = gate.weight.dtype
+    if not _supported(dtype) or any(p.weight.dtype != dtype or p.weight.device.type != "cpu" for p in parts):
         return False
     return (gate.in_features == up.in_features and gate.out_features == up.out_features
             == down.in_features and (gate.bias is None) == (up.bias is None))
 
 
-def _reproduces(original: torch.nn.Module, fused: torch.nn.Module, width: int) -> bool:
-    """Whether ``fused`` gives ``original``'s output on a probe input (float32 rounding aside)."""
+def _reproduces(original: torch.nn.Module, fused: torch.nn.Module, width: int, dtype: torch.dtype) -> bool:
+    """Whether ``fused`` gives ``original``'s output on a probe input (rounding aside)."""
     gen = torch.Generator().manual_seed(0)
-    probe = torch.randn(1, PROBE_ROWS, width, generator=gen) * 2.0
+    probe = (torch.randn(1, PROBE_ROWS, width, generator=gen) * 2.0).to(dtype)
     with torch.no_grad():
         want = original(probe)
         got = fused(probe)
-    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype:
         return False
-    return bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-6))
+    rtol = PROBE_RTOL[dtype]
+    want, got = want.float(), got.float()
+    return bool(torch.allclose(got, want, rtol=rtol, atol=rtol * 0.1 * float(want.abs().max()) + 1e-6))
 
 
 def fuse_modules(model: torch.nn.Module) -> dict[str, int]:
-    """Replace the RMSNorms and gated MLPs of a float32 CPU ``model`` by fused ones.
+    """Replace the RMSNorms and gated MLPs of a float32, bfloat16 or float16 CPU ``model`` by
+    fused ones.
 
     Each candidate is replaced only if its fused version reproduces it on a probe input (see
     the module docstring); the gate and up weights are dropped once packed. Call before
@@ -229,12 +300,14 @@ def fuse_modules(model: torch.nn.Module) -> dict[str, int]:
         kind = ""
         if (norm := _norm_candidate(module)) is not None:
             fused, kind, width = FusedRMSNorm(*norm), "rms_norm", norm[0].shape[0]
+            dtype = norm[0].dtype
         elif _mlp_candidate(module):
             fused = FusedGatedMLP(module.gate_proj, module.up_proj, module.down_proj)
             kind, width = "gated_mlp", module.gate_proj.in_features
+            dtype = module.gate_proj.weight.dtype
         if fused is None:
             continue
-        if not _reproduces(module, fused, width):
+        if not _reproduces(module, fused, width, dtype):
             counts["rejected"] += 1
             logger.info("%s (%s) left unfused: the fused %s does not reproduce it",
                         name, type(module).__name__, kind)

@@ -9,11 +9,17 @@ flags, the compiler and the CPU, and loaded once per process with ctypes
 
 Never ``-ffast-math``: a shared library linked with it switches the whole process to
 flush-to-zero, and a library whose load changes the FP mode is refused.
+
+Threads: one pool per process (``pool.h``, built from ``pool.c`` as a library of its own).
+Every library that includes ``pool.h`` exports ``batchgen_pool_attach``, and is handed the
+process's pool when it is loaded; :func:`set_num_threads` sizes that pool, for the libraries
+loaded so far and those loaded later.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,7 +44,7 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-fopenmp-simd", "-fno-math-errno"),
     ("-O2",),
 )
-_COMMON_FLAGS = ("-std=c99", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unknown-pragmas")
+_COMMON_FLAGS = ("-std=c99", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror", "-Wno-unknown-pragmas")
 
 
 class CpuKernelError(RuntimeError):
@@ -61,6 +67,32 @@ def _machine_tag() -> str:
         return os.uname().machine
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
     return os.uname().machine + "\n" + "\n".join(keep)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``), or None where
+    they cannot be read (then only the build, and each library's own check, decide)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
+
+
+def missing_cpu_features(*names: str) -> str | None:
+    """Why this CPU cannot run code that needs ``names`` (``/proc/cpuinfo`` spellings, e.g.
+    ``avx2``, ``fma``, ``avx512_bf16``), or None when it has them all or its flags are unknown."""
+    flags = cpu_flags()
+    if flags is None:
+        return None
+    missing = [name for name in names if name not in flags]
+    if not missing:
+        return None
+    return f"this CPU lacks {', '.join(n.upper() for n in missing)} (flags from /proc/cpuinfo)"
 
 
 def _subnormals_work() -> bool:
@@ -136,6 +168,66 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
 
 
 _loaded: dict[tuple[Path, tuple[str, ...]], Any] = {}
+POOL_SOURCE = Path(__file__).resolve().parent / "pool.c"
+_pool: Any = None  # the pool library once loaded; False if it cannot be built here
+_num_threads = 1
+
+
+def _pool_library() -> Any:
+    """The pool library (built on first use), or None where it cannot be built (the kernels
+    then run on the calling thread). Call with ``_build_lock`` held."""
+    global _pool
+    if _pool is None:
+        try:
+            lib, _ = build("the CPU thread pool", POOL_SOURCE, [])
+        except CpuKernelError as exc:
+            logger.warning("the CPU kernels run on one thread: %s", str(exc).splitlines()[0])
+            _pool = False
+            return None
+        lib.batchgen_pool_ops.restype = ctypes.c_void_p
+        lib.batchgen_pool_ops.argtypes = []
+        lib.batchgen_set_num_threads.restype = None
+        lib.batchgen_set_num_threads.argtypes = [ctypes.c_int]
+        lib.batchgen_num_threads.restype = ctypes.c_int
+        lib.batchgen_num_threads.argtypes = []
+        lib.batchgen_set_num_threads(_num_threads)
+        _pool = lib
+    return _pool or None
+
+
+def _attach_pool(lib: Any, what: str) -> None:
+    """Hand the process's pool to ``lib`` if it includes ``pool.h``."""
+    attach = getattr(lib, "batchgen_pool_attach", None)
+    if attach is None:
+        return
+    pool = _pool_library()
+    if pool is None:
+        return
+    attach.restype = ctypes.c_int
+    attach.argtypes = [ctypes.c_void_p]
+    if attach(pool.batchgen_pool_ops()) != 0:
+        logger.warning("%s was built against another thread pool; it runs on one thread", what)
+
+
+def set_num_threads(n: int) -> None:
+    """Run the C kernels on ``n`` threads (the caller included; 1 = the calling thread only),
+    in every library loaded now or later. Call between kernel calls, not during one.
+
+    Raises:
+        ValueError: ``n`` below 1.
+    """
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the CPU kernels' thread count must be an integer >= 1, got {n!r}")
+    with _build_lock:
+        _num_threads = n
+        if _pool:
+            _pool.batchgen_set_num_threads(n)
+
+
+def num_threads() -> int:
+    """The thread count the C kernels run on (see :func:`set_num_threads`)."""
+    return _num_threads
 
 
 def load_library(what: str, source: Path, declare: Callable[[Any], None], defines: tuple[str, ...] = (),
@@ -157,6 +249,7 @@ def load_library(what: str, source: Path, declare: Callable[[Any], None], define
         if lib is None:
             lib, flags = build(what, source, list(defines), accept, tag=tag)
             declare(lib)
+            _attach_pool(lib, what)
             logger.info("%s%s: flags %s", what, f" ({tag})" if tag else "", " ".join(flags))
             _loaded[key] = lib
         return lib
