@@ -181,20 +181,6 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return registry, config
 
 
-def _quiet_libraries() -> None:
-    """Silence the progress bars and info logs of the libraries under us."""
-    import os
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-
-
 def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job of ``batchgen batch``: a config built from its flags, then ``--set`` applied."""
     from batchgen.config import ConfigError, ConfigIssue, apply_overrides, validate_config
@@ -232,10 +218,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from batchgen.models import quiet_libraries
     from batchgen.pipeline import SETUP_ERRORS, RunFailed, TooManyErrors, error_example, execute, plan
 
     if args.quiet or not sys.stderr.isatty():
-        _quiet_libraries()  # before plan: converting the embedded model draws bars too
+        quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
         registry, config = _batch_config(args) if args.command == "batch" else _load(args)
         if args.resume or args.force_resume:

