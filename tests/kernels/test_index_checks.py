@@ -189,11 +189,16 @@ def test_check_functions_agree_with_the_cpu_kernel_on_random_tables() -> None:
 
 
 def test_engine_option_reaches_the_cuda_ops() -> None:
-    from batchgen.config import EngineSection
+    from batchgen.config import RunConfig
+    from batchgen.executor import engine_kwargs
     from batchgen.kernels import get_ops
 
-    assert EngineSection().index_checks is True
-    assert EngineSection(index_checks=False).index_checks is False
+    base = {"data": {"source": "rows.jsonl"}, "output": {"path": "out.jsonl"}}
+    assert engine_kwargs(RunConfig.model_validate(base))["index_checks"] is True
+    off = RunConfig.model_validate(base | {"engine": {"index_checks": False}})
+    assert engine_kwargs(off)["index_checks"] is False
+    with pytest.raises(ValueError, match="index_checks"):
+        RunConfig.model_validate(base | {"engine": {"index_checks": "sometimes"}})
     from batchgen.kernels.cuda import attention as kcuda
 
     saved = dict(kcuda._ops)

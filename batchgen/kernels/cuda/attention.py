@@ -7,7 +7,8 @@ launched on torch's current CUDA stream, tensors passed through DLPack. The same
 is tested on a CPU is exactly the argument packing, grid and shared-memory sizing that runs on a
 GPU.
 
-This is the only module that imports cupy, and only inside :class:`CupyBackend`.
+cupy is imported only inside :class:`CupyBackend` here and inside :mod:`.loader`'s functions
+(which finds NVRTC's headers). :mod:`.checks` checks the values of the indices the kernels follow.
 
 Split-K rule: a sequence of context length ``n`` is processed in ``ceil(n / PARTITION_SIZE)``
 partitions. One partition (``n <= PARTITION_SIZE``) is the single-pass kernel: the block writes
