@@ -179,3 +179,29 @@ def test_the_command_without_a_gpu_skips_with_the_reason(tmp_path: Path) -> None
     assert result["passed"] is False and "setup done" in result["setup_log_tail"]
     assert (tmp_path / "gpu_check_setup.log").exists()
     assert f"correctness   SKIP     0.0 s  {reason}" in proc.stdout
+
+
+def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The stage's own code (case builder, comparison, cache ops, index-check probes) on the
+    # harness-run kernels, with a few cases; on a GPU the same code runs on cupy.
+    from kernel_runners import harness_ops
+
+    import batchgen.kernels.cuda.attention as kcuda
+
+    monkeypatch.setattr(kcuda, "get_cuda_ops", lambda check_indices=True: harness_ops("warp", "nan"))
+    monkeypatch.setattr(gc, "DEVICE", "cpu")
+    monkeypatch.setattr(gc, "CHECK_DTYPES", ("float32",))
+    monkeypatch.setattr(gc, "CHECK_HEAD_SIZES", (64,))
+    monkeypatch.setattr(gc, "CHECK_GROUPS", (3,))
+    monkeypatch.setattr(gc, "EXTRA_CASES", ((128, 4, (300, 3), 16),))
+    stage = gc.Stage(tmp_path / "stage.json", budget_s=120)
+    gc.stage_correctness(stage, gc.parse_args([]), {})
+    data = stage.data
+    assert data["passed"], data
+    assert [(r["head_size"], r["group"], r["passed"]) for r in data["rows"]] == [(64, 3, True), (128, 4, True)]
+    assert all(r["max_abs_diff"] < 1e-5 for r in data["rows"])
+    assert data["cache_ops_exact"] and data["index_checks"]["gpu_usable_after"]
+    messages = data["index_checks"]["messages"]
+    assert "block_tables[0, 0] = 7" in messages[0] and "context_lens[0] = 104" in messages[1]
+    assert "slot_mapping[1] = 112" in messages[2]
+    assert json.loads((tmp_path / "stage.json").read_text())["cases"] == 2  # saved as it went
