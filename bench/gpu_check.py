@@ -654,19 +654,42 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
-def _bench_inputs(point: dict[str, Any], env: dict[str, Any], device) -> tuple[Any, int, int, list]:
-    """A sweep point's dtype, bytes per call, copies to rotate over, and the copies' inputs."""
-    dtype = _dtype(point["dtype"])
-    b, ctx, head = point["batch"], point["context"], point["head_size"]
-    moved = decode_bytes(b, ctx, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE, dtype.itemsize)
-    n = _copies(moved, env.get("l2_bytes"))
-    sets = [_decode_case([ctx] * b, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE, dtype,
-                         device, seed=1000 + j, spare_blocks=0) for j in range(n)]
-    return dtype, moved, n, sets
+def _sweep(stage: Stage, env: dict[str, Any], measure: Callable[[dict[str, Any], dict[str, Any]], None]) -> list:
+    """Run ``measure(row, inputs)`` on every sweep point while the stage has time.
+
+    ``inputs`` holds the point's ``dtype``, ``bytes`` per call, the ``copies`` rotated over (so
+    that no call finds its inputs in L2) and their ``sets`` of decode arguments. A point that
+    fails is recorded with its error and the sweep goes on; results are saved after each point.
+    """
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    stage.data["rows"] = rows
+    for point in bench_points():
+        if stage.left() < 8:
+            rows.append({**point, "skipped": "time budget"})
+            continue
+        row: dict[str, Any] = {**point}
+        inputs: dict[str, Any] = {}
+        try:
+            dtype = _dtype(point["dtype"])
+            b, ctx, head = point["batch"], point["context"], point["head_size"]
+            moved = decode_bytes(b, ctx, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE, dtype.itemsize)
+            n = _copies(moved, env.get("l2_bytes"))
+            inputs = {"dtype": dtype, "bytes": moved, "copies": n, "sets": [
+                _decode_case([ctx] * b, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE, dtype,
+                             torch.device("cuda"), seed=1000 + j, spare_blocks=0) for j in range(n)]}
+            measure(row, inputs)
+        except Exception as exc:  # noqa: BLE001 - recorded per point; the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        rows.append(row)
+        inputs.clear()
+        torch.cuda.empty_cache()
+        stage.save()
+    return rows
 
 
 def stage_bandwidth(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
-    import torch
     import torch.nn.functional as F
 
     from batchgen.kernels.cuda.attention import get_cuda_ops
@@ -677,56 +700,46 @@ def stage_bandwidth(stage: Stage, args: argparse.Namespace, env: dict[str, Any])
     except ImportError:  # pragma: no cover - older torch
         SDPBackend = sdpa_kernel = None
     ops = get_cuda_ops(check_indices=False)  # timing: the checks are a per-step host sync, measured apart
-    dev = torch.device("cuda")
     peak = env.get("peak_bytes_per_s")
     clock = env.get("sm_clock_khz")
-    rows: list[dict[str, Any]] = []
-    stage.data.update(rows=rows, peak_bytes_per_s=peak, method="CUDA events around iters back-to-back calls "
+    stage.data.update(peak_bytes_per_s=peak, method="CUDA events around iters back-to-back calls "
                       "queued behind a sleep kernel; inputs rotated over copies larger than L2",
                       shape={"num_heads": BENCH_NUM_HEADS, "num_kv_heads": BENCH_NUM_KV_HEADS,
                              "block_size": BENCH_BLOCK_SIZE}, index_checks=False)
-    for point in bench_points():
-        if stage.left() < 8:
-            rows.append({**point, "skipped": "time budget"})
-            continue
-        ctx, head = point["context"], point["head_size"]
-        row: dict[str, Any] = {**point}
+
+    def measure(row: dict[str, Any], inputs: dict[str, Any]) -> None:
+        ctx, scale = row["context"], row["head_size"] ** -0.5
+        sets, n, moved = inputs["sets"], inputs["copies"], inputs["bytes"]
+        row.update(bytes=moved, copies=n)
+        times = gpu_time(lambda i: ops.paged_decode_attention(*sets[i % n], scale), args.iters, args.repeats, clock)
+        row.update(kernel_us=_median(times) * 1e6, kernel_range_us=[min(times) * 1e6, max(times) * 1e6])
+        row["kernel_TBps"] = moved / _median(times) / 1e12
+        row["fraction_of_peak"] = moved / _median(times) / peak if peak else None
+        if sdpa_kernel is None:
+            return
+        dense = []  # SDPA reads the cache already gathered: the dense peer's best case
+        for q, k, v, tables, _lens in sets:
+            kd, vd = gather_kv(k, v, tables, math.ceil(ctx / BENCH_BLOCK_SIZE))
+            dense.append((q.unsqueeze(2), kd[:, :ctx].transpose(1, 2).contiguous(),
+                          vd[:, :ctx].transpose(1, 2).contiguous()))
+            del kd, vd
+
+        def sdpa(i: int) -> Any:
+            q, kd, vd = dense[i % n]
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, kd, vd, scale=scale, enable_gqa=True)
+
         try:
-            dtype, moved, n, sets = _bench_inputs(point, env, dev)
-            row.update(bytes=moved, copies=n)
-            scale = head ** -0.5
-            times = gpu_time(lambda i: ops.paged_decode_attention(*sets[i % n], scale), args.iters, args.repeats, clock)
-            row.update(kernel_us=_median(times) * 1e6, kernel_range_us=[min(times) * 1e6, max(times) * 1e6])
-            row["kernel_TBps"] = moved / _median(times) / 1e12
-            row["fraction_of_peak"] = moved / _median(times) / peak if peak else None
-            if sdpa_kernel is not None:
-                dense = []
-                for q, k, v, tables, lens in sets:
-                    kd, vd = gather_kv(k, v, tables, math.ceil(ctx / BENCH_BLOCK_SIZE))
-                    dense.append((q.unsqueeze(2), kd[:, :ctx].transpose(1, 2).contiguous(),
-                                  vd[:, :ctx].transpose(1, 2).contiguous()))
+            ref = sdpa(0).squeeze(2)
+            row["max_abs_diff_vs_sdpa"] = (ops.paged_decode_attention(*sets[0], scale).float()
+                                           - ref.float()).abs().max().item()
+            t_sdpa = gpu_time(sdpa, args.iters, args.repeats, clock)
+            row.update(sdpa_us=_median(t_sdpa) * 1e6, sdpa_range_us=[min(t_sdpa) * 1e6, max(t_sdpa) * 1e6],
+                       kernel_vs_sdpa=_median(times) / _median(t_sdpa))
+        except RuntimeError as exc:  # flash may refuse a shape or GQA on this torch
+            row["sdpa_error"] = f"{exc}".splitlines()[0][:200]
 
-                def sdpa(i: int) -> Any:
-                    q, kd, vd = dense[i % n]
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        return F.scaled_dot_product_attention(q, kd, vd, scale=scale, enable_gqa=True)
-
-                try:
-                    ref = sdpa(0).squeeze(2)
-                    row["max_abs_diff_vs_sdpa"] = (ops.paged_decode_attention(*sets[0], scale).float()
-                                                   - ref.float()).abs().max().item()
-                    t_sdpa = gpu_time(sdpa, args.iters, args.repeats, clock)
-                    row.update(sdpa_us=_median(t_sdpa) * 1e6, sdpa_range_us=[min(t_sdpa) * 1e6, max(t_sdpa) * 1e6],
-                               kernel_vs_sdpa=_median(times) / _median(t_sdpa))
-                except RuntimeError as exc:  # flash may refuse a shape or GQA on this torch
-                    row["sdpa_error"] = f"{exc}".splitlines()[0][:200]
-                del dense
-        except Exception as exc:  # noqa: BLE001 - recorded per point; the sweep goes on
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        rows.append(row)
-        sets = None
-        torch.cuda.empty_cache()
-        stage.save()
+    rows = _sweep(stage, env, measure)
     measured = [r for r in rows if "kernel_us" in r]
     diffs_ok = all(r.get("max_abs_diff_vs_sdpa", 0) < TOLERANCES[r["dtype"]] * 8 for r in measured)
     stage.data["passed"] = bool(measured) and diffs_ok and not any("error" in r for r in rows)
@@ -750,50 +763,40 @@ def stage_flashinfer(stage: Stage, args: argparse.Namespace, env: dict[str, Any]
     dev = torch.device("cuda")
     clock = env.get("sm_clock_khz")
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    rows: list[dict[str, Any]] = []
-    stage.data.update(rows=rows, flashinfer=getattr(flashinfer, "__version__", "?"))
-    for point in bench_points():
-        if stage.left() < 8:
-            rows.append({**point, "skipped": "time budget"})
-            continue
-        b, ctx, head = point["batch"], point["context"], point["head_size"]
-        row: dict[str, Any] = {**point}
-        try:
-            dtype, moved, n, sets = _bench_inputs(point, env, dev)
-            pages = math.ceil(ctx / BENCH_BLOCK_SIZE)
-            best = None
-            # Every copy's pool has the same number of blocks, so copy 0's tables are valid for
-            # all of them: one plan serves every copy.
-            indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32, device=dev)
-            last = torch.full((b,), ctx - (pages - 1) * BENCH_BLOCK_SIZE, dtype=torch.int32, device=dev)
-            indices = sets[0][3][:, :pages].reshape(-1).contiguous()
-            for tensor_cores in (False, True):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-                w.plan(indptr, indices, last, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE,
-                       q_data_type=dtype, kv_data_type=dtype, sm_scale=head ** -0.5)
+    stage.data["flashinfer"] = getattr(flashinfer, "__version__", "?")
 
-                def call(i: int, w=w) -> Any:
-                    q_i, k_i, v_i = sets[i % n][:3]
-                    return w.run(q_i, (k_i, v_i))
+    def measure(row: dict[str, Any], inputs: dict[str, Any]) -> None:
+        b, ctx, head = row["batch"], row["context"], row["head_size"]
+        sets, n, dtype = inputs["sets"], inputs["copies"], inputs["dtype"]
+        pages = math.ceil(ctx / BENCH_BLOCK_SIZE)
+        # Every copy's pool has the same number of blocks, so copy 0's tables are valid for all
+        # of them: one plan serves every copy.
+        indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32, device=dev)
+        last = torch.full((b,), ctx - (pages - 1) * BENCH_BLOCK_SIZE, dtype=torch.int32, device=dev)
+        indices = sets[0][3][:, :pages].reshape(-1).contiguous()
+        best = None
+        for tensor_cores in (False, True):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+            w.plan(indptr, indices, last, BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, head, BENCH_BLOCK_SIZE,
+                   q_data_type=dtype, kv_data_type=dtype, sm_scale=head ** -0.5)
 
-                if tensor_cores is False:  # the output agrees with the kernel's on copy 0
-                    q0, k0, v0 = sets[0][:3]
-                    ours = get_cuda_ops(check_indices=False).paged_decode_attention(
-                        q0, k0, v0, indices.view(b, pages), sets[0][4], head ** -0.5)
-                    row["max_abs_diff_vs_kernel"] = (call(0).float() - ours.float()).abs().max().item()
-                times = gpu_time(call, args.iters, args.repeats, clock)
-                if best is None or _median(times) < _median(best[0]):
-                    best = (times, tensor_cores)
-            times, tensor_cores = best
-            row.update(flashinfer_us=_median(times) * 1e6,
-                       flashinfer_range_us=[min(times) * 1e6, max(times) * 1e6],
-                       flashinfer_TBps=moved / _median(times) / 1e12, use_tensor_cores=tensor_cores)
-        except Exception as exc:  # noqa: BLE001 - a shape FlashInfer refuses is recorded, not fatal
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        rows.append(row)
-        sets = None
-        torch.cuda.empty_cache()
-        stage.save()
+            def call(i: int, w=w) -> Any:
+                q_i, k_i, v_i = sets[i % n][:3]
+                return w.run(q_i, (k_i, v_i))
+
+            if not tensor_cores:  # FlashInfer's output agrees with the kernel's on copy 0
+                q0, k0, v0 = sets[0][:3]
+                ours = get_cuda_ops(check_indices=False).paged_decode_attention(
+                    q0, k0, v0, indices.view(b, pages), sets[0][4], head ** -0.5)
+                row["max_abs_diff_vs_kernel"] = (call(0).float() - ours.float()).abs().max().item()
+            times = gpu_time(call, args.iters, args.repeats, clock)
+            if best is None or _median(times) < _median(best[0]):
+                best = (times, tensor_cores)
+        times, tensor_cores = best
+        row.update(flashinfer_us=_median(times) * 1e6, flashinfer_range_us=[min(times) * 1e6, max(times) * 1e6],
+                   flashinfer_TBps=inputs["bytes"] / _median(times) / 1e12, use_tensor_cores=tensor_cores)
+
+    rows = _sweep(stage, env, measure)
     measured = [r for r in rows if "flashinfer_us" in r]
     # Same numbers as the kernel's (a wrong call would make the timing meaningless).
     stage.data["passed"] = bool(measured) and all(

@@ -205,3 +205,27 @@ def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.Monke
     assert "block_tables[0, 0] = 7" in messages[0] and "context_lens[0] = 104" in messages[1]
     assert "slot_mapping[1] = 112" in messages[2]
     assert json.loads((tmp_path / "stage.json").read_text())["cases"] == 2  # saved as it went
+
+
+def test_the_sweep_records_a_failed_point_and_skips_past_the_budget(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(gc, "_decode_case", lambda *a, **k: ["decode args"])
+    stage = gc.Stage(tmp_path / "s.json", budget_s=1000)
+    seen: list[dict] = []
+
+    def measure(row: dict, inputs: dict) -> None:
+        seen.append(dict(row, copies=inputs["copies"], bytes=inputs["bytes"], sets=len(inputs["sets"])))
+        if row["context"] == 4096:
+            raise RuntimeError("shape refused\ndetails")
+        row["timed"] = True
+        if len(seen) == 10:
+            stage.budget_s = 0  # out of time from here on
+
+    rows = gc._sweep(stage, {"l2_bytes": 50 * 2**20}, measure)
+    assert len(rows) == 64 and len(seen) == 10
+    assert [r.get("error") for r in rows[:10]].count("RuntimeError: shape refused") == sum(
+        r["context"] == 4096 for r in rows[:10])
+    assert all(r["skipped"] == "time budget" for r in rows[10:])
+    first = seen[0]  # fp16, head 64, batch 64, context 1K: 134 MB a call, two copies exceed 4 x L2
+    assert (first["batch"], first["context"], first["head_size"]) == (64, 1024, 64)
+    assert first["bytes"] == gc.decode_bytes(64, 1024, 32, 8, 64, 16, 2) and first["copies"] == first["sets"] == 2
+    assert json.loads((tmp_path / "s.json").read_text())["rows"][0]["timed"] is True
