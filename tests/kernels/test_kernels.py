@@ -18,7 +18,7 @@ from kernel_cases import (
 )
 
 from batchgen.kernels import reference
-from batchgen.kernels.cuda.attention import PARTITION_SIZE, HarnessBackend, KernelOps
+from batchgen.kernels.cuda.attention import PARTITION_SIZE, KernelOps
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -197,6 +197,8 @@ def test_copy_blocks_matches_reference(runner: Runner, dtype, block_size) -> Non
 def test_prefill_is_the_sdpa_reference() -> None:
     # The documented choice: prefill on the cuda backend is the torch reference (after the
     # index checks), bit for bit.
+    from batchgen.kernels.cuda.attention import HarnessBackend
+
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(4, 16, 2, 64, generator=gen), torch.randn(4, 16, 2, 64, generator=gen)
     q = torch.randn(6, 4, 64, generator=gen)
