@@ -55,7 +55,7 @@ class LLM:
         seed: derives a per-request seed for requests that give none, so whole runs repeat.
         index_checks: the ``cuda`` attention backend checks context lengths, block ids and
             slots against the cache before launching (one host sync per step); False skips
-            it (the other backends check always).
+            it (the cpu backend checks always).
     """
 
     def __init__(

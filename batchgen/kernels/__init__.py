@@ -122,7 +122,7 @@ def get_ops(backend: str, check_indices: bool = True) -> ModuleType | Any:
     ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures.
 
     ``check_indices=False`` skips the ``cuda`` ops' value checks of context lengths, block ids
-    and slots (:mod:`batchgen.kernels.cuda.checks`); the other backends check always."""
+    and slots (:mod:`batchgen.kernels.cuda.checks`); the cpu backend checks always."""
     if backend == "torch":
         from . import reference
 
