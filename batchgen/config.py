@@ -346,6 +346,10 @@ class EngineSection(_Section):
     seed: int = Field(
         0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
     )
+    index_checks: bool = Field(
+        True, description="the cuda attention backend checks context lengths, block ids and slots "
+        "against the KV cache before launching (one host sync per step); false skips it"
+    )
 
 
 class ResourcesSection(_Section):

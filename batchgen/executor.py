@@ -89,6 +89,7 @@ def engine_kwargs(config: RunConfig) -> dict[str, Any]:
         attention_backend=engine.attention_backend,
         linear_backend=engine.linear_backend,
         num_threads=engine.num_threads,
+        index_checks=engine.index_checks,
         seed=engine.seed,
     )
 

@@ -53,6 +53,9 @@ class LLM:
         num_threads: CPU threads, ``"auto"`` (``OMP_NUM_THREADS`` if set, else the CPUs this
             process may use: affinity and cgroup quota) or a count; see :mod:`batchgen.threads`.
         seed: derives a per-request seed for requests that give none, so whole runs repeat.
+        index_checks: the ``cuda`` attention backend checks context lengths, block ids and
+            slots against the cache before launching (one host sync per step); False skips
+            it (the cpu backend checks always).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class LLM:
         seed: int | None = 0,
         trust_remote_code: bool = False,
         num_threads: int | str = "auto",
+        index_checks: bool = True,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -83,7 +87,7 @@ class LLM:
             resolved.path, dtype=dtype, device=device, block_size=block_size,
             kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
             linear_backend=linear_backend, trust_remote_code=trust_remote_code,
-            num_threads=num_threads,
+            num_threads=num_threads, index_checks=index_checks,
         )
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)

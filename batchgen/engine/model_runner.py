@@ -104,6 +104,8 @@ class ModelRunner:
         linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"`` (the model's ``nn.Linear`` layers
             through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu.linear`).
         num_threads: ``"auto"`` or a count of CPU threads (see :mod:`batchgen.threads`).
+        index_checks: the ``cuda`` backend checks the values of context lengths, block ids
+            and slots before launching (one host sync per step); False skips that.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class ModelRunner:
         linear_backend: str = "auto",
         trust_remote_code: bool = False,
         num_threads: int | str = "auto",
+        index_checks: bool = True,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -155,7 +158,9 @@ class ModelRunner:
         backend = kernels.resolve_backend(attention_backend, self.device)
         why = None
         if backend == "cuda":
-            why = kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
+            why = (kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
+                   or kernels.cuda_unavailable_reason(self.dtype, head_size, block_size,
+                                                      self.device, index_checks))
         elif backend == "cpu":
             why = kernels.cpu_unsupported_reason(self.dtype, head_size, num_heads, num_kv_heads)
         if why is not None:
@@ -165,7 +170,7 @@ class ModelRunner:
                            "backend", backend, why.splitlines()[0])
             backend = "torch"
         self.attention_backend = backend
-        self.ops = kernels.get_ops(backend)
+        self.ops = kernels.get_ops(backend, check_indices=index_checks)
         from batchgen.kernels.reference import Workspace
 
         self.workspace = Workspace()

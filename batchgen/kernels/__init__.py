@@ -28,9 +28,10 @@ def resolve_backend(name: str, device: torch.device) -> str:
     """Turn ``attention_backend`` into ``"torch"``, ``"cpu"`` or ``"cuda"``.
 
     ``auto`` picks ``cuda`` when ``device`` is a CUDA device, torch sees a GPU and cupy is
-    installed; ``cpu`` on a CPU device; else ``torch``. Whether the ``cpu`` kernel can serve the
-    model (dtype, shape, a C compiler) is the caller's next check
-    (:func:`cpu_unsupported_reason`), with ``torch`` as the fallback. ``cuda`` and ``cpu`` raise
+    installed; ``cpu`` on a CPU device; else ``torch``. Whether the kernel can serve the model
+    is the caller's next check (:func:`cpu_unsupported_reason`: dtype, shape, a C compiler;
+    :func:`cuda_unsupported_reason` and :func:`cuda_unavailable_reason`: shape, NVRTC, its
+    headers, the build), with ``torch`` as the fallback. ``cuda`` and ``cpu`` raise
     ``RuntimeError`` when the device does not fit, saying what is missing.
     """
     if name not in BACKENDS:
@@ -73,6 +74,32 @@ def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int)
     return None
 
 
+def cuda_unavailable_reason(dtype: torch.dtype, head_size: int, block_size: int,
+                            device: torch.device, check_indices: bool = True) -> str | None:
+    """Why the CUDA kernels cannot be built here for this variant, or None once they are.
+
+    Checks that cupy imports, that NVRTC loads and that its headers are found
+    (:func:`batchgen.kernels.cuda.loader.unavailable_reason`), then compiles the variant the
+    model needs (which the first launch would do anyway; cached by cupy on disk), so a missing
+    header or an NVRTC error shows up here, where ``auto`` can still fall back to ``torch``.
+    """
+    from .cuda import loader
+
+    why = loader.unavailable_reason()
+    if why is not None:
+        return why
+    ops = get_ops("cuda", check_indices=check_indices)
+    try:
+        with ops.backend.launch_context(torch.device(device)):
+            module = ops.backend.module(dtype, head_size, block_size)
+            for name in ("paged_decode", "paged_decode_reduce", "reshape_and_cache", "copy_blocks"):
+                module.get_function(name)  # cupy compiles lazily, on the first lookup
+    except Exception as exc:  # noqa: BLE001 - NVRTC and driver errors have many types
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        return f"NVRTC could not build the kernels ({type(exc).__name__}): " + " | ".join(lines[:6])
+    return None
+
+
 def cpu_unsupported_reason(dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int) -> str | None:
     """Why the ``cpu`` kernel cannot serve a model, or None once it is built and loaded.
 
@@ -90,9 +117,12 @@ def cpu_unsupported_reason(dtype: torch.dtype, head_size: int, num_heads: int, n
     return None
 
 
-def get_ops(backend: str) -> ModuleType | Any:
+def get_ops(backend: str, check_indices: bool = True) -> ModuleType | Any:
     """The ops of a resolved backend: ``reshape_and_cache``, ``paged_decode_attention``,
-    ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures."""
+    ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures.
+
+    ``check_indices=False`` skips the ``cuda`` ops' value checks of context lengths, block ids
+    and slots (:mod:`batchgen.kernels.cuda.checks`); the cpu backend checks always."""
     if backend == "torch":
         from . import reference
 
@@ -104,5 +134,5 @@ def get_ops(backend: str) -> ModuleType | Any:
     if backend == "cuda":
         from .cuda import get_cuda_ops
 
-        return get_cuda_ops()
+        return get_cuda_ops(check_indices)
     raise ValueError(f"backend must be 'torch', 'cpu' or 'cuda' (resolve 'auto' first); got {backend!r}")

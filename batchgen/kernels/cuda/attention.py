@@ -7,7 +7,8 @@ launched on torch's current CUDA stream, tensors passed through DLPack. The same
 is tested on a CPU is exactly the argument packing, grid and shared-memory sizing that runs on a
 GPU.
 
-This is the only module that imports cupy, and only inside :class:`CupyBackend`.
+cupy is imported only inside :class:`CupyBackend` here and inside :mod:`.loader`'s functions
+(which finds NVRTC's headers). :mod:`.checks` checks the values of the indices the kernels follow.
 
 Split-K rule: a sequence of context length ``n`` is processed in ``ceil(n / PARTITION_SIZE)``
 partitions. One partition (``n <= PARTITION_SIZE``) is the single-pass kernel: the block writes
@@ -22,7 +23,6 @@ prefix, which prefills amortise over many query tokens.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -32,6 +32,9 @@ import numpy as np
 import torch
 
 from batchgen.kernels import reference
+
+from . import checks, loader
+from .loader import nvrtc_include_dirs  # noqa: F401  (re-exported: where NVRTC's headers are)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCE = KERNEL_DIR / "paged_attention.cu"
@@ -103,28 +106,6 @@ class Backend(Protocol):
         """Context in which launches go to torch's current stream of ``device``."""
 
 
-def nvrtc_include_dirs() -> list[str]:
-    """Directories holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for NVRTC, best first.
-
-    Looked for in: ``$CUDA_PATH`` / ``$CUDA_HOME`` (a CUDA toolkit), the ``nvidia-cuda-runtime-cu12``
-    wheel (``nvidia/cuda_runtime/include``, installed with torch's CUDA builds), and
-    ``/usr/local/cuda``.
-    """
-    candidates: list[Path] = []
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            candidates.append(Path(os.environ[var]) / "include")
-    try:
-        import nvidia.cuda_runtime as rt  # type: ignore[import-not-found]
-
-        for base in getattr(rt, "__path__", []):
-            candidates.append(Path(base) / "include")
-    except ImportError:
-        pass
-    candidates.append(Path("/usr/local/cuda/include"))
-    return [str(p) for p in candidates if (p / "cuda_fp16.h").is_file() and (p / "cuda_bf16.h").is_file()]
-
-
 class CupyBackend:
     """Compiles with ``cupy.RawModule`` (NVRTC) and launches on torch's current stream."""
 
@@ -134,9 +115,7 @@ class CupyBackend:
         try:
             import cupy  # noqa: F401  (optional dependency, imported only here)
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
-                "attention_backend='cuda' needs cupy: pip install 'batchgen[cuda]'"
-            ) from exc
+            raise RuntimeError(f"attention_backend='cuda' needs cupy: {loader.INSTALL_HINT}") from exc
         self._cupy = cupy
         self._modules: dict[tuple[torch.dtype, int, int, int], Any] = {}
 
@@ -145,13 +124,13 @@ class CupyBackend:
         key = (dtype, head_size, block_size, dev)
         mod = self._modules.get(key)
         if mod is None:
-            includes = nvrtc_include_dirs()
+            version = loader.nvrtc_version()
+            major = version[0] if version else None
+            includes = loader.nvrtc_include_dirs(major)
             if not includes:
-                raise RuntimeError(
-                    "NVRTC needs cuda_fp16.h and cuda_bf16.h: install a CUDA 12 toolkit and set "
-                    "CUDA_PATH, or pip install nvidia-cuda-runtime-cu12"
-                )
-            options = ["-std=c++17", *(f"-I{d}" for d in includes)]
+                raise RuntimeError(loader.missing_headers_reason(major))
+            # One directory only: two CUDA installs' headers must never mix.
+            options = ["-std=c++17", f"-I{includes[0]}"]
             options += [f"-D{k}={v}" for k, v in module_defines(dtype, head_size, block_size).items()]
             mod = self._cupy.RawModule(code=full_source(), options=tuple(options))
             self._modules[key] = mod
@@ -225,10 +204,27 @@ class KernelOps:
 
     Every op checks its inputs before launching (a bad pointer or shape on a GPU is silent
     memory corruption) and raises :class:`KernelInputError` naming the op and the argument.
+
+    With ``check_indices`` (the default) the values of the indices the kernels follow are
+    checked too (:mod:`.checks`: context lengths, block ids, slots), one host sync per new set
+    of index tensors; ``False`` skips that, for callers that guarantee them (the engine's
+    ``index_checks: false``) and for timing.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, check_indices: bool = True) -> None:
         self.backend = backend
+        self.check_indices = check_indices
+        self._checked = checks.CheckedOnce()
+
+    def _check_values(self, op: str, name: str, tensors: tuple[torch.Tensor, ...],
+                      extra: tuple[Any, ...], check: Callable[[], str | None]) -> None:
+        """Run ``check`` unless disabled or already passed for these very tensors."""
+        if not self.check_indices or self._checked.seen(name, tensors, extra):
+            return
+        why = check()
+        if why is not None:
+            raise _fail(op, why)
+        self._checked.remember(name, tensors, extra)
 
     # ------------------------------------------------------------------ checks
     def _check_tensor(
@@ -296,6 +292,9 @@ class KernelOps:
                             f"{value.shape[0]}, {slot_mapping.shape[0]}")
         if num_tokens == 0:
             return
+        num_slots = num_blocks * block_size
+        self._check_values(op, "slots", (slot_mapping,), (num_slots,),
+                           lambda: checks.slot_violation(slot_mapping, num_slots))
         # The kernel reads rows at any stride but each [kv_heads, head_size] row must be dense.
         key = key.to(k_cache.dtype)
         value = value.to(v_cache.dtype)
@@ -328,6 +327,8 @@ class KernelOps:
             raise _fail(op, f"unsupported block_size {block_size} / head_size {head_size}")
         if block_mapping.shape[0] == 0:
             return
+        self._check_values(op, "block_mapping", (block_mapping,), (num_blocks,),
+                           lambda: checks.block_mapping_violation(block_mapping, num_blocks))
         block_bytes = block_size * kv_heads * head_size * kv_cache.element_size()
         mod = self.backend.module(kv_cache.dtype, head_size, block_size)
         b = self.backend
@@ -380,6 +381,10 @@ class KernelOps:
                             f"{block_tables.shape[0]} rows and context_lens {context_lens.shape[0]}")
         if not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise _fail(op, f"scale must be a finite float, got {scale!r}")
+        num_blocks = k_cache.shape[0]
+        self._check_values(op, "decode", (block_tables, context_lens), (num_blocks, block_size),
+                           lambda: checks.context_violation(block_tables, context_lens, num_blocks,
+                                                            block_size))
         out = torch.empty_like(query)
         if num_seqs == 0:
             return out
@@ -415,8 +420,32 @@ class KernelOps:
                 )
         return out
 
-    # Prefill is compute-bound; SDPA over gathered blocks is the documented choice.
-    paged_prefill_attention = staticmethod(reference.paged_prefill_attention)
+    def paged_prefill_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        workspace: reference.Workspace | None = None,
+    ) -> torch.Tensor:
+        """See :func:`reference.paged_prefill_attention`, which computes it: prefill is
+        compute-bound, and SDPA over the gathered blocks is the documented choice. The indices
+        are checked first, as for decode (a bad block id in torch's gather is a device-side
+        assert, which ends the CUDA context)."""
+        op = "paged_prefill_attention"
+        if self.check_indices and block_tables.dim() == 2 and k_cache.dim() == 4:
+            num_blocks, block_size = k_cache.shape[:2]
+            num_tokens = query.shape[0]
+            self._check_values(
+                op, "prefill", (block_tables, query_start_loc, context_lens),
+                (num_blocks, block_size, num_tokens),
+                lambda: checks.query_violation(query_start_loc, context_lens, num_tokens)
+                or checks.context_violation(block_tables, context_lens, num_blocks, block_size))
+        return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables,
+                                                 query_start_loc, context_lens, scale, workspace)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -433,12 +462,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((span,), (1,))
 
 
-_ops: KernelOps | None = None
+_ops: dict[bool, KernelOps] = {}
 
 
-def get_cuda_ops() -> KernelOps:
-    """The process-wide CUDA ops (compiles lazily, per variant, on first use)."""
-    global _ops
-    if _ops is None:
-        _ops = KernelOps(CupyBackend())
-    return _ops
+def get_cuda_ops(check_indices: bool = True) -> KernelOps:
+    """The process-wide CUDA ops (compiles lazily, per variant, on first use); both settings
+    of ``check_indices`` share one :class:`CupyBackend` and so its compiled modules."""
+    if check_indices not in _ops:
+        backend = next(iter(_ops.values())).backend if _ops else CupyBackend()
+        _ops[check_indices] = KernelOps(backend, check_indices=check_indices)
+    return _ops[check_indices]
