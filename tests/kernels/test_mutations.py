@@ -16,10 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_runners import CPU_SCHEDULES
-from kernel_cases import TOLERANCES, make_decode_case, reference_decode
+from kernel_cases import TOLERANCES, make_decode_case, plant_late_maximum, reference_decode
 
 from batchgen.kernels.cuda.harness import HarnessError
-from batchgen.kernels.cuda.attention import KERNEL_HEADER, KERNEL_SOURCE, HarnessBackend, KernelOps
+from batchgen.kernels.cuda.attention import (
+    KERNEL_HEADER,
+    KERNEL_SOURCE,
+    PARTITION_SIZE,
+    HarnessBackend,
+    KernelOps,
+)
 
 DTYPE, HEAD, BLOCK = torch.float16, 64, 16
 
@@ -41,6 +47,10 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "tile max over half the logits": ("bg_warp_max(fmaxf(x0, x1))", "bg_warp_max(x0)"),
     "reduce ignores the denominators": (
         "__expf(ml[2 * p] - mx) * ml[2 * p + 1]", "__expf(ml[2 * p] - mx)"),
+    "reduce sums the first warp's partitions only": (
+        "for (int w = 0; w < BG_NUM_WARPS; ++w) sum +=", "for (int w = 0; w < 1; ++w) sum +="),
+    "reduce takes the first warp's maximum only": (
+        "for (int w = 1; w < BG_NUM_WARPS; ++w) mx =", "for (int w = 1; w < 1; ++w) mx ="),
     "off-by-one block lookup": ("table[pos / BG_BLOCK_SIZE]", "table[(pos + 1) / BG_BLOCK_SIZE]"),
     "idle threads leave before the barriers": (
         "  __syncthreads();\n\n  for (int tile = start",
@@ -52,12 +62,18 @@ def detection_cases():
     peaked = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[90, 33],
                               group=2, seed=23)
     peaked.query *= 200  # logits of order 1000: exp overflows unless the true max is subtracted
+    # 36 partitions, the largest logits in the last four (handled by the reduce's second warp).
+    late = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[9001],
+                            num_kv_heads=1, group=1, seed=24)
+    late.query *= 50
+    plant_late_maximum(late, 0, 32 * PARTITION_SIZE)
     return [
         peaked,
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK,
                          context_lens=[1, 15, 16, 17, 65, 130], group=3, seed=21),
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 600],
                          num_kv_heads=1, group=2, seed=22),
+        late,
     ]
 
 
