@@ -89,6 +89,22 @@ def make_decode_case(
                       2.0 * head_size**-0.5)
 
 
+def plant_late_maximum(case: DecodeCase, seq: int, start: int, factor: float = 2.0) -> None:
+    """Scale the K rows of sequence ``seq`` from position ``start`` on by ``factor`` (in place).
+
+    Every query head's largest logits then lie past ``start``: with ``start`` beyond the first 32
+    partitions, the split-K reduce must take its maximum and its sum across warps to be right.
+    The sequence's blocks must be its own (no shared prefix).
+    """
+    block_size = case.k_cache.shape[1]
+    n = int(case.context_lens[seq])
+    kv = case.k_cache.float()
+    for pos in range(start, n):
+        block = int(case.block_tables[seq, pos // block_size])
+        kv[block, pos % block_size] *= factor
+    case.k_cache.copy_(kv.to(case.k_cache.dtype))
+
+
 def reference_decode(case: DecodeCase) -> torch.Tensor:
     """The torch reference in float32 on the (already rounded) inputs, on the CPU."""
     from batchgen.kernels import reference

@@ -84,10 +84,13 @@ def test_python_constants_mirror_the_kernel_header() -> None:
     assert int(values["BG_MAX_GROUP"]) == kcuda.MAX_GROUP
     assert int(values["BG_TILE"]) == kcuda.TILE
     assert kcuda.PARTITION_SIZE % kcuda.TILE == 0
-    # The decode shared-memory layout: q, p, m, l, alpha (floats) and row (ints).
+    # The decode shared-memory layout: m, l, alpha, row, then q and p, which the epilogue's
+    # per-slot partial sums reuse ([BG_NUM_THREADS / vectors per row][8][head_size] floats).
     src = kcuda.KERNEL_SOURCE.read_text()
-    assert "#define BG_SMEM_WORDS (BG_SMEM_ROW + BG_TILE)" in src
-    assert kcuda.decode_smem_bytes(128) == 4 * (8 * 128 + 8 * 64 + 3 * 8 + 64)
+    assert "#define BG_SMEM_WORDS (BG_SMEM_LOOP_END > BG_SMEM_RED_END ? BG_SMEM_LOOP_END : BG_SMEM_RED_END)" in src
+    assert "#define BG_SMEM_RED_END (BG_SMEM_RED + BG_V_SLOTS * BG_MAX_GROUP * BG_HEAD_SIZE)" in src
+    assert kcuda.decode_smem_bytes(128, 2) == 4 * (3 * 8 + 64 + max(8 * 128 + 8 * 64, 8 * 8 * 128))
+    assert kcuda.decode_smem_bytes(80, 4) == 4 * (3 * 8 + 64 + max(8 * 80 + 8 * 64, 6 * 8 * 80))
 
 
 def test_split_rule_depends_only_on_the_context_length() -> None:

@@ -89,6 +89,21 @@ def test_launch_arguments_are_checked_like_a_strict_rawkernel() -> None:
         module().get_function("nope")
 
 
+@pytest.mark.parametrize("schedule", FIBER_SCHEDULES)
+def test_illegal_address_is_an_error_not_a_crash(schedule: str) -> None:
+    # As a GPU reports an illegal address, the harness turns a fault into an error (a kernel
+    # that reads through a poisoned shared-memory index would otherwise kill the process).
+    x = torch.arange(32, dtype=torch.float32)
+    out = torch.zeros(32)
+    f = module(schedule).get_function("wild_read")
+    f((1,), (32,), (out, x, np.int64(3)))
+    assert out[5] == 3 and out[7] == 7
+    with pytest.raises(HarnessError, match=r"illegal memory access \(SIGSEGV\) by thread \(5,0,0\)"):
+        f((1,), (32,), (out, x, np.int64(1 << 44)))
+    f((1,), (32,), (out, x, np.int64(4)))  # the module still works afterwards
+    assert out[5] == 4
+
+
 def test_parse_kernels_reads_signatures() -> None:
     src = ('extern "C" __global__ void __launch_bounds__(128, 1) k(\n'
            '    float* __restrict__ out,  // [n]\n    const long long* map, int n, float s) {}\n')

@@ -14,11 +14,12 @@ from kernel_cases import (
     DecodeCase,
     assert_close_to_reference,
     make_decode_case,
+    plant_late_maximum,
     reference_decode,
 )
 
 from batchgen.kernels import reference
-from batchgen.kernels.cuda.attention import PARTITION_SIZE, KernelOps
+from batchgen.kernels.cuda.attention import HEAD_SIZES, PARTITION_SIZE, KernelOps
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -36,11 +37,15 @@ VARIANTS = [
 ]
 
 
+# Every head size in float32 and float16 (block size 16), each run with GQA groups 1 to 8.
+HEAD_VARIANTS = [(dt, hs, 16) for dt in (F32, F16) for hs in HEAD_SIZES]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _build_variants(request: pytest.FixtureRequest) -> None:
     # Compile the CPU modules up front, in parallel, unless only GPU cases were selected.
     if any("[cpu" in item.nodeid for item in request.session.items):
-        prebuild((dt, hs, bs) for dt, hs, bs, _ in VARIANTS)
+        prebuild([(dt, hs, bs) for dt, hs, bs, _ in VARIANTS] + HEAD_VARIANTS)
 
 
 def run_all(runner: Runner, fn) -> list[tuple[str, object]]:
@@ -82,6 +87,38 @@ def test_decode_split_k_long_contexts(runner: Runner, dtype, head_size, block_si
     check_decode(runner, make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
                                           context_lens=[4096], num_kv_heads=1, group=4, seed=2),
                  dtype)
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size", HEAD_VARIANTS,
+                         ids=[f"{str(d)[6:]}-h{h}" for d, h, _ in HEAD_VARIANTS])
+def test_decode_every_head_size_and_group(runner: Runner, dtype, head_size, block_size) -> None:
+    # GQA groups 1..8 (one block serves the whole group); a tile and a half, and a split-K
+    # sequence, so the work split of every phase meets a partial tile at each head size.
+    for group in range(1, 9):
+        case = make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
+                                context_lens=[97, 1, PARTITION_SIZE + 33], num_kv_heads=2,
+                                group=group, seed=100 * group + head_size)
+        check_decode(runner, case, dtype)
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size", [(F32, 64, 16), (F16, 128, 16)])
+def test_decode_more_than_32_partitions(runner: Runner, dtype, head_size, block_size) -> None:
+    # 9,000+ tokens are 36 partitions: the reduce's per-partition loop then spans two warps, so
+    # its cross-warp max and sum are in play. Sequence 0's largest logits lie in its last
+    # partitions (past the first warp's 32), as do sequence 2's, with logits large enough that a
+    # maximum taken over the first warp only overflows exp().
+    lens = [9001, 300, 8480]
+    case = make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
+                            context_lens=lens, num_kv_heads=2, group=4, seed=12)
+    assert -(-lens[0] // PARTITION_SIZE) > 32
+    plant_late_maximum(case, 0, 32 * PARTITION_SIZE)
+    check_decode(runner, case, dtype)
+    peaked = make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
+                              context_lens=lens, num_kv_heads=1, group=2, seed=13)
+    peaked.query *= 50
+    plant_late_maximum(peaked, 0, 32 * PARTITION_SIZE)
+    plant_late_maximum(peaked, 2, 33 * PARTITION_SIZE)
+    check_decode(runner, peaked, dtype)
 
 
 @pytest.mark.parametrize("dtype,head_size,block_size", [(F16, 128, 16), (F32, 64, 16)])

@@ -16,31 +16,51 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_runners import CPU_SCHEDULES
-from kernel_cases import TOLERANCES, make_decode_case, reference_decode
+from kernel_cases import TOLERANCES, make_decode_case, plant_late_maximum, reference_decode
 
 from batchgen.kernels.cuda.harness import HarnessError
-from batchgen.kernels.cuda.attention import KERNEL_HEADER, KERNEL_SOURCE, HarnessBackend, KernelOps
+from batchgen.kernels.cuda.attention import (
+    KERNEL_HEADER,
+    KERNEL_SOURCE,
+    PARTITION_SIZE,
+    HarnessBackend,
+    KernelOps,
+)
 
-DTYPE, HEAD, BLOCK = torch.float16, 64, 16
+# float32 with head size 80: 20 vectors per row, so the P V phase reads 6 token slots side by side
+# (8 threads idle) in two batches per tile (8 tokens, then 3), and 5 K vectors per lane.
+DTYPE, HEAD, BLOCK = torch.float32, 80, 16
 
 # name -> (exact text in paged_attention.cu, replacement)
 MUTATIONS: dict[str, tuple[str, str]] = {
     "no barrier after loading q": (
         "  __syncthreads();\n\n  for (int tile = start", "\n  for (int tile = start"),
     "no barrier after the logits": (
-        "    __syncthreads();\n\n    // Phase 2", "\n    // Phase 2"),
+        "    __syncthreads();\n\n    // The first batch", "\n    // The first batch"),
     "no barrier after the softmax": (
         "    __syncthreads();\n\n    // Phase 3", "\n    // Phase 3"),
     "no barrier at the end of a tile": (
         "    __syncthreads();  // p_s, alpha_s", "    // p_s, alpha_s"),
     "half the lanes in the q.k reduction": (
         "m < BG_LANES_PER_TOKEN; m <<= 1", "m < BG_LANES_PER_TOKEN / 2; m <<= 1"),
-    "no rescale of the accumulator": ("acc[j][g] *= alpha_s[g];", "acc[j][g] *= 1.0f;"),
-    "tokens past the context not masked": ("valid ? dot : BG_NEG_INF", "dot"),
+    "no rescale of the accumulator": ("acc[g][e] *= alpha;", "acc[g][e] += 0.0f * alpha;"),
+    "K prefetch reloads the current tile": (
+        "BG_LOAD_K_TILE(tile + BG_TILE)", "BG_LOAD_K_TILE(tile)"),
+    "V batches after the first not loaded": (
+        "      if (b0 > 0) {\n        BG_LOAD_V_BATCH(b0)\n      }\n", ""),
+    "no barrier before the epilogue sum": ("  __syncthreads();\n  // l_s > 0", "  // l_s > 0"),
+    "epilogue sums the first token slot only": (
+        "for (int s = 0; s < BG_V_SLOTS; ++s) o +=", "for (int s = 0; s < 1; ++s) o +="),
+    "tokens past the context not masked": (
+        "valid ? dot : BG_NEG_INF", "(valid || true) ? dot : BG_NEG_INF"),
     "running max not initialised": ("    m_s[tid] = BG_NEG_INF;\n", ""),
     "tile max over half the logits": ("bg_warp_max(fmaxf(x0, x1))", "bg_warp_max(x0)"),
     "reduce ignores the denominators": (
         "__expf(ml[2 * p] - mx) * ml[2 * p + 1]", "__expf(ml[2 * p] - mx)"),
+    "reduce sums the first warp's partitions only": (
+        "for (int w = 0; w < BG_NUM_WARPS; ++w) sum +=", "for (int w = 0; w < 1; ++w) sum +="),
+    "reduce takes the first warp's maximum only": (
+        "for (int w = 1; w < BG_NUM_WARPS; ++w) mx =", "for (int w = 1; w < 1; ++w) mx ="),
     "off-by-one block lookup": ("table[pos / BG_BLOCK_SIZE]", "table[(pos + 1) / BG_BLOCK_SIZE]"),
     "idle threads leave before the barriers": (
         "  __syncthreads();\n\n  for (int tile = start",
@@ -52,12 +72,18 @@ def detection_cases():
     peaked = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[90, 33],
                               group=2, seed=23)
     peaked.query *= 200  # logits of order 1000: exp overflows unless the true max is subtracted
+    # 36 partitions, the largest logits in the last four (handled by the reduce's second warp).
+    late = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[9001],
+                            num_kv_heads=1, group=1, seed=24)
+    late.query *= 50
+    plant_late_maximum(late, 0, 32 * PARTITION_SIZE)
     return [
         peaked,
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK,
                          context_lens=[1, 15, 16, 17, 65, 130], group=3, seed=21),
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 600],
                          num_kv_heads=1, group=2, seed=22),
+        late,
     ]
 
 

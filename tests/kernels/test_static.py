@@ -117,7 +117,7 @@ def test_every_variant_compiles_clean_for_sm80_and_sm90(reports) -> None:
                 where = f"{kernel} {dtype_names[d]} h{h} b{b} sm_{arch}"
                 assert f["spill_stores"] == 0 and f["spill_loads"] == 0, f"{where} spills: {f}"
                 assert f["stack"] == 0 and f["cumulative_stack"] == 0, f"{where} uses local memory: {f}"
-                dyn = decode_smem_bytes(h) if kernel == "paged_decode" else 0
+                dyn = decode_smem_bytes(h, 4 if d == 0 else 2) if kernel == "paged_decode" else 0
                 lines.append(f"{where:<48} {f['registers']:>3} regs  static smem {f['smem']:>5} B"
                              f"  dynamic smem {dyn:>6} B")
         for name, hits in rep["fp64"].items():

@@ -61,9 +61,11 @@ class KernelInputError(ValueError):
     """Inputs of a kernel op violate its contract (dtype, device, layout or shape)."""
 
 
-def decode_smem_bytes(head_size: int) -> int:
+def decode_smem_bytes(head_size: int, element_size: int) -> int:
     """Dynamic shared memory of ``paged_decode`` (see the layout comment in the .cu file)."""
-    return 4 * (MAX_GROUP * head_size + MAX_GROUP * TILE + 3 * MAX_GROUP + TILE)
+    v_slots = NUM_THREADS // (head_size * element_size // 16)  # BG_V_SLOTS
+    loop = MAX_GROUP * head_size + MAX_GROUP * TILE
+    return 4 * (3 * MAX_GROUP + TILE + max(loop, v_slots * MAX_GROUP * head_size))
 
 
 def reduce_smem_bytes(max_parts: int) -> int:
@@ -409,7 +411,7 @@ class KernelOps:
                  b.arg(v_cache), b.arg(block_tables), b.arg(context_lens), np.float32(scale),
                  np.int32(num_heads), np.int32(kv_heads), np.int32(max_blocks),
                  np.int32(partition), np.int32(max_parts)),
-                shared_mem=decode_smem_bytes(head_size),
+                shared_mem=decode_smem_bytes(head_size, query.element_size()),
             )
             if max_parts > 1:
                 mod.get_function("paged_decode_reduce")(

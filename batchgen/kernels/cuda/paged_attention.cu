@@ -5,18 +5,24 @@
 #include "paged_attention.cuh"
 
 // Shared-memory layout of paged_decode, in 4-byte words (attention.py computes the same size):
-//   q      [BG_MAX_GROUP][BG_HEAD_SIZE]  queries of the group, pre-scaled, as float
-//   p      [BG_MAX_GROUP][BG_TILE]       a tile's logits, then its softmax numerators
 //   m, l   [BG_MAX_GROUP] each            running max and running denominator per head
 //   alpha  [BG_MAX_GROUP]                 rescale factor of the last tile per head
 //   row    [BG_TILE] (int)                cache row (slot) of each token of the tile
-#define BG_SMEM_Q 0
-#define BG_SMEM_P (BG_SMEM_Q + BG_MAX_GROUP * BG_HEAD_SIZE)
-#define BG_SMEM_M (BG_SMEM_P + BG_MAX_GROUP * BG_TILE)
+//   q      [BG_MAX_GROUP][BG_HEAD_SIZE]  queries of the group, pre-scaled, as float
+//   p      [BG_MAX_GROUP][BG_TILE]       a tile's logits, then its softmax numerators
+// After the last tile, q and p are reused by
+//   red    [BG_V_SLOTS][BG_MAX_GROUP][BG_HEAD_SIZE]  each token slot's partial P V, summed in
+//                                                    slot order by the epilogue
+#define BG_SMEM_M 0
 #define BG_SMEM_L (BG_SMEM_M + BG_MAX_GROUP)
 #define BG_SMEM_ALPHA (BG_SMEM_L + BG_MAX_GROUP)
 #define BG_SMEM_ROW (BG_SMEM_ALPHA + BG_MAX_GROUP)
-#define BG_SMEM_WORDS (BG_SMEM_ROW + BG_TILE)
+#define BG_SMEM_Q (BG_SMEM_ROW + BG_TILE)
+#define BG_SMEM_P (BG_SMEM_Q + BG_MAX_GROUP * BG_HEAD_SIZE)
+#define BG_SMEM_RED BG_SMEM_Q
+#define BG_SMEM_LOOP_END (BG_SMEM_P + BG_MAX_GROUP * BG_TILE)
+#define BG_SMEM_RED_END (BG_SMEM_RED + BG_V_SLOTS * BG_MAX_GROUP * BG_HEAD_SIZE)
+#define BG_SMEM_WORDS (BG_SMEM_LOOP_END > BG_SMEM_RED_END ? BG_SMEM_LOOP_END : BG_SMEM_RED_END)
 
 // Attention of one query token per sequence over its paged context.
 //
@@ -32,9 +38,15 @@
 // paged_decode_reduce combines them. The partition count depends only on the sequence's own
 // context length, so a sequence's result never depends on the rest of the batch.
 //
+// Memory-level parallelism (the kernel is bound by the bytes of K and V it reads):
+//   * every K and V read is a 16-byte vector load, kept as raw bits until used;
+//   * K is prefetched one tile ahead: the loads of tile i + 1 are issued right after tile i's
+//     logits, and stay in flight through tile i's softmax and P V phases;
+//   * a thread's V loads of a tile (up to BG_V_BATCH) are issued together, the first batch
+//     before the softmax phase, which hides part of their latency behind it.
+//
 // __launch_bounds__(.., 1): without a minimum-blocks hint ptxas caps the registers of the smaller
-// head sizes and spills the accumulators; with it every variant fits in registers (checked by the
-// static test), at up to 255 registers for head_size 256.
+// head sizes and spills; with it every variant fits in registers (checked by the static test).
 extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     scalar_t* __restrict__ out,               // [num_seqs, num_heads, head_size]
     float* __restrict__ part_out,             // [num_seqs, num_heads, max_parts, head_size]
@@ -47,12 +59,13 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     float scale, int num_heads, int num_kv_heads, int max_blocks_per_seq, int partition_size,
     int max_parts) {
   BG_DYNAMIC_SMEM(float, smem);
-  float* q_s = smem + BG_SMEM_Q;
-  float* p_s = smem + BG_SMEM_P;
   float* m_s = smem + BG_SMEM_M;
   float* l_s = smem + BG_SMEM_L;
   float* alpha_s = smem + BG_SMEM_ALPHA;
   int* row_s = reinterpret_cast<int*>(smem + BG_SMEM_ROW);
+  float* q_s = smem + BG_SMEM_Q;
+  float* p_s = smem + BG_SMEM_P;
+  float* red_s = smem + BG_SMEM_RED;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -83,6 +96,33 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
   const int end = (ctx - start < partition_size) ? ctx : start + partition_size;
 
   const long long row_stride = static_cast<long long>(num_kv_heads) * BG_HEAD_SIZE;
+  const scalar_t* k_head = k_cache + kv_head * BG_HEAD_SIZE;
+  const scalar_t* v_head = v_cache + kv_head * BG_HEAD_SIZE;
+  const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
+  const int tok_lane = lane / BG_LANES_PER_TOKEN;  // which token of the warp's group of tokens
+  const int sub = lane % BG_LANES_PER_TOKEN;       // which slice of the head this lane reads
+  const int v_slot = tid / BG_NVEC;                // PV phase: token slot of this thread
+  const int v_vec = tid % BG_NVEC;                 // PV phase: 16-byte vector of the V row
+  const bool v_active = v_slot < BG_V_SLOTS;
+
+  // K rows of this lane's BG_K_TOKENS tokens of the next tile to score (raw 16-byte vectors),
+  // and their cache rows (-1 past the end of the partition).
+  uint4 kraw[BG_K_TOKENS][BG_VEC_PER_LANE];
+  int krow[BG_K_TOKENS];
+#define BG_LOAD_K_TILE(tile_start)                                                          \
+  _Pragma("unroll") for (int k = 0; k < BG_K_TOKENS; ++k) {                                 \
+    const int pos = (tile_start) + warp * BG_TOKENS_PER_WARP + tok_lane +                   \
+                    k * (BG_NUM_WARPS * BG_TOKENS_PER_WARP);                                \
+    krow[k] = -1;                                                                           \
+    if (pos < end) krow[k] = table[pos / BG_BLOCK_SIZE] * BG_BLOCK_SIZE + pos % BG_BLOCK_SIZE; \
+    const scalar_t* kp = k_head + (pos < end ? krow[k] : 0) * row_stride;                   \
+    _Pragma("unroll") for (int i = 0; i < BG_VEC_PER_LANE; ++i) {                           \
+      const int v = sub + i * BG_LANES_PER_TOKEN;                                           \
+      kraw[k][i] = (pos < end && v < BG_NVEC) ? bg_load16(kp + v * BG_VEC) : bg_zero16();   \
+    }                                                                                       \
+  }
+  BG_LOAD_K_TILE(start)
+
   for (int i = tid; i < num_g * BG_HEAD_SIZE; i += BG_NUM_THREADS) {
     q_s[i] = bg_to_float(query[(static_cast<long long>(seq) * num_heads + head0) * BG_HEAD_SIZE +
                                i]) * scale;
@@ -91,46 +131,27 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     m_s[tid] = BG_NEG_INF;
     l_s[tid] = 0.0f;
   }
-  // acc[j][g]: unnormalised output of head g at dimension tid + j * BG_NUM_THREADS.
-  float acc[BG_DIMS_PER_THREAD][BG_MAX_GROUP];
+  // acc[g][e]: unnormalised output of head g at dimension v_vec * BG_VEC + e, summed over the
+  // tokens of slot v_slot.
+  float acc[BG_MAX_GROUP][BG_VEC];
 #pragma unroll
-  for (int j = 0; j < BG_DIMS_PER_THREAD; ++j) {
+  for (int g = 0; g < BG_MAX_GROUP; ++g) {
 #pragma unroll
-    for (int g = 0; g < BG_MAX_GROUP; ++g) acc[j][g] = 0.0f;
+    for (int e = 0; e < BG_VEC; ++e) acc[g][e] = 0.0f;
   }
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
-  const int tok_lane = lane / BG_LANES_PER_TOKEN;  // which token of the warp's group of tokens
-  const int sub = lane % BG_LANES_PER_TOKEN;       // which slice of the head this lane reads
   __syncthreads();
 
   for (int tile = start; tile < end; tile += BG_TILE) {
     // Phase 1: logits of the tile. BG_LANES_PER_TOKEN lanes share one token; each holds its
     // slice of the K row in registers and reuses it for every query head of the group.
-#pragma unroll 1
-    for (int t0 = warp * BG_TOKENS_PER_WARP; t0 < BG_TILE; t0 += BG_NUM_WARPS * BG_TOKENS_PER_WARP) {
-      const int t = t0 + tok_lane;
-      const int pos = tile + t;
-      const bool valid = pos < end;
+#pragma unroll
+    for (int k = 0; k < BG_K_TOKENS; ++k) {
+      const int t = warp * BG_TOKENS_PER_WARP + tok_lane + k * (BG_NUM_WARPS * BG_TOKENS_PER_WARP);
+      const bool valid = tile + t < end;
+      if (sub == 0) row_s[t] = krow[k];
       float kf[BG_VEC_PER_LANE * BG_VEC];
-      int row = -1;
-      if (valid) {
-        row = table[pos / BG_BLOCK_SIZE] * BG_BLOCK_SIZE + pos % BG_BLOCK_SIZE;
-        const scalar_t* krow = k_cache + row * row_stride + kv_head * BG_HEAD_SIZE;
 #pragma unroll
-        for (int i = 0; i < BG_VEC_PER_LANE; ++i) {
-          const int v = sub + i * BG_LANES_PER_TOKEN;
-          if (v < BG_NVEC) {
-            bg_load_vec(krow + v * BG_VEC, kf + i * BG_VEC);
-          } else {
-#pragma unroll
-            for (int e = 0; e < BG_VEC; ++e) kf[i * BG_VEC + e] = 0.0f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < BG_VEC_PER_LANE * BG_VEC; ++e) kf[e] = 0.0f;
-      }
-      if (sub == 0) row_s[t] = row;
+      for (int i = 0; i < BG_VEC_PER_LANE; ++i) bg_unpack16(kraw[k][i], kf + i * BG_VEC);
       // Every lane runs the same number of iterations (num_g is uniform), so the shuffles
       // below are never divergent, even for tokens past the end of the context.
       for (int g = 0; g < num_g; ++g) {
@@ -152,7 +173,20 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
         if (sub == 0) p_s[g * BG_TILE + t] = valid ? dot : BG_NEG_INF;
       }
     }
+    // Prefetch: the next tile's K rows stay in flight through this tile's softmax and P V.
+    BG_LOAD_K_TILE(tile + BG_TILE)
     __syncthreads();
+
+    // The first batch of this thread's V rows, in flight during the softmax phase.
+    const int tile_len = min(BG_TILE, end - tile);
+    uint4 vraw[BG_V_BATCH];
+#define BG_LOAD_V_BATCH(b0)                                                                 \
+  _Pragma("unroll") for (int b = 0; b < BG_V_BATCH; ++b) {                                  \
+    const int t = v_slot + ((b0) + b) * BG_V_SLOTS;                                         \
+    const bool ok = v_active && (b0) + b < BG_V_TOKENS && t < tile_len;                     \
+    vraw[b] = ok ? bg_load16(v_head + row_s[t] * row_stride + v_vec * BG_VEC) : bg_zero16(); \
+  }
+    BG_LOAD_V_BATCH(0)
 
     // Phase 2: online-softmax update, one warp per query head.
     for (int g = warp; g < num_g; g += BG_NUM_WARPS) {
@@ -175,48 +209,69 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     }
     __syncthreads();
 
-    // Phase 3: acc = acc * alpha + P V. Thread tid owns dimensions tid, tid + BG_NUM_THREADS..
-    // of every head of the group, so each V element is loaded once.
-    const int tile_len = min(BG_TILE, end - tile);
+    // Phase 3: acc = acc * alpha + P V over this thread's tokens of the tile.
 #pragma unroll
-    for (int j = 0; j < BG_DIMS_PER_THREAD; ++j) {
-      const int d = tid + j * BG_NUM_THREADS;
-      if (d < BG_HEAD_SIZE) {
+    for (int g = 0; g < BG_MAX_GROUP; ++g) {
+      if (g < num_g) {
+        const float alpha = alpha_s[g];
 #pragma unroll
-        for (int g = 0; g < BG_MAX_GROUP; ++g) {
-          if (g < num_g) acc[j][g] *= alpha_s[g];
-        }
-        const scalar_t* vcol = v_cache + kv_head * BG_HEAD_SIZE + d;
+        for (int e = 0; e < BG_VEC; ++e) acc[g][e] *= alpha;
+      }
+    }
 #pragma unroll 1
-        for (int t = 0; t < tile_len; ++t) {
-          const float v = bg_to_float(vcol[row_s[t] * row_stride]);
+    for (int b0 = 0; b0 < BG_V_TOKENS; b0 += BG_V_BATCH) {
+      if (b0 > 0) {
+        BG_LOAD_V_BATCH(b0)
+      }
+#pragma unroll
+      for (int b = 0; b < BG_V_BATCH; ++b) {
+        const int t = v_slot + (b0 + b) * BG_V_SLOTS;
+        if (v_active && b0 + b < BG_V_TOKENS && t < tile_len) {
+          float vf[BG_VEC];
+          bg_unpack16(vraw[b], vf);
 #pragma unroll
           for (int g = 0; g < BG_MAX_GROUP; ++g) {
-            if (g < num_g) acc[j][g] += p_s[g * BG_TILE + t] * v;
+            if (g < num_g) {
+              const float p = p_s[g * BG_TILE + t];
+#pragma unroll
+              for (int e = 0; e < BG_VEC; ++e) acc[g][e] += p * vf[e];
+            }
           }
         }
       }
     }
+#undef BG_LOAD_V_BATCH
     __syncthreads();  // p_s, alpha_s and row_s are rewritten by the next tile
   }
+#undef BG_LOAD_K_TILE
 
-  // Epilogue. l_s > 0: the token holding the maximum contributes exp(0) = 1.
+  // Epilogue: the token slots' partial sums meet in shared memory (q and p are free now) and
+  // are added in slot order, so the result does not depend on the schedule.
+  if (v_active) {
 #pragma unroll
-  for (int j = 0; j < BG_DIMS_PER_THREAD; ++j) {
-    const int d = tid + j * BG_NUM_THREADS;
-    if (d < BG_HEAD_SIZE) {
+    for (int g = 0; g < BG_MAX_GROUP; ++g) {
+      if (g < num_g) {
 #pragma unroll
-      for (int g = 0; g < BG_MAX_GROUP; ++g) {
-        if (g < num_g) {
-          const float o = acc[j][g] / l_s[g];
-          const long long head = static_cast<long long>(seq) * num_heads + head0 + g;
-          if (num_parts == 1) {
-            out[head * BG_HEAD_SIZE + d] = bg_from_float(o);
-          } else {
-            part_out[(head * max_parts + part) * BG_HEAD_SIZE + d] = o;
-          }
+        for (int e = 0; e < BG_VEC; ++e) {
+          red_s[(v_slot * BG_MAX_GROUP + g) * BG_HEAD_SIZE + v_vec * BG_VEC + e] = acc[g][e];
         }
       }
+    }
+  }
+  __syncthreads();
+  // l_s > 0: the token holding the maximum contributes exp(0) = 1.
+  for (int i = tid; i < num_g * BG_HEAD_SIZE; i += BG_NUM_THREADS) {
+    const int g = i / BG_HEAD_SIZE;
+    const int d = i % BG_HEAD_SIZE;
+    float o = 0.0f;
+#pragma unroll
+    for (int s = 0; s < BG_V_SLOTS; ++s) o += red_s[(s * BG_MAX_GROUP + g) * BG_HEAD_SIZE + d];
+    o /= l_s[g];
+    const long long head = static_cast<long long>(seq) * num_heads + head0 + g;
+    if (num_parts == 1) {
+      out[head * BG_HEAD_SIZE + d] = bg_from_float(o);
+    } else {
+      part_out[(head * max_parts + part) * BG_HEAD_SIZE + d] = o;
     }
   }
   if (num_parts > 1 && tid < num_g) {

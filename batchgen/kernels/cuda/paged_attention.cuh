@@ -74,23 +74,39 @@ __device__ __forceinline__ scalar_t bg_from_float(float x) { return __float2bflo
 #endif
 // Vectors of one K row held by each of the BG_LANES_PER_TOKEN lanes (the last may be partial).
 #define BG_VEC_PER_LANE ((BG_NVEC + BG_LANES_PER_TOKEN - 1) / BG_LANES_PER_TOKEN)
-// Output dimensions owned by each thread in the PV phase.
-#define BG_DIMS_PER_THREAD ((BG_HEAD_SIZE + BG_NUM_THREADS - 1) / BG_NUM_THREADS)
+// QK phase: tokens of a tile each lane scores (all its K loads are issued before the first use).
+#define BG_K_TOKENS (BG_TILE / (BG_NUM_WARPS * BG_TOKENS_PER_WARP))
+// PV phase: thread tid reads 16-byte vector tid % BG_NVEC of the V rows of tokens
+// tid / BG_NVEC, + BG_V_SLOTS, ...: BG_V_SLOTS tokens are read side by side, each by BG_NVEC
+// threads, and every thread (but the BG_NUM_THREADS % BG_NVEC left over) has work at every head
+// size. BG_V_BATCH of a thread's loads are in flight before the first is used.
+#define BG_V_SLOTS (BG_NUM_THREADS / BG_NVEC)
+#define BG_V_TOKENS ((BG_TILE + BG_V_SLOTS - 1) / BG_V_SLOTS)
+#define BG_V_BATCH (BG_V_TOKENS < 8 ? BG_V_TOKENS : 8)
+#if BG_V_SLOTS < 1
+#error "a V row must fit in BG_NUM_THREADS 16-byte vectors"
+#endif
 
-// Loads BG_VEC consecutive elements (16 bytes, 16-byte aligned) as floats.
-__device__ __forceinline__ void bg_load_vec(const scalar_t* p, float* out) {
-#if BG_DTYPE == 0
-  const float4 f = *reinterpret_cast<const float4*>(p);
-  out[0] = f.x;
-  out[1] = f.y;
-  out[2] = f.z;
-  out[3] = f.w;
-#else
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+// 16 bytes (BG_VEC elements, 16-byte aligned) as raw bits: one 128-bit load. Kept raw until
+// used, so a load in flight holds four registers whatever the dtype.
+__device__ __forceinline__ uint4 bg_load16(const scalar_t* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ uint4 bg_zero16() {
+  uint4 z;
+  z.x = z.y = z.z = z.w = 0u;
+  return z;
+}
+
+// The BG_VEC elements of a raw 16-byte vector as floats.
+__device__ __forceinline__ void bg_unpack16(const uint4& u, float* out) {
   const unsigned int w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-#if BG_DTYPE == 1
+#if BG_DTYPE == 0
+    out[i] = __uint_as_float(w[i]);
+#elif BG_DTYPE == 1
     out[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
     out[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
 #else
@@ -99,7 +115,6 @@ __device__ __forceinline__ void bg_load_vec(const scalar_t* p, float* out) {
     out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
 #endif
   }
-#endif
 }
 
 __device__ __forceinline__ float bg_warp_max(float x) {

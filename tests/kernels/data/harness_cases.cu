@@ -82,3 +82,8 @@ extern "C" __global__ void smem_overflow(float* out, int n) {
   __syncthreads();
   out[threadIdx.x] = 0.0f;
 }
+
+// Reads through an index taken from the data: a wild pointer when idx is huge.
+extern "C" __global__ void wild_read(float* out, const float* in, long long idx) {
+  out[threadIdx.x] = in[threadIdx.x == 5 ? idx : threadIdx.x];
+}

@@ -18,6 +18,9 @@
 //   warp_reverse  the same with warps and lanes in descending order
 //   round_robin   one thread advances to its next synchronisation point, then the next thread
 //   random        a seeded random ready thread each time
+// An access to unmapped memory (SIGSEGV or SIGBUS) in a fiber schedule ends the launch with an
+// error naming the block and thread, as a GPU reports an illegal address, instead of killing the
+// process.
 // Dynamic shared memory is filled with a poison pattern (NaN or a huge finite float) at the start
 // of every block, as on a GPU where it holds whatever the previous block left.
 #pragma once
@@ -27,6 +30,8 @@
 #include <cmath>
 #include <math.h>  // expf, fmaxf, ... in the global namespace, as CUDA has them
 #include <condition_variable>
+#include <csetjmp>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -493,6 +498,20 @@ inline T warp_op(int line, ShflKind kind, unsigned int mask, T value, int arg, i
   return out;
 }
 
+// Fault recovery of the fiber schedules: the handler jumps back to launch(), abandoning the
+// block's fibers (their stacks are plain memory owned by launch()).
+inline sigjmp_buf g_fault_env;
+inline volatile int g_fault_armed = 0;
+extern "C" inline void bgh_on_fault(int sig) {
+  if (!g_fault_armed) {  // not ours: restore the default action and re-raise
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  g_fault_armed = 0;
+  siglongjmp(g_fault_env, sig);
+}
+
 // Runs a whole grid. Returns 0, or 1 with a message in err.
 inline int launch(void (*thunk)(void**), void** args, dim3 grid, dim3 block, std::size_t smem_bytes,
                   int schedule, int poison, unsigned seed, char* err, std::size_t errlen) {
@@ -523,6 +542,24 @@ inline int launch(void (*thunk)(void**), void** args, dim3 grid, dim3 block, std
   }
 #endif
   g_launch = &L;
+  struct sigaction on_fault {}, old_segv {}, old_bus {};
+  volatile const bool catch_faults = schedule != kThreads;
+  if (catch_faults) {
+    on_fault.sa_handler = bgh_on_fault;
+    sigemptyset(&on_fault.sa_mask);
+    on_fault.sa_flags = SA_NODEFER;
+    sigaction(SIGSEGV, &on_fault, &old_segv);
+    sigaction(SIGBUS, &on_fault, &old_bus);
+    if (const int sig = sigsetjmp(g_fault_env, 1)) {
+      sigaction(SIGSEGV, &old_segv, nullptr);
+      sigaction(SIGBUS, &old_bus, nullptr);
+      const std::string who = cur ? describe(*cur) : std::string("a thread");
+      g_launch = nullptr;
+      return report(std::string("illegal memory access (") + (sig == SIGBUS ? "SIGBUS" : "SIGSEGV") +
+                    ") by " + who);
+    }
+    g_fault_armed = 1;
+  }
   const float pattern = poison == kPoisonNaN ? __uint_as_float(0x7fc00000u) : 1.0e30f;
   for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
@@ -561,11 +598,21 @@ inline int launch(void (*thunk)(void**), void** args, dim3 grid, dim3 block, std
 #endif
         }
         if (!L.error.empty()) {
+          g_fault_armed = 0;
+          if (catch_faults) {
+            sigaction(SIGSEGV, &old_segv, nullptr);
+            sigaction(SIGBUS, &old_bus, nullptr);
+          }
           g_launch = nullptr;
           return report(L.error);
         }
       }
     }
+  }
+  g_fault_armed = 0;
+  if (catch_faults) {
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
   }
   g_launch = nullptr;
   return 0;
