@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "BeamSearchParams", "Request", "RequestOutput", "CompletionOutput",
+    "LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
     "RequestStats", "EngineStats", "hookimpl", "__version__",
 ]
 
@@ -24,6 +24,7 @@ _LAZY = {
     "LLM": ("batchgen.engine.llm", "LLM"),
     "SamplingParams": ("batchgen.sampling.params", "SamplingParams"),
     "BeamSearchParams": ("batchgen.sampling.params", "BeamSearchParams"),
+    "StructuredOutputsParams": ("batchgen.sampling.params", "StructuredOutputsParams"),
     "Request": ("batchgen.engine.outputs", "Request"),
     "RequestOutput": ("batchgen.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("batchgen.engine.outputs", "CompletionOutput"),
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from batchgen.engine.outputs import CompletionOutput, EngineStats, Request, RequestOutput
     from batchgen.engine.sequence import RequestStats
     from batchgen.plugins import hookimpl
-    from batchgen.sampling.params import BeamSearchParams, SamplingParams
+    from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -41,6 +41,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -251,6 +252,89 @@ def _check_plugin(info: ValidationInfo, kind: str, noun: str, name: str, options
         raise ValueError(f"invalid options for {noun} plugin '{name}': " + "; ".join(problems)) from None
 
 
+class StructuredOutputsSection(_Section):
+    """``generation.structured_outputs:`` constrain every generation; exactly one key is set.
+
+    ``json`` takes a JSON schema as a mapping, or the path of a ``.json`` file holding one (read
+    when the config is validated, relative to the working folder; the resolved config records
+    the schema itself). Each constraint is compiled when the config is validated, so a bad
+    schema, regex or grammar is a config error naming its key.
+    """
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema: a mapping, or the path of a .json file")
+    regex: str | None = Field(None, min_length=1, description="the output fully matches this regex")
+    choice: list[str] | None = Field(None, min_length=1, description="the output is one of these strings")
+    grammar: str | None = Field(None, min_length=1, description="an EBNF grammar (xgrammar's dialect)")
+    json_object: bool = Field(False, description="true: the output is any JSON object")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, populate_by_name=True)
+
+    @field_validator("json_", mode="after")
+    @classmethod
+    def _schema(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        if isinstance(value, str):
+            path = Path(value)
+            if not path.is_file():
+                raise ValueError(f"the JSON schema file '{value}' does not exist; give a path to a "
+                                 ".json file or the schema itself as a mapping")
+            import json
+
+            try:
+                value = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"the JSON schema file '{path}' could not be read as JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"the JSON schema file '{path}' must hold a JSON object, "
+                                 f"got {type(value).__name__}")
+        if value is not None:
+            _check_constraint("json", value)
+        return value
+
+    @field_validator("regex", "choice", "grammar", mode="after")
+    @classmethod
+    def _compiles(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            _check_constraint(str(info.field_name), value)
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsSection:
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'json', 'regex', 'choice', 'grammar', 'json_object: true'"
+                             + (f"; got {', '.join(repr(k) for k in given)}" if given else ""))
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_as_written(self, handler: Any) -> dict[str, Any]:
+        """Dump the keys as the YAML spells them (``json``, not the field's Python name)."""
+        data = handler(self)
+        if isinstance(data, dict) and "json_" in data:
+            data = {("json" if k == "json_" else k): v for k, v in data.items()}
+        return data
+
+    def params(self) -> Any:
+        """The engine's :class:`batchgen.sampling.params.StructuredOutputsParams`."""
+        from batchgen.sampling.params import StructuredOutputsParams
+
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object)
+
+
+def _check_constraint(kind: str, value: Any) -> None:
+    """Raise ValueError unless the constraint compiles (or when xgrammar is missing)."""
+    from batchgen.sampling.params import StructuredOutputsParams
+    from batchgen.structured import check
+
+    try:
+        check(StructuredOutputsParams(**{kind: value}))
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+
+
 _SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p")
 _BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
 # Per-token knobs of the sampler that beam search (which ranks by raw logprobs) does not apply.
@@ -286,6 +370,7 @@ class GenerationSection(_Section):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     sampler: SamplerRef | None = None
+    structured_outputs: StructuredOutputsSection | None = None
 
     @model_validator(mode="after")
     def _mode_keys(self) -> GenerationSection:
@@ -301,6 +386,9 @@ class GenerationSection(_Section):
             wrong += [k for k in _BEAM_ONLY if used(k)]
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.structured_outputs is not None and (used("min_tokens") or used("ignore_eos")):
+            raise ValueError("'structured_outputs' decides where the output ends: drop "
+                             + " and ".join(repr(k) for k in ("min_tokens", "ignore_eos") if used(k)))
         if self.mode == "beam":
             unsupported = [k for k in _NOT_BEAM if used(k)]
             if unsupported:
@@ -690,7 +778,7 @@ def _issue(err: Mapping[str, Any]) -> ConfigIssue:
     value = err.get("input")
     if kind == "extra_forbidden":
         parent = _walk(loc[:-1])
-        valid = list(parent.model_fields) if parent is not None else []
+        valid = [f.alias or k for k, f in parent.model_fields.items()] if parent is not None else []
         message = f"unknown key{did_you_mean(str(loc[-1]), valid)}"
         if valid:
             message += f"; valid keys here: {_choices(valid)}"

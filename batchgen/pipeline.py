@@ -142,6 +142,7 @@ def build_params(gen: GenerationSection, logits_processors: Sequence[Any] = ()) 
         stop=list(gen.stop),
         stop_token_ids=list(gen.stop_token_ids),
         ignore_eos=gen.ignore_eos,
+        structured_outputs=None if gen.structured_outputs is None else gen.structured_outputs.params(),
     )
     if gen.mode == "beam":
         return BeamSearchParams(

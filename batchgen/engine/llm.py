@@ -23,8 +23,8 @@ from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.models import DEFAULT_MODEL, resolve_model
 from batchgen.sampling.beam import BeamSearchState
-from batchgen.sampling.params import BeamSearchParams, SamplingParams
-from batchgen.sampling.sampler import Sampler, SamplingRow
+from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
+from batchgen.sampling.sampler import Sampler, SamplingRow, apply_stateful
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class LLM:
         self.sampler = Sampler(fused_greedy=self.runner.linear_backend == "cpu")
         self.eos_token_ids: list[int] = self.runner.eos_token_ids()
         self.seed = seed
+        self._structured: Any = None  # the StructuredOutputsProcessor, made on first use
         self._arrivals = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -239,11 +240,43 @@ class LLM:
         seq = Sequence(token_ids, index=0)
         self._init_seq(group, seq)
         group.seqs.append(seq)
+        group.processors = [p for p in params.logits_processors if is_stateful(p)]
+        try:
+            if params.structured_outputs is not None:
+                group.processors.append(self.structured_processor())
+            # Made now so that a grammar compiles while other requests' steps run.
+            seq.processor_states = [p.new_state(list(token_ids), params) for p in group.processors]
+        except (ValueError, ImportError) as exc:  # a constraint that does not compile, no xgrammar
+            group.error = str(exc)
+            return group
         if isinstance(params, BeamSearchParams):
             checker = self._stop_string_checker(params) if params.stop else None
             group.beam_state = BeamSearchState(params, self.eos_token_ids, stop_checker=checker)
         self._num_prompt_tokens += len(token_ids)
         return group
+
+    def structured_processor(self) -> Any:
+        """The engine's :class:`batchgen.structured.StructuredOutputsProcessor`, shared by every
+        constrained request (so its grammar cache and its batched mask fill are too); made on
+        first use. Raises ImportError when xgrammar is missing."""
+        if self._structured is None:
+            from batchgen.structured import StructuredOutputsProcessor
+
+            self._structured = StructuredOutputsProcessor(
+                self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
+                max_threads=max(1, min(8, torch.get_num_threads())))
+        return self._structured
+
+    def _states(self, group: SequenceGroup, seq: Sequence) -> list[Any]:
+        """``seq``'s processor states; built again from its tokens when it has none (after a
+        preemption by recompute): fresh states that accept every generated token."""
+        if seq.processor_states is None:
+            states = [p.new_state(seq.prompt_token_ids, group.params) for p in group.processors]
+            for token in seq.output_token_ids:
+                for state in states:
+                    state.accept_token(token)
+            seq.processor_states = states
+        return seq.processor_states
 
     def _stop_string_checker(self, params: BeamSearchParams) -> Callable[[Seq[int]], bool]:
         """For beams: does the decoded text of these tokens contain a stop string?"""
@@ -341,9 +374,14 @@ class LLM:
         suppress: Seq[int] = ()
         if seq.num_output_tokens < params.min_tokens:
             suppress = self._stop_ids(params)
+        if not group.processors:
+            return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
+                               output_token_ids=seq.output_token_ids, generator=seq.generator,
+                               suppress_token_ids=suppress)
         return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
                            output_token_ids=seq.output_token_ids, generator=seq.generator,
-                           suppress_token_ids=suppress)
+                           suppress_token_ids=suppress, processors=group.processors,
+                           states=self._states(group, seq))
 
     def _fork_samples(self, group: SequenceGroup, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """After the prompt's prefill: fork it into best_of (or n) samples sharing its blocks.
@@ -374,6 +412,9 @@ class LLM:
             self._finish_seq(seq, "stop", token if token in params.stop_token_ids else None)
             return
         seq.append_token(token, logprob)
+        if seq.processor_states:
+            for state in seq.processor_states:
+                state.accept_token(token)
         if params.logprobs is not None and top is not None:
             seq.output_logprobs.append(top)
         new_text = seq.detokenizer.step(token)
@@ -422,8 +463,21 @@ class LLM:
         beams = [s for s, _ in entries]
         rows = torch.tensor([r for _, r in entries], dtype=torch.long)
         logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        processed = bool(params.logits_processors)
+        if processed:
+            # As HF applies its processors in beam search: on the log-softmax scores, so that a
+            # masked token drops out and the others keep their logprobs.
+            outputs = [b.output_token_ids for b in beams]
+            for proc in params.logits_processors:
+                if not is_stateful(proc):
+                    logprobs = proc(logprobs, outputs).float()
+        if group.processors:
+            processed = True
+            apply_stateful(logprobs, [group.processors] * len(beams), [self._states(group, b) for b in beams])
         top_lp, top_ids = torch.topk(logprobs, min(state.num_candidates, logprobs.shape[-1]), dim=-1)
         candidates = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+        if processed:  # only the continuations the processors allow are ranked
+            candidates = [[(t, lp) for t, lp in c if lp != -math.inf] for c in candidates]
         chosen = state.step([b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], candidates)
         group.forked = True
         remaining: dict[int, int] = {}
@@ -441,6 +495,9 @@ class LLM:
                 seq = parent  # the last child takes the parent itself
             seq.token_ids.append(token)
             seq.cumulative_logprob = cum
+            if seq.processor_states:
+                for pstate in seq.processor_states:
+                    pstate.accept_token(token)
             new_seqs.append(seq)
         alive = {id(s) for s in new_seqs}
         for b in beams:

@@ -43,6 +43,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
         "block_hashes", "token_block_hashes", "status", "cumulative_logprob", "output_logprobs",
         "finish_reason", "stop_reason", "generator", "detokenizer", "text", "index", "score",
+        "processor_states",
     )
 
     def __init__(self, token_ids: list[int], index: int = 0) -> None:
@@ -63,6 +64,9 @@ class Sequence:
         self.text: str = ""
         self.index: int = index
         self.score: float | None = None  # beam score, set on finished beam hypotheses
+        # One state per stateful logits processor of the request (SequenceGroup.processors),
+        # or None when they are to be built (again) from the tokens, e.g. after a preemption.
+        self.processor_states: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -107,10 +111,16 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.text = self.text
+        if self.processor_states is not None:
+            child.processor_states = [state.fork() for state in self.processor_states]
         return child
 
     def reset_for_recompute(self) -> None:
-        """Forget every cached token (the blocks were freed): all tokens will be recomputed."""
+        """Forget every cached token (the blocks were freed): all tokens will be recomputed.
+
+        The processor states go too; the engine rebuilds them from the tokens when the
+        sequence samples again."""
+        self.processor_states = None
         self.num_computed_tokens = 0
         self.block_table = []
         self.block_hashes = []
@@ -165,6 +175,9 @@ class SequenceGroup:
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     beam_state: Any = None
+    # The request's stateful logits processors (plugins' and structured outputs'); each live
+    # sequence holds one state per processor, in this order.
+    processors: list[Any] = field(default_factory=list)
     forked: bool = False  # True once the prompt's sequence has been forked into n / beams
     # After preemption, a forked group recomputes its prompt once, on its first live sequence,
     # and then shares those blocks with the others (instead of one prompt copy per sequence).

@@ -12,24 +12,34 @@ from batchgen.plugins.hookspecs import HOOK_NAMES, LIFECYCLE_HOOKS, hookimpl, ho
 from batchgen.plugins.manager import (
     ENTRY_POINT_GROUP,
     GuardedProcessor,
+    GuardedStatefulProcessor,
     PluginError,
     PluginMetric,
     PluginRegistry,
     load_registry,
 )
-from batchgen.plugins.specs import LogitsProcessor, MetricSpec, SamplerSpec
+from batchgen.plugins.specs import (
+    LogitsProcessor,
+    MetricSpec,
+    ProcessorState,
+    SamplerSpec,
+    StatefulLogitsProcessor,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "HOOK_NAMES",
     "LIFECYCLE_HOOKS",
     "GuardedProcessor",
+    "GuardedStatefulProcessor",
     "LogitsProcessor",
     "MetricSpec",
     "PluginError",
     "PluginMetric",
     "PluginRegistry",
+    "ProcessorState",
     "SamplerSpec",
+    "StatefulLogitsProcessor",
     "hookimpl",
     "hookspec",
     "load_registry",

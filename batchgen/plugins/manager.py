@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from batchgen.metrics import Metric, Scores
 from batchgen.plugins import hookspecs
 from batchgen.plugins.hookspecs import LIFECYCLE_HOOKS, PROJECT_NAME
-from batchgen.plugins.specs import LogitsProcessor, MetricSpec, SamplerSpec
+from batchgen.plugins.specs import LogitsProcessor, MetricSpec, ProcessorState, SamplerSpec, StatefulLogitsProcessor
 
 #: The entry-point group third-party plugins declare in their pyproject.toml.
 ENTRY_POINT_GROUP = PROJECT_NAME
@@ -206,6 +206,70 @@ class GuardedProcessor:
 
     def __repr__(self) -> str:
         return f"GuardedProcessor({self.name!r}, {self.inner!r})"
+
+
+class _GuardedState:
+    """A plugin's processor state whose failures name the plugin; forks stay guarded."""
+
+    __slots__ = ("inner", "where")
+
+    def __init__(self, inner: ProcessorState, where: str) -> None:
+        self.inner = inner
+        self.where = where
+
+    def fork(self) -> _GuardedState:
+        try:
+            return _GuardedState(self.inner.fork(), self.where)
+        except Exception as exc:
+            raise PluginError(f"{self.where} failed in fork(): {type(exc).__name__}: {exc}") from exc
+
+    def accept_token(self, token_id: int) -> None:
+        try:
+            self.inner.accept_token(token_id)
+        except Exception as exc:
+            raise PluginError(f"{self.where} failed in accept_token({token_id}): {type(exc).__name__}: {exc}") from exc
+
+
+class GuardedStatefulProcessor(StatefulLogitsProcessor):
+    """A plugin's :class:`StatefulLogitsProcessor` that names its plugin when it fails.
+
+    Every call (``new_state``, ``fill_mask``, ``process`` and the states' ``fork`` and
+    ``accept_token``) raises :class:`PluginError` naming the plugin when the plugin's code
+    raises; ``process`` is checked like :class:`GuardedProcessor` (shape, NaN, ``+inf``).
+    """
+
+    def __init__(self, inner: StatefulLogitsProcessor, name: str, label: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.label = label
+        self._where = f"sampler '{name}' ({label})"
+        self._check = GuardedProcessor(lambda logits, states: self.inner.process(logits, states), name, label)
+
+    @property
+    def masks(self) -> bool:
+        return self.inner.masks
+
+    @property
+    def edits(self) -> bool:
+        return self.inner.edits
+
+    def new_state(self, prompt_token_ids: Sequence[int], params: Any) -> ProcessorState:
+        try:
+            return _GuardedState(self.inner.new_state(prompt_token_ids, params), self._where)
+        except Exception as exc:
+            raise PluginError(f"{self._where} failed in new_state(): {type(exc).__name__}: {exc}") from exc
+
+    def fill_mask(self, states: Sequence[Any], bitmask: Any, rows: Sequence[int]) -> None:
+        try:
+            self.inner.fill_mask([s.inner for s in states], bitmask, rows)
+        except Exception as exc:
+            raise PluginError(f"{self._where} failed in fill_mask(): {type(exc).__name__}: {exc}") from exc
+
+    def process(self, logits: Any, states: Sequence[Any]) -> Any:
+        return self._check(logits, [s.inner for s in states])
+
+    def __repr__(self) -> str:
+        return f"GuardedStatefulProcessor({self.name!r}, {self.inner!r})"
 
 
 class PluginMetric:
@@ -422,17 +486,28 @@ class PluginRegistry:
             ) from exc
         return built, plugin, label
 
-    def build_sampler(self, name: str, options: Mapping[str, Any] | None = None) -> GuardedProcessor:
+    def build_sampler(
+        self, name: str, options: Mapping[str, Any] | None = None
+    ) -> GuardedProcessor | GuardedStatefulProcessor:
         """Build the named sampler's logits processor from raw config options.
 
         The result is called like the plugin's processor and raises :class:`PluginError` naming
-        the plugin if that raises or returns a tensor of the wrong shape.
+        the plugin if that raises or returns a tensor of the wrong shape. A factory returning a
+        :class:`StatefulLogitsProcessor` gets a :class:`GuardedStatefulProcessor`.
         """
         built, plugin, label = self._build("sampler", name, options)
+        if isinstance(built, StatefulLogitsProcessor):
+            if not (built.masks or built.edits):
+                raise PluginError(
+                    f"sampler '{name}' ({label}): {type(built).__name__} overrides neither "
+                    "fill_mask() nor process(), so it would do nothing",
+                    plugin=plugin,
+                )
+            return GuardedStatefulProcessor(built, name, label)
         if not callable(built):
             raise PluginError(
                 f"sampler '{name}' ({label}): factory returned {type(built).__name__}, "
-                "expected a callable logits processor",
+                "expected a callable logits processor or a StatefulLogitsProcessor",
                 plugin=plugin,
             )
         return GuardedProcessor(built, name, label)
@@ -640,6 +715,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "describe_options",
     "GuardedProcessor",
+    "GuardedStatefulProcessor",
     "PluginError",
     "PluginMetric",
     "PluginRegistry",

@@ -1,4 +1,6 @@
-"""What a plugin hands to batchgen: :class:`SamplerSpec` and :class:`MetricSpec`.
+"""What a plugin hands to batchgen: :class:`SamplerSpec` and :class:`MetricSpec`, and the two
+processor contracts a sampler's factory may return: the stateless :class:`LogitsProcessor` and
+the stateful :class:`StatefulLogitsProcessor` (with its per-sequence :class:`ProcessorState`).
 
 Both are small frozen records. The registry checks their fields when a plugin returns them, so a
 malformed spec is reported with the plugin's name rather than failing later in the step loop.
@@ -7,9 +9,9 @@ This module imports neither torch nor any other heavy dependency.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
@@ -33,6 +35,84 @@ class LogitsProcessor(Protocol):
     def __call__(self, logits: torch.Tensor, output_token_ids: list[list[int]]) -> torch.Tensor: ...
 
 
+class ProcessorState(Protocol):
+    """One sequence's state of a :class:`StatefulLogitsProcessor` (whatever the processor
+    needs: a grammar matcher, a counter, the tokens seen...).
+
+    * ``fork()`` returns an independent copy: the engine calls it when a sequence is forked
+      copy-on-write (the ``n`` samples or ``best_of`` of a request, a beam with several
+      surviving children), before either side accepts another token. Changing the copy must
+      not change the original, nor the other way round.
+    * ``accept_token(token_id)`` tells the state the token its sequence just took. It is called
+      for every generated token except the one that ends the sequence (EOS or a stop id).
+    """
+
+    def fork(self) -> ProcessorState: ...
+
+    def accept_token(self, token_id: int) -> None: ...
+
+
+class StatefulLogitsProcessor:
+    """A logits processor with per-sequence state that follows copy-on-write forks.
+
+    Subclass it and implement :meth:`new_state`, and :meth:`fill_mask` or :meth:`process` (or
+    both). One processor object serves many sequences, possibly of many requests; everything
+    that belongs to one sequence lives in its :class:`ProcessorState`.
+
+    The engine's contract, per sequence:
+
+    1. ``new_state(prompt_token_ids, params)`` when the request is added (``params`` is the
+       request's ``SamplingParams`` or ``BeamSearchParams``); after a preemption by recompute
+       the engine drops the states and builds them again the same way, then replays the
+       generated tokens through ``accept_token``.
+    2. Each step the sequence samples, the processor acts on its row: ``fill_mask`` first (all
+       masking processors of the batch, into one shared bitmask, applied to the logits in one
+       op), then ``process``. Rows are batched: one call per processor per step covers every
+       row that uses it.
+    3. ``state.accept_token(t)`` for the token taken; ``state.fork()`` when the sequence forks.
+
+    Where it acts: on sampled and greedy rows, after penalties and temperature and before
+    top-k / top-p / min-p, like a stateless processor; on beams, on each beam's log-softmax
+    scores before the candidates are ranked. A processor must leave every row at least one
+    allowed token. Calls run on every step, so they must be cheap and must not call any hook.
+    """
+
+    def new_state(self, prompt_token_ids: Sequence[int], params: Any) -> ProcessorState:
+        """A fresh state for one sequence of a request with these prompt tokens and params."""
+        raise NotImplementedError(f"{type(self).__name__} must implement new_state()")
+
+    def fill_mask(self, states: Sequence[ProcessorState], bitmask: torch.Tensor,
+                  rows: Sequence[int]) -> None:
+        """Write each state's allowed next tokens into its row of ``bitmask``.
+
+        ``bitmask`` is an int32 tensor ``[batch_rows, ceil(vocab / 32)]`` on the CPU, in
+        xgrammar's and vLLM's layout: bit ``b`` of word ``w`` set means token ``32 * w + b`` is
+        allowed. ``states[i]`` owns row ``rows[i]``, which arrives with every bit set; clear the
+        bits of the tokens to forbid (or overwrite the whole row). Not overriding this method
+        means the processor does not mask.
+        """
+
+    def process(self, logits: torch.Tensor, states: Sequence[ProcessorState]) -> torch.Tensor:
+        """Edit the rows: ``logits[i]`` (float32) belongs to ``states[i]``; return a tensor of the
+        same shape (``logits`` changed in place is fine), with ``-inf`` for a forbidden token.
+        Not overriding this method means the processor does not edit rows."""
+        return logits
+
+    @property
+    def masks(self) -> bool:
+        """Whether this processor fills a mask (it overrides :meth:`fill_mask`)."""
+        return _overrides(self, "fill_mask")
+
+    @property
+    def edits(self) -> bool:
+        """Whether this processor edits rows (it overrides :meth:`process`)."""
+        return _overrides(self, "process")
+
+
+def _overrides(obj: object, name: str) -> bool:
+    return getattr(type(obj), name) is not getattr(StatefulLogitsProcessor, name)
+
+
 @dataclass(frozen=True)
 class SamplerSpec:
     """A named logits processor with an options schema.
@@ -41,14 +121,14 @@ class SamplerSpec:
         name: Global name used in the config's ``generation.sampler.name``.
         description: One line shown by ``batchgen plugins``.
         options_model: A pydantic model class validating the sampler's options.
-        factory: ``factory(options) -> LogitsProcessor``, called with a validated
-            ``options_model`` instance.
+        factory: ``factory(options) -> LogitsProcessor`` (or a
+            :class:`StatefulLogitsProcessor`), called with a validated ``options_model`` instance.
     """
 
     name: str
     description: str
     options_model: type[BaseModel]
-    factory: Callable[[BaseModel], LogitsProcessor]
+    factory: Callable[[BaseModel], LogitsProcessor | StatefulLogitsProcessor]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from batchgen.sampling.params import BeamSearchParams, SamplingParams
+from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from batchgen.sampling.beam import BeamHypothesis, BeamSearchState
@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
 __all__ = [
     "SamplingParams",
     "BeamSearchParams",
+    "StructuredOutputsParams",
     "Sampler",
     "SamplingRow",
     "SamplerOutput",

@@ -11,17 +11,131 @@ fails when it is built rather than in the middle of a step.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-__all__ = ["SamplingParams", "BeamSearchParams", "LogitsProcessor"]
+__all__ = ["SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "LogitsProcessor",
+           "is_stateful"]
 
 #: A logits processor: ``proc(logits[rows, vocab] float32, output_token_ids per row) -> logits``.
 #: It runs after penalties and temperature and before top-k / top-p / min-p; masking is done by
-#: setting ``-inf``. Typed loosely here because this module may not import torch.
+#: setting ``-inf``. Typed loosely here because this module may not import torch. A stateful
+#: processor (:class:`batchgen.plugins.StatefulLogitsProcessor`) may stand in the same lists.
 LogitsProcessor = Callable[[Any, list[list[int]]], Any]
+
+
+def is_stateful(proc: object) -> bool:
+    """Whether ``proc`` follows the stateful contract (it has ``new_state``), as
+    :class:`batchgen.plugins.StatefulLogitsProcessor` does; duck-typed, so that this torch-free
+    module need not import the plugin package."""
+    return callable(getattr(proc, "new_state", None))
+
+
+def _check_processors(value: Iterable[Any] | None) -> list[Any]:
+    procs = list(value or [])
+    for proc in procs:
+        if not (callable(proc) or is_stateful(proc)):
+            raise ValueError(
+                f"logits_processors must hold callables proc(logits, output_token_ids) -> logits "
+                f"or stateful processors (with new_state), got {proc!r}")
+    return procs
+
+
+#: The fields of :class:`StructuredOutputsParams` that name a constraint, in the order they are
+#: reported.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names); exactly one field is set.
+
+    * ``json``: a JSON schema, as a mapping or as JSON text; the output is one JSON value that
+      validates against it.
+    * ``regex``: the output fully matches this regular expression.
+    * ``choice``: the output is exactly one of these strings.
+    * ``grammar``: an EBNF grammar (the grammar library's dialect, GBNF-like, ``root`` rule
+      first); the output is a sentence of it.
+    * ``json_object``: True: the output is any JSON object.
+
+    Only the shape is checked here (this module stays free of the grammar library); whether a
+    schema, regex or grammar compiles is checked by :func:`batchgen.structured.check`, which the
+    config loader and the engine call.
+    """
+
+    json: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
+        given = [k for k in STRUCTURED_KINDS
+                 if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                + ("none was given" if not given else "got " + ", ".join(given)))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"json must be a JSON schema (a mapping or JSON text): {exc}") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError("json must be a JSON schema object, got JSON "
+                                     f"{type(parsed).__name__}")
+            elif not isinstance(self.json, Mapping):
+                raise ValueError(f"json must be a JSON schema (a mapping or JSON text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise ValueError("choice must be a list of strings, got one string")
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in STRUCTURED_KINDS
+                    if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+
+    @property
+    def key(self) -> str:
+        """A canonical text naming the constraint: equal constraints (a schema given as a
+        mapping or as text with other spacing or key order) have equal keys; compiled grammars
+        are cached under it."""
+        kind = self.kind
+        value: Any = True if kind == "json_object" else getattr(self, kind)
+        if kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        return kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _check_structured(value: object, min_tokens: int, ignore_eos: bool) -> StructuredOutputsParams | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        value = StructuredOutputsParams(**dict(value))
+    if not isinstance(value, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {value!r}")
+    # The constraint decides where the output may end: EOS is allowed exactly there.
+    if ignore_eos:
+        raise ValueError("structured_outputs cannot be combined with ignore_eos: the constraint "
+                         "decides where the output ends")
+    if min_tokens:
+        raise ValueError("structured_outputs cannot be combined with min_tokens: the constraint "
+                         "decides where the output ends")
+    return value
 
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
@@ -107,7 +221,9 @@ class SamplingParams:
       chosen one; 0 reports only the chosen token. Reported values are log-softmax of the raw
       model logits (before penalties and temperature), as vLLM does by default.
     * ``skip_special_tokens``: drop special tokens when detokenising.
-    * ``logits_processors``: callables, see :data:`LogitsProcessor`.
+    * ``logits_processors``: callables, see :data:`LogitsProcessor`, or stateful processors
+      (:class:`batchgen.plugins.StatefulLogitsProcessor`).
+    * ``structured_outputs``: a :class:`StructuredOutputsParams` constraint, or None.
     """
 
     n: int = 1
@@ -129,6 +245,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1, allowed=">= 1")
@@ -169,14 +286,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0,
                        allowed=">= 0 (number of alternatives besides the chosen token)")
         _check_bool("skip_special_tokens", self.skip_special_tokens)
-        if self.logits_processors is None:
-            self.logits_processors = []
-        self.logits_processors = list(self.logits_processors)
-        for proc in self.logits_processors:
-            if not callable(proc):
-                raise ValueError(
-                    f"logits_processors must hold callables "
-                    f"proc(logits, output_token_ids) -> logits, got {proc!r}")
+        self.logits_processors = _check_processors(self.logits_processors)
+        self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
 
     @property
     def is_greedy(self) -> bool:
@@ -213,6 +324,11 @@ class BeamSearchParams:
       int in ``__post_init__``.
     * ``min_tokens`` (0..max_tokens), ``stop_token_ids``, ``stop`` (strings), ``ignore_eos``,
       ``skip_special_tokens``: as in :class:`SamplingParams`.
+    * ``structured_outputs``: as in :class:`SamplingParams`: beams rank only the continuations
+      the constraint allows, and a beam may end (EOS) only where it accepts.
+    * ``logits_processors``: as in :class:`SamplingParams`; on beams they act on each beam's
+      log-softmax scores (as HF's beam search applies its processors), so a processor that
+      masks (``-inf``) removes candidates without renormalising the others.
     """
 
     beam_width: int
@@ -225,6 +341,8 @@ class BeamSearchParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, minimum=1, allowed=">= 1")
@@ -241,3 +359,5 @@ class BeamSearchParams:
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
+        self.logits_processors = _check_processors(self.logits_processors)

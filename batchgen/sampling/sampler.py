@@ -8,7 +8,9 @@ Per row, in this order (vLLM's and HF's order):
    by the penalty, a negative one multiplied), then frequency and presence (OpenAI semantics
    over output tokens: ``logit -= frequency * count + presence * (count > 0)``);
 3. temperature (rows with temperature 0 skip it: argmax does not depend on scale);
-4. the row's logits processors, on float32 logits;
+4. the row's logits processors, on float32 logits: the stateless ones, then the stateful ones
+   (:func:`apply_stateful`: one shared token bitmask filled by the masking processors and
+   applied in one op, then the row-editing ones);
 5. top-k (ties with the k-th logit are kept), top-p (the smallest set of best tokens whose
    probability reaches ``top_p``), min-p (tokens below ``min_p * max_prob`` are dropped);
 6. the choice: greedy rows (``params.is_greedy``: temperature 0 or top-k 1) take
@@ -33,12 +35,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from batchgen.sampling.params import SamplingParams
+from batchgen.sampling.params import SamplingParams, is_stateful
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_filters", "top_candidates"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_filters", "apply_stateful",
+           "unpack_bitmask", "top_candidates"]
 
 
 @dataclass
@@ -47,7 +51,8 @@ class SamplingRow:
 
     ``generator`` is the sequence's own ``torch.Generator`` (seeded by the engine, on the
     logits' device), or None to use the global RNG. ``suppress_token_ids`` are masked to
-    ``-inf`` before anything else.
+    ``-inf`` before anything else. ``processors`` are the row's stateful logits processors and
+    ``states`` its state of each (see :func:`apply_stateful`).
     """
 
     params: SamplingParams
@@ -55,6 +60,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
     suppress_token_ids: Sequence[int] = ()
+    processors: Sequence[Any] = ()
+    states: Sequence[Any] = ()
 
 
 @dataclass
@@ -118,7 +125,7 @@ class Sampler:
 
         modifies = not all(greedy) or any(
             r.suppress_token_ids or r.params.has_penalties or r.params.logits_processors
-            or r.params.temperature not in (0.0, 1.0) for r in rows)
+            or r.processors or r.params.temperature not in (0.0, 1.0) for r in rows)
         if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
             # Nothing below would change the logits: pick in one C pass where it can run.
             from batchgen.kernels.cpu import fused as cpu_fused
@@ -133,6 +140,8 @@ class Sampler:
         self._apply_penalties(x, rows)
         self._apply_temperature(x, params)
         self._apply_processors(x, rows)
+        if modifies and any(r.processors for r in rows):
+            apply_stateful(x, [r.processors for r in rows], [r.states for r in rows])
         sampled_idx = [i for i, g in enumerate(greedy) if not g]
         if sampled_idx:
             self._apply_filters(x, params, sampled_idx)
@@ -274,18 +283,19 @@ class Sampler:
 
     @staticmethod
     def _apply_processors(x: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Run logits processors; rows that share one processor list (e.g. the n samples of a
-        request) are processed together in one call per processor."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        """Run the stateless logits processors; rows that share one processor list (e.g. the n
+        samples of a request) are processed together in one call per processor. (Stateful
+        ones in the same list run in :func:`apply_stateful`.)"""
+        groups: dict[tuple[int, ...], tuple[list[Any], list[int]]] = {}
         for i, row in enumerate(rows):
-            procs = row.params.logits_processors
+            procs = [p for p in row.params.logits_processors if not is_stateful(p)]
             if procs:
-                groups.setdefault(tuple(id(p) for p in procs), []).append(i)
-        for idx in groups.values():
+                groups.setdefault(tuple(id(p) for p in procs), (procs, []))[1].append(i)
+        for procs, idx in groups.values():
             idx_t = torch.tensor(idx, device=x.device)
             sub = x[idx_t]
             outputs = [list(rows[i].output_token_ids) for i in idx]
-            for proc in rows[idx[0]].params.logits_processors:
+            for proc in procs:
                 result = proc(sub, outputs)
                 if not isinstance(result, torch.Tensor) or result.shape != sub.shape:
                     raise ValueError(
@@ -339,6 +349,66 @@ class Sampler:
             positions = torch.arange(probs.shape[1], device=device)
             chosen[rows] = torch.where(probs[rows] > 0, positions, 0).amax(dim=-1)
         return chosen
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, ceil(vocab / 32)]`` int32 bitmask -> ``[rows, vocab]`` bool, True = allowed
+    (bit ``b`` of word ``w`` is token ``32 * w + b``: xgrammar's and vLLM's layout)."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_stateful(x: torch.Tensor, processors: Sequence[Sequence[Any]],
+                   states: Sequence[Sequence[Any]]) -> None:
+    """Apply the stateful logits processors to ``x`` ([rows, vocab] float32), in place.
+
+    ``processors[i]`` are row ``i``'s :class:`batchgen.plugins.StatefulLogitsProcessor` objects
+    and ``states[i]`` its state of each. Masking processors go first: every row that one
+    constrains gets a row of one shared int32 bitmask (all bits set), each processor fills the
+    rows of all its states in one ``fill_mask`` call, and the mask is applied to the logits of
+    all those rows in one ``masked_fill`` (a row with two masking processors gets a second
+    layer of bitmask, ANDed the same way). Then each row-editing processor gets one
+    ``process`` call over all its rows. Rows without processors are not touched.
+    """
+    layers: list[dict[int, tuple[Any, list[int], list[Any]]]] = []
+    edits: dict[int, tuple[Any, list[int], list[Any]]] = {}
+    for i, (procs, sts) in enumerate(zip(processors, states)):
+        depth = 0
+        for proc, state in zip(procs, sts):
+            if proc.masks:
+                if depth == len(layers):
+                    layers.append({})
+                entry = layers[depth].setdefault(id(proc), (proc, [], []))
+                entry[1].append(i)
+                entry[2].append(state)
+                depth += 1
+            if proc.edits:
+                entry = edits.setdefault(id(proc), (proc, [], []))
+                entry[1].append(i)
+                entry[2].append(state)
+    vocab = x.shape[1]
+    for layer in layers:
+        rows = sorted({i for _, idx, _ in layer.values() for i in idx})
+        where = {r: j for j, r in enumerate(rows)}
+        bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+        for proc, idx, sts in layer.values():
+            proc.fill_mask(sts, bitmask, [where[i] for i in idx])
+        rows_t = torch.tensor(rows, device=x.device)
+        allowed = unpack_bitmask(bitmask.to(x.device), vocab)
+        x[rows_t] = x[rows_t].masked_fill_(~allowed, -torch.inf)
+    for proc, idx, sts in edits.values():
+        idx_t = torch.tensor(idx, device=x.device)
+        sub = x[idx_t]
+        result = proc.process(sub, sts)
+        if not isinstance(result, torch.Tensor) or result.shape != sub.shape:
+            raise ValueError(
+                f"stateful logits processor {proc!r} must return a tensor of shape "
+                f"{tuple(sub.shape)}, got "
+                f"{tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__}")
+        x[idx_t] = result.to(dtype=x.dtype)
 
 
 #: Candidates examined before a full sort in :func:`apply_filters`; enough for the usual
