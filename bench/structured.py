@@ -11,7 +11,10 @@ at the same threads and dtype (fp32):
 * ``hf_generate``: HF ``generate`` unconstrained (optional, ``--peers``), which shows what the
   processor costs inside HF.
 
-Modes: greedy and n = 4 sampling (temperature 0.8, top-p 0.95), W32, max_tokens 64. Reported
+The workload is W32 with one sentence added to each user turn that asks for the JSON record
+(:data:`INSTRUCTION`; a model is asked for what the schema enforces, as a user would), the same
+token ids for every peer. Modes: greedy and n = 4 sampling (temperature 0.8, top-p 0.95),
+max_tokens 64. Reported
 per peer: generated tokens/s (median and spread over repeats), the constrained peer's
 throughput over each other peer's (paired per repeat, within one invocation), and the share of
 returned sequences that are JSON (``json_valid``) and that the schema accepts
@@ -31,28 +34,49 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-#: An answer card for W32's questions: five fields, every one required, strings capped so that
-#: a whole record fits in 64 tokens.
+#: An answer card for W32's questions: five fields, every one required, strings capped so that a
+#: whole record fits in 64 tokens (SmolLM2 writes it in 31-54 tokens, greedy).
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "topic": {"type": "string", "maxLength": 30},
-        "answer": {"type": "string", "maxLength": 80},
-        "difficulty": {"enum": ["easy", "medium", "hard"]},
-        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-        "needs_example": {"type": "boolean"},
+        "topic": {"type": "string", "maxLength": 24},
+        "answer": {"type": "string", "maxLength": 60},
+        "level": {"enum": ["easy", "medium", "hard"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 10},
+        "example": {"type": "boolean"},
     },
-    "required": ["topic", "answer", "difficulty", "confidence", "needs_example"],
+    "required": ["topic", "answer", "level", "confidence", "example"],
     "additionalProperties": False,
 }
+#: Appended to each W32 user turn, so that the model is asked for what the schema enforces.
+INSTRUCTION = ("\nReply with one JSON object only, with the keys topic, answer (one short sentence), level (easy, "
+               "medium or hard), confidence (0 to 10) and example (true or false).")
+_TURN_END = "<|im_end|>\n<|im_start|>assistant\n"
 MODES = {"greedy": {"kind": "greedy"}, "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95}}
 OURS = "batchgen_constrained"
 PEER_LABELS = {"batchgen_constrained": "batchgen, constrained", "batchgen": "batchgen, unconstrained",
                "hf_generate_xgrammar": "HF generate + xgrammar processor", "hf_generate": "HF generate, unconstrained"}
 DEFAULT_PEERS = ["batchgen_constrained", "batchgen", "hf_generate_xgrammar"]
-#: Keyword arguments of xgrammar's ``compile_json_schema`` for the HF peer: batchgen's own.
-XGRAMMAR_OPTIONS: dict[str, Any] = {}
+#: Keyword arguments of xgrammar's ``compile_json_schema`` for the HF peer: batchgen's own (compact JSON).
+XGRAMMAR_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 MIB, GIB = 2**20, 2**30
+
+
+def json_prompts(tokenizer: Any, num_prompts: int) -> list[list[int]]:
+    """W32 with :data:`INSTRUCTION` at the end of each user turn, tokenised by the model's tokenizer.
+
+    Raises:
+        ValueError: a W32 record without the end of a user turn to extend.
+    """
+    from bench.workload import load_w32
+
+    prompts = []
+    for r in load_w32()[:num_prompts]:
+        if _TURN_END not in r["text"]:
+            raise ValueError(f"W32 record {r['index']}: no {_TURN_END!r} to put the instruction before")
+        text = r["text"].replace(_TURN_END, INSTRUCTION + _TURN_END, 1)
+        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
 
 
 def peers(mode_name: str, names: list[str]) -> dict[str, dict]:
@@ -105,14 +129,13 @@ def run_part(args, out: Path, log: Callable[[str], None], machine: Callable[[], 
 
     from batchgen.models import resolve_model
     from bench import runner
-    from bench.workload import w32_prompts
-
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path)
-    prompts = w32_prompts()[: args.num_prompts]
+    prompts = json_prompts(tok, args.num_prompts)
     path = out / "structured.json"
     previous = json.loads(path.read_text()) if args.merge and path.is_file() else None
-    result: dict = previous or {"workload": f"W32 ({len(prompts)} prompts)", "max_tokens": args.max_tokens,
-                                "schema": SCHEMA, "machine": machine(), "modes": {}, "invocations": []}
+    result: dict = previous or {"workload": f"W32 ({len(prompts)} prompts) asking for JSON",
+                                "max_tokens": args.max_tokens, "schema": SCHEMA, "instruction": INSTRUCTION,
+                                "prompt_tokens": sum(map(len, prompts)), "machine": machine(), "modes": {}, "invocations": []}
     names = args.peers or DEFAULT_PEERS
     for mode_name in args.modes:
         if mode_name not in MODES:
@@ -180,13 +203,18 @@ def plot(out: Path, result: dict | None) -> list[str]:
             valid.append(100 * result["modes"][k]["peers"].get(name, {}).get("validity", {}).get("schema_valid", 0))
         xs = [j + i * width for j in range(len(keys))]
         axes[0].bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=PEER_LABELS[name])
+        for x, k, m, h in zip(xs, keys, meds, hi):
+            r = result["modes"][k].get("ratios", {}).get(name, {}).get("paired_median")
+            if r:
+                axes[0].text(x, m + h, f"{r:.2f}×", ha="center", va="bottom", fontsize=7)
         axes[1].bar(xs, valid, width, label=PEER_LABELS[name])
     for ax in axes:
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(keys))], [mode_label(k) for k in keys],
                       fontsize=8)
     axes[0].set_ylabel("generated tokens/s (median, min–max)")
+    axes[0].set_xlabel("over a bar: constrained / that peer (paired median)", fontsize=8)
     axes[0].set_title(f"{result['workload']}, max_tokens {result['max_tokens']}, fp32 CPU", fontsize=9)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="lower right")
     axes[1].set_ylabel("% of sequences the schema accepts")
     axes[1].set_ylim(0, 105)
     axes[1].set_title("json_schema_valid", fontsize=9)
@@ -196,14 +224,19 @@ def plot(out: Path, result: dict | None) -> list[str]:
     return ["structured.png"]
 
 
+def _load(invocation: dict) -> str:
+    load = invocation.get("loadavg_at_start")
+    return f"{load[0]:.1f}" if load else "?"
+
+
 def summary_md(result: dict | None) -> str:
     if not result or not result.get("modes"):
         return ""
     fields = ", ".join(SCHEMA["properties"])
     L = [f"## Structured outputs ({result['workload']}, max_tokens {result['max_tokens']}; a JSON schema of "
          f"{len(SCHEMA['properties'])} fields: {fields})\n",
-         "Runs: " + "; ".join(f"{i['at']} UTC ({i['mode']}, {i['repeats']} repeat(s), load "
-                              f"{(i.get('loadavg_at_start') or ['?'])[0]})" for i in result["invocations"]) + ".\n",
+         "Runs: " + "; ".join(f"{i['at']} UTC ({i['mode']}, {i['repeats']} repeat(s), load {_load(i)})"
+                              for i in result["invocations"]) + ".\n",
          "| mode | peer | tokens/s (median) | min–max | runs | constrained / peer (paired median, min–max) "
          "| JSON valid | schema valid | at max_tokens |",
          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
