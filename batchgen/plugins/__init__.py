@@ -24,6 +24,7 @@ from batchgen.plugins.specs import (
     ProcessorState,
     SamplerSpec,
     StatefulLogitsProcessor,
+    allow_only,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ProcessorState",
     "SamplerSpec",
     "StatefulLogitsProcessor",
+    "allow_only",
     "hookimpl",
     "hookspec",
     "load_registry",

@@ -7,8 +7,8 @@ very same hooks (see :mod:`batchgen.plugins.builtin_samplers` and
 
 Hooks fire only at the edges of a run: once while the registry is built (the two
 ``batchgen_register_*`` hooks), once at run start, once per finished record and once at run end.
-The per-token step loop never calls a hook; it calls the plain logits-processor objects that the
-sampler factories return.
+The per-token step loop never calls a hook; it calls the plain logits-processor objects (stateless
+or stateful) that the sampler factories return.
 
 This module imports neither torch nor any other heavy dependency.
 """
@@ -41,8 +41,12 @@ def batchgen_register_samplers() -> list[SamplerSpec]:
     processor ``proc(logits, output_token_ids) -> logits``. The engine applies the processor on
     float32 logits of shape ``[rows, vocab]`` after penalties and temperature and before
     top-k / top-p / min-p; it masks a token by setting its logit to ``-inf`` and must return a
-    tensor of the same shape. Sampler names are global: two plugins registering the same name is
-    an error. Return an empty list to contribute nothing.
+    tensor of the same shape. The factory may instead return a
+    :class:`batchgen.plugins.StatefulLogitsProcessor`: per-sequence state made by ``new_state``,
+    forked with its sequence, told each accepted token, and acting through ``fill_mask`` (a
+    shared token bitmask) and/or ``process`` (row edits); see its docstring. Sampler names are
+    global: two plugins registering the same name is an error. Return an empty list to
+    contribute nothing.
     """
 
 

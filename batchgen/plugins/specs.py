@@ -109,6 +109,17 @@ class StatefulLogitsProcessor:
         return _overrides(self, "process")
 
 
+def allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Set row ``row`` of a ``fill_mask`` bitmask so that exactly ``token_ids`` are allowed
+    (a helper for plugins; it packs the bits as the engine reads them)."""
+    import torch
+
+    allowed = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
+    allowed[list(token_ids)] = True
+    words = (allowed.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(dim=1)
+    bitmask[row] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _overrides(obj: object, name: str) -> bool:
     return getattr(type(obj), name) is not getattr(StatefulLogitsProcessor, name)
 
