@@ -8,6 +8,12 @@ at the same threads and dtype (fp32):
 * ``batchgen``: the same engine and settings, unconstrained;
 * ``hf_generate_xgrammar``: HF ``generate`` (static left-padded batch) with xgrammar's own
   processor, ``xgrammar.contrib.hf.LogitsProcessor`` (``bench.peers.hf_generate_xgrammar``);
+* ``batchgen_same_lengths``: batchgen unconstrained, but each prompt generating exactly as many
+  tokens as the constrained peer's output for it (``ignore_eos``, per-prompt ``max_tokens``; for
+  n = 4 the mean of its samples), taken from one untimed constrained run before the repeats.
+  A JSON record is shorter than free text, so the constrained run has fewer sequences running
+  in its last steps and fewer tokens to spread the prefill over; this control does the same
+  work without the grammar, so constrained / this is the grammar's own cost;
 * ``hf_generate``: HF ``generate`` unconstrained (optional, ``--peers``), which shows what the
   processor costs inside HF.
 
@@ -55,8 +61,9 @@ _TURN_END = "<|im_end|>\n<|im_start|>assistant\n"
 MODES = {"greedy": {"kind": "greedy"}, "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95}}
 OURS = "batchgen_constrained"
 PEER_LABELS = {"batchgen_constrained": "batchgen, constrained", "batchgen": "batchgen, unconstrained",
+               "batchgen_same_lengths": "batchgen, unconstrained, same lengths",
                "hf_generate_xgrammar": "HF generate + xgrammar processor", "hf_generate": "HF generate, unconstrained"}
-DEFAULT_PEERS = ["batchgen_constrained", "batchgen", "hf_generate_xgrammar"]
+DEFAULT_PEERS = ["batchgen_constrained", "batchgen", "batchgen_same_lengths", "hf_generate_xgrammar"]
 #: Keyword arguments of xgrammar's ``compile_json_schema`` for the HF peer: batchgen's own (compact JSON).
 XGRAMMAR_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 MIB, GIB = 2**20, 2**30
@@ -79,14 +86,35 @@ def json_prompts(tokenizer: Any, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
-def peers(mode_name: str, names: list[str]) -> dict[str, dict]:
+def peers(mode_name: str, names: list[str], lengths: list[int] | None = None) -> dict[str, dict]:
     """Worker options of the chosen peers; the KV budget as in the throughput part."""
     budget = 256 * MIB if mode_name == "greedy" else GIB
     options = {"batchgen_constrained": {"as": "batchgen", "kv_cache_memory": budget, "json_schema": SCHEMA},
                "batchgen": {"kv_cache_memory": budget},
+               "batchgen_same_lengths": {"as": "batchgen", "kv_cache_memory": budget, "lengths": lengths},
                "hf_generate_xgrammar": {"json_schema": SCHEMA, "grammar": XGRAMMAR_OPTIONS},
                "hf_generate": {}}
     return {n: options[n] for n in names}
+
+
+def constrained_lengths(prompts: list[list[int]], mode: dict, max_tokens: int, seed: int, args: Any,
+                        log: Callable[[str], None]) -> list[int]:
+    """Per prompt, the tokens of the constrained peer's output (the mean over its n samples,
+    rounded), from one untimed run in a worker of its own."""
+    from bench import runner
+
+    options = peers("greedy" if mode["kind"] == "greedy" else "n4", [OURS])[OURS]
+    w = runner.start_worker(OURS, options, args.log_dir, args.threads)
+    try:
+        w.wait_ready(900)
+        res = w.run(prompts, mode, max_tokens, seed, args.run_timeout)
+    finally:
+        w.close()
+    if "outputs" not in res:
+        raise RuntimeError(f"the constrained run for the lengths failed: {res.get('error') or res}")
+    lengths = [round(statistics.fmean(len(s) for s in seqs)) for seqs in res["outputs"]]
+    log(f"structured: constrained lengths {min(lengths)}-{max(lengths)}, {sum(lengths)} in all")
+    return lengths
 
 
 def validity(outputs: list[list[list[int]]], tokenizer: Any, max_tokens: int) -> dict[str, Any]:
@@ -143,10 +171,14 @@ def run_part(args, out: Path, log: Callable[[str], None], machine: Callable[[], 
             continue
         key = f"{mode_name}_{args.threads}t"
         entry = result["modes"].setdefault(key, {"mode": MODES[mode_name], "threads": args.threads,
-                                                 "num_prompts": len(prompts), "peers": {}})
+                                                 "num_prompts": len(prompts), "peers": {}, "lengths": []})
         first = 1 + max((r["repeat"] for rec in entry["peers"].values() for r in rec.get("runs", [])), default=-1)
         reps = args.repeats_greedy if mode_name == "greedy" else args.repeats
-        chosen = peers(mode_name, names)
+        lengths = (constrained_lengths(prompts, MODES[mode_name], args.max_tokens, first, args, log)
+                   if "batchgen_same_lengths" in names else None)
+        chosen = peers(mode_name, names, lengths)
+        if lengths:
+            entry.setdefault("lengths", []).append({"from_repeat": first, "lengths": lengths})
         log(f"structured {key}: {list(chosen)} x {reps} repeats (repeat numbers from {first})")
         res = runner.interleaved(chosen, prompts, MODES[mode_name], args.max_tokens, reps, args.log_dir,
                                  args.threads, run_timeout=args.run_timeout, seed=first, on_event=log)
