@@ -20,10 +20,11 @@ Parts (``--parts``, comma-separated; default all):
   batchgen with and without prefix caching, vLLM with its prefix caching, HF ``generate``;
   rows/s and prompt tokens computed; plus a scheduler replay of ``fcfs`` against ``prefix``
   ordering (``bench.prefix``). Not in the default set (it takes about 15 minutes a repeat).
-* ``structured``: structured outputs on W32 (max_tokens 64, a 5-field JSON schema), greedy and
-  n=4 sampling: batchgen constrained against batchgen unconstrained and HF ``generate`` with
-  xgrammar's own logits processor; tokens/s and the share of outputs the schema accepts
-  (``bench.structured``). Not in the default set (it needs ``pip install 'batchgen[structured]'``).
+* ``structured``: structured outputs on W32 asking for a 5-field JSON record (max_tokens 64),
+  greedy and n=4 sampling: batchgen constrained against batchgen unconstrained (free, and at the
+  constrained outputs' lengths) and HF ``generate`` with xgrammar's own logits processor;
+  tokens/s and the share of outputs the schema accepts (``bench.structured``). Not in the
+  default set (it needs ``pip install 'batchgen[structured]'``).
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
