@@ -396,9 +396,12 @@ def apply_stateful(x: torch.Tensor, processors: Sequence[Sequence[Any]],
         bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
         for proc, idx, sts in layer.values():
             proc.fill_mask(sts, bitmask, [where[i] for i in idx])
-        rows_t = torch.tensor(rows, device=x.device)
-        allowed = unpack_bitmask(bitmask.to(x.device), vocab)
-        x[rows_t] = x[rows_t].masked_fill_(~allowed, -torch.inf)
+        forbidden = ~unpack_bitmask(bitmask.to(x.device), vocab)
+        if len(rows) == x.shape[0]:  # every row constrained: no gather / scatter
+            x.masked_fill_(forbidden, -torch.inf)
+        else:
+            rows_t = torch.tensor(rows, device=x.device)
+            x[rows_t] = x[rows_t].masked_fill_(forbidden, -torch.inf)
     for proc, idx, sts in edits.values():
         idx_t = torch.tensor(idx, device=x.device)
         sub = x[idx_t]

@@ -61,6 +61,22 @@ def llm(smollm2_path: str) -> LLM:
 
 
 @pytest.fixture(scope="module")
+def hf_model(smollm2_path: str):
+    """HF's SmolLM2, loaded on first use only (the references are cached on disk) and shared by
+    both oracles; dropped with the module."""
+    loaded = []
+
+    def get():
+        if not loaded:
+            from transformers import AutoModelForCausalLM
+
+            loaded.append(AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval())
+        return loaded[0]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> list[list[int]]:
     texts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                    add_generation_prompt=True) for q in QUESTIONS]
@@ -72,14 +88,15 @@ def _texts(outputs) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["json", "regex"])
-def test_greedy_equals_hf_with_xgrammars_logits_processor(kind, llm, prompts, smollm2_path, oracle_cache, hf_map):
+def test_greedy_equals_hf_with_xgrammars_logits_processor(kind, llm, prompts, smollm2_path, hf_model, oracle_cache,
+                                                          hf_map):
     constraint = StructuredOutputsParams(json=SCHEMA) if kind == "json" else StructuredOutputsParams(regex=REGEX)
     compiled = llm.structured_processor().compiled(constraint)
 
     def compute() -> list[list[int]]:
-        from transformers import AutoModelForCausalLM, LogitsProcessorList
+        from transformers import LogitsProcessorList
 
-        model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+        model = hf_model()
 
         def one(p: list[int]) -> list[int]:
             with torch.inference_mode():

@@ -70,3 +70,41 @@ def test_validate_reports_a_bad_constraint_with_its_key(job_config, capsys) -> N
         "json": {"type": "object", "properties": {"a": {"type": "strin"}}}}}))])
     err = capsys.readouterr().err
     assert code == 2 and "generation.structured_outputs.json: invalid JSON schema" in err
+
+
+def test_openai_batch_response_format_lines_are_constrained(tmp_path, tiny_llm) -> None:
+    """``response_format`` lines run under structured outputs; a schema that does not compile is
+    that line's 400."""
+    import jsonschema
+
+    from batchgen.config import validate_config
+
+    # Short whatever the model: a random model picks any legal token, so no free-length field.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"]}
+
+    def chat(custom_id: str, response_format: dict[str, Any], **body: Any) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {
+            "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 32,
+            "response_format": response_format, **body}})
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([
+        chat("schema", {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+        chat("sampled", {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, n=3, temperature=1.0),
+        chat("broken", {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "strng"}}}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    config = validate_config({"model": {"name": tiny_llm.model_name, "device": "cpu", "dtype": "float32"},
+                              "data": {"source": str(source), "format": "openai_batch"}, "output": {"path": str(out)}})
+    execute(plan(config), quiet=True, llm=tiny_llm)
+    lines = {entry["custom_id"]: entry for entry in map(json.loads, out.read_text().splitlines())}
+    for custom_id in ("schema", "sampled"):
+        choices = lines[custom_id]["response"]["body"]["choices"]
+        assert len(choices) == (3 if custom_id == "sampled" else 1)
+        for choice in choices:
+            assert choice["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    broken = lines["broken"]["response"]
+    assert broken["status_code"] == 400
+    assert broken["body"]["error"]["param"] == "response_format.json_schema.schema"
