@@ -31,6 +31,12 @@ class Metric(Protocol):
 
     Optionally a metric also has ``required_columns: tuple[str, ...]``, the dataset columns its
     ``score`` reads from ``row``; ``batchgen validate`` checks they exist before a run.
+
+    Optionally a metric also has ``configure(config) -> None``, for a metric that depends on the
+    job (``json_schema_valid`` takes the job's JSON schema). It is called once when the job is
+    planned (by ``batchgen validate`` too), before any record is scored, with the resolved run
+    configuration as plain JSON-compatible data (the dict the run summary holds). Raising
+    ``ValueError`` there reports a config error at the metric's entry (``metrics.<i>``).
     """
 
     name: str

@@ -171,6 +171,31 @@ def build_params(gen: GenerationSection, logits_processors: Sequence[Any] = ()) 
     )
 
 
+def _configure_metrics(config: RunConfig, registry: Any, metrics: Sequence[tuple[MetricRef, Any]]) -> None:
+    """Hand the resolved config to every metric that has ``configure`` (see
+    :class:`batchgen.metrics.Metric`); its ValueError becomes a config error at ``metrics.<i>``."""
+    resolved: dict[str, Any] | None = None
+    issues = []
+    for i, (ref, metric) in enumerate(metrics):
+        configure = getattr(getattr(metric, "inner", metric), "configure", None)
+        if not callable(configure):
+            continue
+        if resolved is None:
+            resolved = resolved_dict(config, registry)
+        try:
+            configure(resolved)
+        except ValueError as exc:
+            issues.append(ConfigIssue(f"metrics.{i}", f"metric '{ref.name}': {exc}"))
+        except Exception as exc:
+            label = getattr(metric, "label", ref.name)
+            raise _plugin_error_type()(
+                f"metric '{ref.name}' ({label}) could not be configured: {type(exc).__name__}: {exc}",
+                plugin=getattr(metric, "plugin", None),
+            ) from exc
+    if issues:
+        raise ConfigError(issues)
+
+
 def plan(
     config: RunConfig,
     registry: Any = None,
@@ -195,6 +220,7 @@ def plan(
 
         registry = load_registry(config.plugins)
     metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in config.metrics]
+    _configure_metrics(config, registry, metrics)
     processors = []
     if config.generation.sampler is not None:
         sampler = config.generation.sampler

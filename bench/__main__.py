@@ -20,6 +20,11 @@ Parts (``--parts``, comma-separated; default all):
   batchgen with and without prefix caching, vLLM with its prefix caching, HF ``generate``;
   rows/s and prompt tokens computed; plus a scheduler replay of ``fcfs`` against ``prefix``
   ordering (``bench.prefix``). Not in the default set (it takes about 15 minutes a repeat).
+* ``structured``: structured outputs on W32 asking for a 5-field JSON record (max_tokens 64),
+  greedy and n=4 sampling: batchgen constrained against batchgen unconstrained (free, and at the
+  constrained outputs' lengths) and HF ``generate`` with xgrammar's own logits processor;
+  tokens/s and the share of outputs the schema accepts (``bench.structured``). Not in the
+  default set (it needs ``pip install 'batchgen[structured]'``).
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
@@ -41,7 +46,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
-EXTRA_PARTS = ["prefix"]
+EXTRA_PARTS = ["prefix", "structured"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -339,6 +344,12 @@ def part_prefix(args, out: Path) -> dict:
     return prefix.run_part(args, out, log, vllm_status, machine, save)
 
 
+def part_structured(args, out: Path) -> dict:
+    from bench import structured
+
+    return structured.run_part(args, out, log, machine, save, greedy_agreement)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,11 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per peer (default 1)")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds before a run is killed")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--peers", default="", help="throughput, prefix: only these peers (comma-separated)")
+    ap.add_argument("--peers", default="", help="throughput, prefix, structured: only these peers (comma-separated)")
     ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
     ap.add_argument("--merge", action="store_true",
                     help="throughput, scaleout: add to the existing throughput.json / scaleout.json; "
-                         "prefix: add repeats to prefix.json")
+                         "prefix, structured: add repeats to prefix.json / structured.json")
     ap.add_argument("--scaleout-only", default="", choices=["", "runs", "ceiling"],
                     help="scaleout: only the timed runs, or only the driver ceiling")
     ap.add_argument("--ceiling-rows", type=int, default=20000, help="scaleout: rows through the driver ceiling")
@@ -389,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
-               "scaleout": part_scaleout, "prefix": part_prefix}
+               "scaleout": part_scaleout, "prefix": part_prefix,
+               "structured": part_structured}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

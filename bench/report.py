@@ -475,7 +475,7 @@ def build(out: Path) -> None:
     memory = {"waste": [{"cache": n, "waste": w} for n, w in waste_rows(tp)], "concurrency": conc,
               "sharing": sharing}
     (out / "memory.json").write_text(json.dumps(memory, indent=1))
-    from bench import prefix, scaleout
+    from bench import prefix, scaleout, structured
 
     pref = load(out, "prefix")
     made = plots(out, tp, sharing, bsz, scaling, prof, conc, prof_beam)
@@ -484,9 +484,13 @@ def build(out: Path) -> None:
         scaleout.plot(out, scaled)
         made.append("scaleout.png")
     made += prefix.plot(out, pref)
+    struct = load(out, "structured")
+    made += structured.plot(out, struct)
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
     scaled_lines = scaleout.summary_lines(scaled)
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
-    (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref))
+    struct_text = structured.summary_md(struct)
+    (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref)
+                                    + ("\n" + struct_text if struct_text else ""))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")

@@ -35,10 +35,14 @@ def build(peer: str, options: dict):
     if peer == "hf_generate":
         from bench.peers.hf_generate import HFGenerate
         return HFGenerate(path, **options)
+    if peer == "hf_generate_xgrammar":
+        from bench.peers.hf_generate_xgrammar import HFGenerateXGrammar
+        return HFGenerateXGrammar(path, **options)
     if peer == "hf_generate_batch":
         from bench.peers.hf_generate_batch import HFGenerateBatch
         return HFGenerateBatch(path, **options)
-    raise ValueError(f"unknown peer {peer!r}; choose batchgen, hf_generate or hf_generate_batch")
+    raise ValueError(f"unknown peer {peer!r}; choose batchgen, hf_generate, hf_generate_xgrammar or "
+                     "hf_generate_batch")
 
 
 def main() -> None:

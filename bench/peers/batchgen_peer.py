@@ -15,6 +15,7 @@ for a dense cache preallocated to S_max tokens per sequence, and the peak concur
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -98,11 +99,17 @@ class BatchgenPeer:
     def __init__(self, model: str = "smollm2-135m-instruct", block_size: int = 16,
                  kv_cache_memory: int = 2**30, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 scheduling_policy: str = "prefix") -> None:
+                 scheduling_policy: str = "prefix", json_schema: dict | None = None,
+                 lengths: list[int] | None = None) -> None:
         self.kwargs = dict(dtype="float32", block_size=block_size, kv_cache_memory=kv_cache_memory,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
         self.model = model
+        #: With a schema every request is constrained to it (structured outputs), warm-up included.
+        self.json_schema = json_schema
+        #: With lengths, prompt i generates exactly ``lengths[i]`` tokens (``ignore_eos``): the same
+        #: work as another run whose outputs had these lengths.
+        self.lengths = lengths
         self.llm: Any = None
         self._fresh()
 
@@ -112,7 +119,7 @@ class BatchgenPeer:
         self.llm = None
         gc.collect()
         self.llm = LLM(self.model, **self.kwargs)
-        self.llm.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4))
+        self.llm.generate([WARMUP_PROMPT], self.constrain(SamplingParams(temperature=0.0, max_tokens=4)))
         self._warm_steps = self.llm.stats().num_steps
 
     def setup(self) -> dict:
@@ -120,7 +127,17 @@ class BatchgenPeer:
                 "num_blocks": self.llm.runner.num_blocks,
                 "bytes_per_block": self.llm.runner.cache_shape.bytes_per_block,
                 "attention_backend": self.llm.runner.attention_backend,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "structured_outputs": {"json": self.json_schema} if self.json_schema is not None else None,
+                "lengths": self.lengths}
+
+    def constrain(self, params: Any) -> Any:
+        """``params`` constrained to the peer's JSON schema (unchanged without one)."""
+        if self.json_schema is None:
+            return params
+        from batchgen import StructuredOutputsParams
+
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=self.json_schema))
 
     @staticmethod
     def params(mode: dict, max_tokens: int, seed: int) -> Any:
@@ -142,7 +159,11 @@ class BatchgenPeer:
         llm = self.llm
         before = llm.stats()
         observer = StepObserver(llm)
-        params = self.params(mode, max_tokens, seed)
+        params = self.constrain(self.params(mode, max_tokens, seed))
+        if self.lengths is not None:
+            if len(self.lengths) != len(prompts):
+                raise ValueError(f"{len(self.lengths)} lengths for {len(prompts)} prompts")
+            params = [dataclasses.replace(params, max_tokens=max(1, n), ignore_eos=True) for n in self.lengths]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - t0

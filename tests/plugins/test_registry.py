@@ -102,6 +102,8 @@ def test_builtins_register_through_the_public_hooks() -> None:
         "contains",
         "regex_match",
         "length",
+        "json_valid",
+        "json_schema_valid",
     ]
 
 
