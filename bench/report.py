@@ -486,7 +486,12 @@ def build(out: Path) -> None:
     made += prefix.plot(out, pref)
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
-    scaled_lines = scaleout.summary_lines(scaled)
+    from bench import machine
+
+    if (out / "machine.json").is_file():
+        machine.plot(out)
+        made.append("machine.png")
+    scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out)
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
     (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref))
     print(f"wrote {out / 'summary.md'} and {', '.join(made) or 'no plots'}")
