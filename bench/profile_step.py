@@ -4,7 +4,8 @@
 decode step runs 4× the rows). Two passes over W32, both observing the engine from outside (instance attributes are
 wrapped; no engine code changes):
 
-1. *Timers* (no profiler overhead): every step is split into scheduling
+1. *Timers* (no profiler overhead; also summed over the whole run, split into steps that only
+   decode and steps that hold a prefill chunk): every step is split into scheduling
    (``scheduler.schedule``), input packing (``runner.prepare``), the model forward
    (``runner._forward``) and, inside it, the paged-attention ops (the ``ops`` object the runner
    hands to the attention function is replaced by a timing proxy) and the linear layers (each
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--profiled-steps", type=int, default=3)
     ap.add_argument("--mode", choices=["greedy", "beam4"], default="greedy")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -159,6 +160,12 @@ def main() -> None:
     llm.generate(prompts, params)
 
     decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
+    # The whole run, split by step kind: steps that only decode, and steps holding a prefill.
+    whole: dict[str, dict[str, float]] = {}
+    for kind, chosen in (("decode_steps", [s for s in steps if s["decode"]]),
+                         ("prefill_steps", [s for s in steps if not s["decode"]])):
+        whole[kind] = {"steps": len(chosen), **{k: sum(s.get(k, 0.0) for s in chosen)
+                                                for k in ("total", "forward", "linear", "attention", "sampling")}}
     keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "model_other", "sampling",
             "python_other"]
     per_step: dict[str, list[float]] = {k: [] for k in keys}
@@ -234,6 +241,7 @@ def main() -> None:
         "decode_rows_median": statistics.median(s["seqs"] for s in decode) if decode else 0,
         "linear_weights": weights,
         "linear_gflops_median": statistics.median(gflops) if gflops else None,
+        "whole_run_seconds": whole,
         "step_seconds_median": total_med,
         "timers_median_seconds": timers,
         "timers_share": {k: v / total_med for k, v in timers.items()} if total_med else {},
