@@ -15,7 +15,7 @@ per repeat as in the throughput part:
   batchgen with the fastest of them.
 
 Every peer gets the same KV budget (1 GiB). Sampling runs without a per-request seed (vLLM's CPU
-build fails with one). Rows are keyed ``<workload>/<mode>/<dtype>`` in
+build fails with one). Rows are keyed ``<workload>/<mode>/<dtype><--tag>`` in
 ``bench/results/machine.json``; a rerun of a key replaces it, other keys stay.
 
 ``python -m bench --parts contention`` runs batchgen at its defaults on W32 greedy with nothing
@@ -115,7 +115,7 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict,
         mode = dict(modes[mode_name], request_seed=False) if modes[mode_name]["kind"] == "sample" else modes[mode_name]
         peers = peers_for(args, mode, args.dtype, use_vllm)
         reps = args.repeats_greedy if mode_name == "greedy" else args.repeats
-        key = f"{args.workload}/{mode_name}/{args.dtype}"
+        key = f"{args.workload}/{mode_name}/{args.dtype}{args.tag}"
         log(f"machine {key}: {len(prompts)} prompts, {threads} threads, {list(peers)} x {reps} repeats")
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         res = runner.interleaved(peers, prompts, mode, args.max_tokens, reps, args.log_dir, threads,
@@ -266,7 +266,8 @@ def summary_lines(out: Path) -> list[str]:
                   "| workload | mode | dtype | threads | repeats | batchgen | batchgen 1 thread | HF generate | "
                   "vLLM (block) | batchgen / vLLM | batchgen / HF | defaults / 1 thread |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for key in sorted(rows, key=lambda k: (k.split("/")[0] != "w32", k)):
+        order = {"w32": 0, "w256": 1, "greedy": 0, "n4": 1, "beam4": 2, "float32": 0, "bfloat16": 1}
+        for key in sorted(rows, key=lambda k: ([order.get(part, 9) for part in k.split("/")], k)):
             r = rows[key]
             peers, ratios, best = r["peers"], r["ratios"], r.get("best_vllm")
 
@@ -277,7 +278,8 @@ def summary_lines(out: Path) -> list[str]:
                 return _fmt(s) if s.get("ok") else peers[name].get("status", "failed")[:60]
             one = ratios.get("batchgen_1t")
             block = f" ({best.split('_bs')[1]})" if best else ""
-            lines.append(f"| {r['workload'].upper()} ({r['num_prompts']}) | {key.split('/')[1]} | {r['dtype']} | "
+            mode = key.split("/")[1] + (f" ({key.split(r['dtype'], 1)[1].lstrip('_')})" if not key.endswith(r["dtype"]) else "")
+            lines.append(f"| {r['workload'].upper()} ({r['num_prompts']}) | {mode} | {r['dtype']} | "
                          f"{r['threads']} | {r['repeats']} | {cell('batchgen')} | {cell('batchgen_1t')} | "
                          f"{cell('hf_generate')} | {cell(best)}{block} | "
                          f"{_ratio(ratios.get(best) if best else None)} | {_ratio(ratios.get('hf_generate'))} | "
