@@ -279,6 +279,8 @@ def summary_lines(out: Path) -> list[str]:
             one = ratios.get("batchgen_1t")
             block = f" ({best.split('_bs')[1]})" if best else ""
             mode = key.split("/")[1] + (f" ({key.split(r['dtype'], 1)[1].lstrip('_')})" if not key.endswith(r["dtype"]) else "")
+            if r["max_tokens"] != 64:
+                mode += f", max_tokens {r['max_tokens']}"
             lines.append(f"| {r['workload'].upper()} ({r['num_prompts']}) | {mode} | {r['dtype']} | "
                          f"{r['threads']} | {r['repeats']} | {cell('batchgen')} | {cell('batchgen_1t')} | "
                          f"{cell('hf_generate')} | {cell(best)}{block} | "
