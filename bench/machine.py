@@ -189,6 +189,12 @@ def contention(args: Any, out: Path, log: Callable[[str], None], machine: dict,
     return result
 
 
+def _row_order(key: str) -> tuple:
+    """W32 before W256, greedy / n4 / beam4, float32 before bfloat16, tagged rows last."""
+    order = {"w32": 0, "w256": 1, "greedy": 0, "n4": 1, "beam4": 2, "float32": 0, "bfloat16": 1}
+    return [order.get(part, 9) for part in key.split("/")], key
+
+
 def plot(out: Path) -> None:
     """``machine.png``: tokens/s per peer for each row of ``machine.json`` (median, min-max)."""
     path = out / "machine.json"
@@ -200,9 +206,13 @@ def plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = json.loads(path.read_text())["rows"]
-    keys = sorted(rows)
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    keys = [k for k in sorted(rows, key=_row_order) if rows[k]["max_tokens"] == 64]
+    cols = min(4, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         peers = {k: v["summary"] for k, v in rows[key]["peers"].items() if v.get("summary", {}).get("ok")}
         names = list(peers)
         med = [peers[n]["tokens_per_s_median"] for n in names]
@@ -213,7 +223,8 @@ def plot(out: Path) -> None:
         ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
         ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
         ax.set_title(f"{key}\n{rows[key]['num_prompts']} prompts, {rows[key]['threads']} threads", fontsize=8)
-    axes[0][0].set_ylabel("generated tokens/s")
+    for row in axes:
+        row[0].set_ylabel("generated tokens/s")
     fig.tight_layout()
     fig.savefig(out / "machine.png", dpi=110)
     plt.close(fig)
@@ -266,8 +277,7 @@ def summary_lines(out: Path) -> list[str]:
                   "| workload | mode | dtype | threads | repeats | batchgen | batchgen 1 thread | HF generate | "
                   "vLLM (block) | batchgen / vLLM | batchgen / HF | defaults / 1 thread |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        order = {"w32": 0, "w256": 1, "greedy": 0, "n4": 1, "beam4": 2, "float32": 0, "bfloat16": 1}
-        for key in sorted(rows, key=lambda k: ([order.get(part, 9) for part in k.split("/")], k)):
+        for key in sorted(rows, key=_row_order):
             r = rows[key]
             peers, ratios, best = r["peers"], r["ratios"], r.get("best_vllm")
 
