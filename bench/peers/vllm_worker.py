@@ -10,7 +10,9 @@ Setup: ``vllm.LLM(model=<batchgen's SmolLM2 folder>, dtype=<float32 or bfloat16>
 max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
 enable_prefix_caching=True, block_size=<given, else its default: 128 on CPU>)`` (prefix
 caching is its default, stated); ``dtype`` and ``block_size`` come as a JSON object in the
-second argument. The KV cache size and
+second argument. The prefix cache is reset before every timed run (``LLM.reset_prefix_cache``),
+so no repeat finds an earlier repeat's prompts in it (batchgen builds a fresh engine per run).
+The KV cache size and
 the OpenMP thread binding come from the environment (``VLLM_CPU_KVCACHE_SPACE`` in GiB,
 ``VLLM_CPU_OMP_THREADS_BIND``), set by the caller and echoed in the setup record. Greedy and
 sampling go through ``LLM.generate`` with ``TokensPrompt``; beam search through
@@ -88,6 +90,7 @@ def main() -> None:
              "dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
              "block_size_given": block_size, "max_model_len": 2048, "max_num_seqs": 256,
              "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
+             "prefix_cache_reset_before_each_run": True,
              "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space,
              "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
              "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -97,6 +100,10 @@ def main() -> None:
             continue
         cmd = json.loads(line)
         try:
+            # Every timed run starts from an empty prefix cache, as batchgen's (a fresh engine per
+            # run): otherwise a repeat finds the previous repeat's prompts cached.
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache before the run")
             t0 = time.perf_counter()
             outputs = generate(cmd["prompts"], cmd["mode"], cmd["max_tokens"], cmd["seed"])
             seconds = time.perf_counter() - t0
