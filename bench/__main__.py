@@ -25,6 +25,11 @@ Parts (``--parts``, comma-separated; default all):
   constrained outputs' lengths) and HF ``generate`` with xgrammar's own logits processor;
   tokens/s and the share of outputs the schema accepts (``bench.structured``). Not in the
   default set (it needs ``pip install 'batchgen[structured]'``).
+* ``machine``: W32 or W256 (``--workload``), one dtype (``--dtype``), every peer at every CPU
+  (``--threads``), batchgen at its defaults and optionally at one thread (``--one-thread``), vLLM
+  at each of ``--vllm-block-sizes`` (``bench.machine``). Not in the default set.
+* ``contention``: batchgen at its defaults, quiet and beside one and two busy loops
+  (``bench.machine``). Not in the default set.
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
@@ -46,7 +51,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
-EXTRA_PARTS = ["prefix", "structured"]
+EXTRA_PARTS = ["prefix", "structured", "machine", "contention"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -321,6 +326,7 @@ def part_profile(args, out: Path) -> dict:
         path = out / f"{name}.json"
         proc = subprocess.run([sys.executable, "-m", "bench.profile_step", "--out", str(path), "--mode", mode,
                                "--threads", str(args.threads), "--num-prompts", str(args.num_prompts),
+                               "--dtype", args.dtype,
                                "--max-tokens", str(min(args.max_tokens, 24))],
                               cwd=runner.REPO, capture_output=True, text=True, timeout=args.run_timeout * 2)
         if proc.returncode != 0:
@@ -350,6 +356,18 @@ def part_structured(args, out: Path) -> dict:
     return structured.run_part(args, out, log, machine, save, greedy_agreement)
 
 
+def part_machine(args, out: Path) -> dict:
+    from bench import machine as whole
+
+    return whole.part(args, out, log, machine(), vllm_status, MODES, strip_outputs, save)
+
+
+def part_contention(args, out: Path) -> dict:
+    from bench import machine as whole
+
+    return whole.contention(args, out, log, machine(), save)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -367,7 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaling-max-tokens", type=int, default=32)
     ap.add_argument("--sharing-k", default="2,4,6",
                     help="n and beam widths of the sharing part; 4 is also taken from the throughput runs")
-    ap.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per peer (default 1)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch / OpenMP threads per peer (default 1; machine: every CPU this process may use)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="machine, contention: the dtype of every peer's weights and KV cache")
+    ap.add_argument("--workload", default="w32", choices=["w32", "w256"],
+                    help="machine: W32 (--num-prompts of it) or W256 (--scaling-prompts of it)")
+    ap.add_argument("--vllm-block-sizes", default="32,128",
+                    help="machine: one vLLM peer per block size (its CPU default is 128; 'best': the fastest "
+                         "of the W32 greedy row of the same dtype)")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="machine: add batchgen at one thread (batchgen_1t) to the peers")
     ap.add_argument("--run-timeout", type=float, default=600, help="seconds before a run is killed")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--peers", default="", help="throughput, prefix, structured: only these peers (comma-separated)")
@@ -387,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.num_prompts, args.max_tokens, args.repeats_greedy, args.repeats = 8, 16, 1, 1
         args.scaling_prompts, args.scaling_max_tokens = 32, 8
+    args.threads_given, args.threads = args.threads, args.threads or 1
+    args.vllm_block_sizes = [b if b == "best" else int(b) for b in args.vllm_block_sizes.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
     args.peers = [p for p in args.peers.split(",") if p]
     bad = [m for m in args.modes if m not in MODES]
@@ -400,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
-               "scaleout": part_scaleout, "prefix": part_prefix,
-               "structured": part_structured}
+               "scaleout": part_scaleout, "prefix": part_prefix, "structured": part_structured,
+               "machine": part_machine, "contention": part_contention}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

@@ -12,6 +12,12 @@ step streams all 538 MB of SmolLM2's weights from memory. So a second part, ``mo
 every linear layer of the model once, in order (30 x q, k, v, o, gate, up, down, then
 ``lm_head``), on separate weights, and times the whole sweep, torch and kernel alternating;
 that is where the kernel's prefetch of the next weight panel shows.
+
+``--threads N`` runs the kernel on N threads of batchgen's pool (torch on N threads too);
+``--dtype bfloat16`` packs bfloat16 weights and feeds bfloat16 input (torch runs its own
+bfloat16 GEMM). ``ceiling_gflops`` is the kernel's best rate over the single-layer shapes (one
+weight hot in the caches: the compute ceiling); the whole-model sweep's rate at a row count is
+the ceiling for a step of that many rows, whose weights stream from memory.
 """
 
 from __future__ import annotations
@@ -56,26 +62,35 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,8,32,128,1813")
     ap.add_argument("--model-rows", default="1,8,32,128", help="row counts for the whole-model sweep")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    from batchgen.kernels.cpu import loader
+
     torch.set_num_threads(args.threads)
-    why = unsupported_reason(torch.float32, torch.device("cpu"))
+    loader.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    why = unsupported_reason(dtype, torch.device("cpu"))
     if why is not None:
         raise SystemExit(f"the CPU linear kernel cannot run here: {why}")
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    result: dict = {"threads": args.threads, "rows": rows_list, "results": []}
+    result: dict = {"threads": args.threads, "dtype": args.dtype, "rows": rows_list, "results": []}
+    if dtype == torch.bfloat16:
+        from batchgen.kernels.cpu.linear import bf16_path
+
+        result["bf16_path"] = bf16_path()
     for name, (n, k) in SHAPES.items():
-        layer = torch.nn.Linear(k, n, bias=False)
+        layer = torch.nn.Linear(k, n, bias=False).to(dtype)
         packed = PackedLinear(layer)
         weight = layer.weight.detach()
         for m in rows_list:
             if name == "lm_head" and m > 128:
                 continue  # the engine keeps only the sampled rows' logits
-            x = torch.randn(m, k)
+            x = torch.randn(m, k).to(dtype)
             with torch.no_grad():
                 reps = max(3, min(40, int(2e9 / (2 * m * n * k))))
                 best = best_times({"torch": lambda: F.linear(x, weight), "cpu": lambda: packed(x)}, reps)
-                diff = (packed(x) - F.linear(x, weight)).abs().max().item()
+                diff = (packed(x).float() - F.linear(x, weight).float()).abs().max().item()
             flop = 2 * m * n * k
             row = {"layer": name, "rows": m, "torch_ms": best["torch"] * 1e3, "cpu_ms": best["cpu"] * 1e3,
                    "torch_gflops": flop / best["torch"] / 1e9, "cpu_gflops": flop / best["cpu"] / 1e9,
@@ -83,12 +98,13 @@ def main() -> None:
             result["results"].append(row)
             print(f"{name:18s} rows {m:5d}: torch {row['torch_ms']:8.3f} ms ({row['torch_gflops']:5.1f} GFLOP/s)"
                   f"  cpu {row['cpu_ms']:8.3f} ms ({row['cpu_gflops']:5.1f})  {row['speedup']:.2f}x", flush=True)
-    result["model"] = model_sweep([int(r) for r in args.model_rows.split(",")])
+    result["ceiling_gflops"] = max(r["cpu_gflops"] for r in result["results"])
+    result["model"] = model_sweep([int(r) for r in args.model_rows.split(",")], dtype=dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 
-def model_sweep(rows_list: list[int], repeats: int = 5) -> list[dict]:
+def model_sweep(rows_list: list[int], repeats: int = 5, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Every linear layer of SmolLM2 once, in order, torch against the kernel (see the module
     docstring); the fastest of ``repeats`` sweeps each, the two alternating."""
     from batchgen.kernels.cpu.linear import PackedLinear
@@ -96,12 +112,12 @@ def model_sweep(rows_list: list[int], repeats: int = 5) -> list[dict]:
     shapes = LAYER_SHAPES * NUM_LAYERS + [SHAPES["lm_head"]]
     weights, packed = [], []
     for n, k in shapes:  # one at a time, so the unpacked and packed sets never coexist unfreed
-        layer = torch.nn.Linear(k, n, bias=False)
+        layer = torch.nn.Linear(k, n, bias=False).to(dtype)
         weights.append(layer.weight.detach())
         packed.append(PackedLinear(layer))
     rows_out = []
     for m in rows_list:
-        inputs = {k: torch.randn(m, k) for k in {k for _, k in shapes}}
+        inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
 
         def sweep_torch() -> None:
             for w in weights:

@@ -4,7 +4,8 @@
 decode step runs 4× the rows). Two passes over W32, both observing the engine from outside (instance attributes are
 wrapped; no engine code changes):
 
-1. *Timers* (no profiler overhead): every step is split into scheduling
+1. *Timers* (no profiler overhead; also summed over the whole run, split into steps that only
+   decode and steps that hold a prefill chunk): every step is split into scheduling
    (``scheduler.schedule``), input packing (``runner.prepare``), the model forward
    (``runner._forward``) and, inside it, the paged-attention ops (the ``ops`` object the runner
    hands to the attention function is replaced by a timing proxy) and the linear layers (each
@@ -74,6 +75,14 @@ def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
             module.forward = timed
 
 
+def linear_weights(model: torch.nn.Module) -> int:
+    """``in x out`` summed over the model's linear layers (those :func:`time_linears` times)."""
+    from batchgen.kernels.cpu.linear import PackedLinear
+
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if type(m) is torch.nn.Linear or isinstance(m, PackedLinear))
+
+
 def wrap(obj: Any, attr: str, clock: dict[str, float], key: str) -> None:
     inner: Callable = getattr(obj, attr)
 
@@ -91,11 +100,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--profiled-steps", type=int, default=3)
     ap.add_argument("--mode", choices=["greedy", "beam4"], default="greedy")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    engine = dict(dtype=args.dtype, block_size=16, kv_cache_memory=2**30, max_num_seqs=256,
+                  max_num_batched_tokens=2048, num_threads=args.threads)
     from batchgen import LLM, BeamSearchParams, SamplingParams
     from bench.workload import w32_prompts
 
@@ -105,8 +117,7 @@ def main() -> None:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     prompts = w32_prompts()[: args.num_prompts]
-    llm = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
-              max_num_seqs=256, max_num_batched_tokens=2048)
+    llm = LLM("smollm2-135m-instruct", **engine)
     clock: dict[str, float] = defaultdict(float)
     llm.runner.ops = TimedOps(llm.runner.ops, clock)
     time_linears(llm.runner.model, clock)
@@ -149,6 +160,12 @@ def main() -> None:
     llm.generate(prompts, params)
 
     decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
+    # The whole run, split by step kind: steps that only decode, and steps holding a prefill.
+    whole: dict[str, dict[str, float]] = {}
+    for kind, chosen in (("decode_steps", [s for s in steps if s["decode"]]),
+                         ("prefill_steps", [s for s in steps if not s["decode"]])):
+        whole[kind] = {"steps": len(chosen), **{k: sum(s.get(k, 0.0) for s in chosen)
+                                                for k in ("total", "forward", "linear", "attention", "sampling")}}
     keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "model_other", "sampling",
             "python_other"]
     per_step: dict[str, list[float]] = {k: [] for k in keys}
@@ -165,11 +182,14 @@ def main() -> None:
             per_step[k].append(parts[k])
         totals.append(s["total"])
     timers = {k: statistics.median(v) for k, v in per_step.items() if v}
+    # The linear layers' rate in a decode step: 2 x rows x (in x out) summed over the layers
+    # (every row reaches lm_head in a decode step), over the layers' measured time.
+    weights = linear_weights(llm.runner.model)
+    gflops = [2 * s["seqs"] * weights / s["linear"] / 1e9 for s in decode if s.get("linear")]
     total_med = statistics.median(totals) if totals else 0.0
 
     # Pass 2: torch.profiler over a few decode steps of a fresh, identical run.
-    llm2 = LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=2**30,
-               max_num_seqs=256, max_num_batched_tokens=2048)
+    llm2 = LLM("smollm2-135m-instruct", **engine)
     llm2.runner.ops = TimedOps(llm2.runner.ops, defaultdict(float))
     time_linears(llm2.runner.model, defaultdict(float))
     inner2 = llm2.step
@@ -216,7 +236,12 @@ def main() -> None:
         "attention_backend": llm.runner.attention_backend,
         "linear_backend": llm.runner.linear_backend,
         "threads": args.threads,
+        "dtype": args.dtype,
         "decode_steps_timed": len(decode),
+        "decode_rows_median": statistics.median(s["seqs"] for s in decode) if decode else 0,
+        "linear_weights": weights,
+        "linear_gflops_median": statistics.median(gflops) if gflops else None,
+        "whole_run_seconds": whole,
         "step_seconds_median": total_med,
         "timers_median_seconds": timers,
         "timers_share": {k: v / total_med for k, v in timers.items()} if total_med else {},
@@ -229,7 +254,8 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"decode step median {total_med * 1000:.0f} ms: " +
+    print(f"linear layers {result['linear_gflops_median'] or 0:.1f} GFLOP/s; "
+          f"decode step median {total_med * 1000:.0f} ms: " +
           ", ".join(f"{k} {v * 100:.0f}%" for k, v in result["timers_share"].items()))
 
 

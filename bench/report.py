@@ -488,7 +488,12 @@ def build(out: Path) -> None:
     made += structured.plot(out, struct)
     text = summary_md(tp, sharing, bsz, scaling, prof, conc, made, prof_beam, load(out, "lengths"),
                       load(out, "linear_kernel"))
-    scaled_lines = scaleout.summary_lines(scaled)
+    from bench import machine
+
+    if (out / "machine.json").is_file():
+        machine.plot(out)
+        made.append("machine.png")
+    scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out)
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
     struct_text = structured.summary_md(struct)
     (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref)

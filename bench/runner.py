@@ -112,21 +112,30 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
 
     ``options["as"]`` runs another configuration of a peer under its own name (for example
     ``batchgen_nocache`` as ``batchgen`` with ``enable_prefix_caching: false``).
+    ``options["threads"]`` overrides ``threads`` for this peer. A thread count of 0 runs the
+    peer at its defaults: no ``OMP_NUM_THREADS`` in its environment, torch's thread count
+    untouched (batchgen then takes ``num_threads: auto``, the CPUs the process may use).
+    ``options["dtype"]`` is the weights' and KV cache's dtype (``float32``, ``bfloat16``);
+    for vLLM also ``block_size`` (None: its default, 128 on CPU) and ``kv_gib``.
     """
     options = dict(options)
     name, peer = peer, options.pop("as", peer)
+    threads = int(options.pop("threads", threads))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}-{int(time.time() * 1000)}.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.pop("OMP_NUM_THREADS", None)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     if peer == "vllm":
         from batchgen.models import resolve_model
 
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(options.get("kv_gib", 1)),
-                   VLLM_CPU_OMP_THREADS_BIND=options.get("bind", "0" if threads == 1 else f"0-{threads - 1}"),
+        cores = threads or len(os.sched_getaffinity(0))
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(options.pop("kv_gib", 1)),
+                   VLLM_CPU_OMP_THREADS_BIND=options.pop("bind", "0" if cores == 1 else f"0-{cores - 1}"),
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
         cmd = [str(VLLM_PYTHON), str(REPO / "bench" / "peers" / "vllm_worker.py"),
-               resolve_model("smollm2-135m-instruct").path]
+               resolve_model("smollm2-135m-instruct").path, json.dumps(options)]
     else:
         cmd = [sys.executable, "-m", "bench.worker", peer, json.dumps({**options, "threads": threads})]
     log = open(log_path, "w")

@@ -4,7 +4,7 @@ Protocol (shared with ``bench/peers/vllm_worker.py``): after the peer is built a
 the worker prints ``@@READY <setup json>``; then, for each JSON command read from stdin
 (``prompts``, ``mode``, ``max_tokens``, ``seed``), it prints ``@@RESULT <json>`` (the peer's
 result plus the process's peak RSS so far) or ``@@ERROR <json>``. Library chatter goes to
-stderr. The torch thread count is set before anything else runs.
+stderr. The torch thread count is set before anything else runs (unless it is 0: the peer's default).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main() -> None:
     threads = int(options.pop("threads", 1))
     import torch
 
-    torch.set_num_threads(threads)
+    if threads:  # 0: the peer's own default
+        torch.set_num_threads(threads)
     from bench.peers import UnsupportedMode
 
     peer = build(peer_name, options)

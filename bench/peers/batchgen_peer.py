@@ -1,6 +1,6 @@
 """batchgen's ``LLM.generate`` on the paged cache, with per-step KV accounting.
 
-Setup: ``LLM("smollm2-135m-instruct", dtype="float32", block_size=16, kv_cache_memory=1 GiB,
+Setup: ``LLM("smollm2-135m-instruct", dtype="float32" (or as given), block_size=16, kv_cache_memory=1 GiB,
 max_num_seqs=256, max_num_batched_tokens=2048)`` (prefix caching on and attention backend
 ``auto``, the defaults; on this CPU ``auto`` is the C decode kernel). A fresh
 ``LLM`` is built for every timed run, so no run finds the previous run's prompts in the prefix
@@ -99,9 +99,9 @@ class BatchgenPeer:
     def __init__(self, model: str = "smollm2-135m-instruct", block_size: int = 16,
                  kv_cache_memory: int = 2**30, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 scheduling_policy: str = "prefix", json_schema: dict | None = None,
-                 lengths: list[int] | None = None) -> None:
-        self.kwargs = dict(dtype="float32", block_size=block_size, kv_cache_memory=kv_cache_memory,
+                 scheduling_policy: str = "prefix", dtype: str = "float32",
+                 json_schema: dict | None = None, lengths: list[int] | None = None) -> None:
+        self.kwargs = dict(dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
         self.model = model
@@ -127,6 +127,8 @@ class BatchgenPeer:
                 "num_blocks": self.llm.runner.num_blocks,
                 "bytes_per_block": self.llm.runner.cache_shape.bytes_per_block,
                 "attention_backend": self.llm.runner.attention_backend,
+                "linear_backend": self.llm.runner.linear_backend,
+                "num_threads": self.llm.runner.num_threads,
                 "torch_threads": torch.get_num_threads(),
                 "structured_outputs": {"json": self.json_schema} if self.json_schema is not None else None,
                 "lengths": self.lengths}

@@ -1,6 +1,6 @@
 """HF transformers ``generate`` with a static, left-padded batch (the usual dense-cache way).
 
-Setup: ``AutoModelForCausalLM.from_pretrained(<batchgen's SmolLM2 folder>, dtype=float32)``,
+Setup: ``AutoModelForCausalLM.from_pretrained(<batchgen's SmolLM2 folder>, dtype=float32 (or as given))``,
 SDPA attention, ``DynamicCache``. The whole workload is one batch (or chunks of
 ``batch_size``), left-padded with the pad token; every row runs until the whole batch is
 done, which is exactly the cost a static batch pays. Sampling uses ``top_k=0`` so that only
@@ -44,12 +44,13 @@ class HFGenerate:
 
     name = "hf_generate"
 
-    def __init__(self, model_path: str, batch_size: int | None = None) -> None:
+    def __init__(self, model_path: str, batch_size: int | None = None, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         tok = AutoTokenizer.from_pretrained(model_path)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -57,7 +58,7 @@ class HFGenerate:
         self._generate([WARMUP_PROMPT], {"kind": "greedy"}, 4, 0)
 
     def setup(self) -> dict:
-        return {"peer": self.name, "model_path": self.model_path,
+        return {"peer": self.name, "model_path": self.model_path, "dtype": self.dtype,
                 "attn_implementation": self.model.config._attn_implementation,
                 "batch": "static, left-padded", "batch_size": self.batch_size or "whole workload",
                 "pad_token_id": self.pad_id, "eos_token_ids": self.eos_ids,

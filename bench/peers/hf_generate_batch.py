@@ -30,23 +30,25 @@ class HFGenerateBatch:
 
     name = "hf_generate_batch"
 
-    def __init__(self, model_path: str, kv_cache_memory: int = 2**30) -> None:
+    def __init__(self, model_path: str, kv_cache_memory: int = 2**30, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
         self.model_path = model_path
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+        self.dtype = dtype
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                           attn_implementation="sdpa").eval()
         cfg = self.model.config
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        page_bytes = cfg.num_hidden_layers * 2 * PAGE_SIZE * cfg.num_key_value_heads * head_dim * 4
+        page_bytes = (cfg.num_hidden_layers * 2 * PAGE_SIZE * cfg.num_key_value_heads * head_dim
+                      * getattr(torch, dtype).itemsize)
         self.num_blocks = max(1, kv_cache_memory // page_bytes)
         self.kv_cache_memory = kv_cache_memory
         self._generate([WARMUP_PROMPT], {"kind": "greedy"}, 4, 0)
 
     def setup(self) -> dict:
-        return {"peer": self.name, "model_path": self.model_path, "attn_implementation": "sdpa",
+        return {"peer": self.name, "model_path": self.model_path, "dtype": self.dtype, "attn_implementation": "sdpa",
                 "page_size": PAGE_SIZE, "num_blocks": self.num_blocks, "max_batch_tokens": 2048,
                 "kv_budget_bytes": self.kv_cache_memory, "torch_threads": torch.get_num_threads(),
                 "beam": "unsupported (generate_batch ignores num_beams)"}

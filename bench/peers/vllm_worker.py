@@ -6,9 +6,13 @@ never in batchgen's. It speaks the worker protocol of ``bench/worker.py``: one `
 <json>`` line, then for each JSON command on stdin one ``@@RESULT <json>`` or ``@@ERROR
 <json>`` line.
 
-Setup: ``vllm.LLM(model=<batchgen's SmolLM2 folder>, dtype="float32", seed=0,
+Setup: ``vllm.LLM(model=<batchgen's SmolLM2 folder>, dtype=<float32 or bfloat16>, seed=0,
 max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
-enable_prefix_caching=True)`` (its default, stated); the KV cache size and
+enable_prefix_caching=True, block_size=<given, else its default: 128 on CPU>)`` (prefix
+caching is its default, stated); ``dtype`` and ``block_size`` come as a JSON object in the
+second argument. The prefix cache is reset before every timed run (``LLM.reset_prefix_cache``),
+so no repeat finds an earlier repeat's prompts in it (batchgen builds a fresh engine per run).
+The KV cache size and
 the OpenMP thread binding come from the environment (``VLLM_CPU_KVCACHE_SPACE`` in GiB,
 ``VLLM_CPU_OMP_THREADS_BIND``), set by the caller and echoed in the setup record. Greedy and
 sampling go through ``LLM.generate`` with ``TokensPrompt``; beam search through
@@ -35,12 +39,16 @@ def _rss() -> dict:
 
 def main() -> None:
     model_path = sys.argv[1]
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    dtype = options.get("dtype", "float32")
+    block_size = options.get("block_size")  # None: vLLM's default (128 on CPU)
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.sampling_params import BeamSearchParams
     import vllm
 
-    llm = LLM(model=model_path, dtype="float32", seed=0, max_model_len=2048, max_num_seqs=256,
-              max_num_batched_tokens=2048, enable_prefix_caching=True)
+    extra = {"block_size": block_size} if block_size else {}
+    llm = LLM(model=model_path, dtype=dtype, seed=0, max_model_len=2048, max_num_seqs=256,
+              max_num_batched_tokens=2048, enable_prefix_caching=True, **extra)
     cached = [0]  # prompt tokens the last generate found in vLLM's prefix cache
     eos = llm.get_tokenizer().eos_token_id
 
@@ -79,8 +87,10 @@ def main() -> None:
     generate([WARMUP_PROMPT], {"kind": "greedy"}, 4, 0)
     kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     setup = {"peer": "vllm", "vllm_version": vllm.__version__, "model_path": model_path,
-             "dtype": "float32", "max_model_len": 2048, "max_num_seqs": 256,
+             "dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+             "block_size_given": block_size, "max_model_len": 2048, "max_num_seqs": 256,
              "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
+             "prefix_cache_reset_before_each_run": True,
              "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space,
              "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
              "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -90,6 +100,10 @@ def main() -> None:
             continue
         cmd = json.loads(line)
         try:
+            # Every timed run starts from an empty prefix cache, as batchgen's (a fresh engine per
+            # run): otherwise a repeat finds the previous repeat's prompts cached.
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache before the run")
             t0 = time.perf_counter()
             outputs = generate(cmd["prompts"], cmd["mode"], cmd["max_tokens"], cmd["seed"])
             seconds = time.perf_counter() - t0
