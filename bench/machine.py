@@ -148,7 +148,7 @@ def contention(args: Any, out: Path, log: Callable[[str], None], machine: dict,
     mode = {"kind": "greedy"}
     conditions = [0, 1, 2]
     result: dict = {"workload": f"W32 ({len(prompts)} prompts), greedy", "max_tokens": args.max_tokens,
-                    "dtype": args.dtype, "busy_loop": f"{sys.executable} -c '{BUSY_LOOP}'",
+                    "dtype": args.dtype, "busy_loop": f"python -c '{BUSY_LOOP}'",
                     "machine": machine, "runs": []}
     w = runner.start_worker("batchgen", {"kv_cache_memory": GIB, "dtype": args.dtype, "threads": 0},
                             args.log_dir, 0)

@@ -258,7 +258,7 @@ def summary_md(tp, sharing, bsz, scaling, prof, conc, made: list[str], prof_beam
                      "(`--tag ... --merge`), each with its own peers interleaved: " +
                      ", ".join(f"{r['mode']} finished {r['at']} UTC ({', '.join(r['peers'])})" for r in tp["reruns"]) +
                      ". Compare ratios within a row, not tokens/s across rows: the machine's load changed "
-                     "between sessions.\n")
+                     "between runs.\n")
         L.append("## Throughput on W32 (generated tokens/s, median over repeats)\n")
         L.append("| mode | prompts | repeats | batchgen | HF generate (static) | HF generate_batch (CB) | vLLM CPU | batchgen / HF generate | batchgen / vLLM |")
         L.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
