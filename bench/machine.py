@@ -264,6 +264,70 @@ def ceiling_rows(out: Path) -> list[dict]:
     return rows
 
 
+def linear_weights_split(model: str = "smollm2-135m-instruct") -> tuple[int, int]:
+    """(weights of the linear layers a token passes through in the body, weights of the LM head)
+    of ``model``, counted on an empty (meta-device) copy: nothing is loaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from batchgen.models import resolve_model
+
+    config = AutoConfig.from_pretrained(resolve_model(model).path)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    head = net.get_output_embeddings()
+    body = sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return body, head.weight.numel()
+
+
+def flop_bound_rows(out: Path, ceilings: dict[str, float] | None = None,
+                    weights: tuple[int, int] | None = None) -> list[dict]:
+    """How fast each greedy row of ``machine.json`` could possibly be: its linear layers' FLOPs
+    run at the machine's best measured GEMM rate, and nothing else costs any time.
+
+    FLOPs = 2 x body weights x (prefill tokens + generated tokens - sequences) + 2 x head weights
+    x generated tokens, with batchgen's own token counts (its prefix-cache hits included, which
+    vLLM's prefix caching also gets); a sequence's last token is never fed back, its first comes
+    from the prefill. The ceiling is the faster of batchgen's GEMM and torch's (oneDNN) on any
+    single layer of the model, at 2 threads (``linear_kernel_2t_<dtype>.json``). The bound is
+    then ``tokens / (FLOPs / ceiling)``; ``target`` is 1.5 x vLLM's median.
+    """
+    path = out / "machine.json"
+    if not path.is_file():
+        return []
+    if ceilings is None:
+        ceilings = {}
+        for dtype in ("float32", "bfloat16"):
+            lk = out / f"linear_kernel_2t_{dtype}.json"
+            if lk.is_file():
+                k = json.loads(lk.read_text())
+                ceilings[dtype] = max([k["ceiling_gflops"], *(r["torch_gflops"] for r in k["results"])])
+    rows = []
+    for key, r in json.loads(path.read_text())["rows"].items():
+        if r["mode"]["kind"] != "greedy" or r["dtype"] not in ceilings or "only" in key:
+            continue
+        ours = r["peers"].get("batchgen", {})
+        best = r.get("best_vllm")
+        if not ours.get("runs") or not best or not r["peers"][best].get("summary", {}).get("ok"):
+            continue
+        if weights is None:
+            weights = linear_weights_split()
+        body, head = weights
+        run = ours["runs"][0]
+        stats = run["engine_stats"]
+        flops = 2 * body * (stats["num_prefill_tokens"] + stats["num_generated_tokens"] - run["num_sequences"]) \
+            + 2 * head * stats["num_generated_tokens"]
+        ceiling = ceilings[r["dtype"]]
+        bound = run["tokens"] / (flops / (ceiling * 1e9))
+        vllm = r["peers"][best]["summary"]["tokens_per_s_median"]
+        mine = ours["summary"]["tokens_per_s_median"]
+        rows.append({"key": key, "dtype": r["dtype"], "linear_gflop": flops / 1e9, "ceiling_gflops": ceiling,
+                     "bound_tokens_per_s": bound, "batchgen": mine, "vllm": vllm,
+                     "target": 1.5 * vllm, "target_of_bound": 1.5 * vllm / bound,
+                     "batchgen_of_bound": mine / bound, "vllm_of_bound": vllm / bound})
+    return rows
+
+
 def summary_lines(out: Path) -> list[str]:
     """The whole-machine section of ``summary.md``: every row of ``machine.json``, the
     contention run and the GEMM ceiling."""
@@ -306,6 +370,19 @@ def summary_lines(out: Path) -> list[str]:
                   + "; ".join(f"{b} busy loop{'s' if b != '1' else ''} {_fmt(s[b])} tok/s, quiet / busy "
                               f"{s[b]['slowdown_median']:.2f}× (per repeat {min(s[b]['slowdown_paired']):.2f}-"
                               f"{max(s[b]['slowdown_paired']):.2f})" for b in ("1", "2")) + ".", ""]
+    bounds = flop_bound_rows(out)
+    if bounds:
+        lines += ["The arithmetic bound of each greedy row: its linear layers' FLOPs at the machine's best "
+                  "measured GEMM rate (the faster of batchgen's and torch's on any layer, 2 threads), with "
+                  "attention, sampling and everything else free.", "",
+                  "| row | linear GFLOP | GEMM ceiling GFLOP/s | bound tok/s | batchgen (of bound) | "
+                  "vLLM (of bound) | 1.5 × vLLM (of bound) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for b in sorted(bounds, key=lambda b: _row_order(b["key"])):
+            lines.append(f"| {b['key']} | {b['linear_gflop']:.0f} | {b['ceiling_gflops']:.1f} | "
+                         f"{b['bound_tokens_per_s']:.0f} | {b['batchgen']:.1f} ({b['batchgen_of_bound'] * 100:.0f} %) | "
+                         f"{b['vllm']:.1f} ({b['vllm_of_bound'] * 100:.0f} %) | {b['target']:.1f} "
+                         f"({b['target_of_bound'] * 100:.0f} %) |")
+        lines.append("")
     for row in ceiling_rows(out):
         lines += [f"Decode step's linear layers, {row['dtype']}, 2 threads ({row['decode_rows']} rows): "
                   f"{row['step_linear_gflops']:.1f} GFLOP/s, {row['of_ceiling'] * 100:.0f} % of the kernel's "
