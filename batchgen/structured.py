@@ -29,7 +29,6 @@ cannot spend its ``max_tokens`` on whitespace.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -80,6 +79,30 @@ _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar":
          "json_object": "json_object"}
 
 
+def grammar(params: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` of a constraint: the one place each kind becomes a grammar
+    (both :func:`check` and the processor's compiler start from it).
+
+    Raises:
+        Exception: what xgrammar raises for a bad schema, regex or grammar.
+    """
+    xgr = require()
+    kind = params.kind
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(_schema_text(params), any_whitespace=False)
+    if kind == "json_object":
+        # Any JSON object (vLLM compiles the same schema); strict_mode off lets it have any keys.
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_ebnf(params.choice or []))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+_checked: dict[str, str | None] = {}  # constraint key -> error message (None: compiles)
+
+
 def check(params: StructuredOutputsParams) -> None:
     """Check that the constraint compiles, without a tokenizer (cached per constraint).
 
@@ -88,28 +111,15 @@ def check(params: StructuredOutputsParams) -> None:
         ValueError: an invalid schema, regex or grammar; the message says which and why.
     """
     require()
-    error = _check_key(params.key)
-    if error is not None:
-        raise ValueError(error)
-
-
-@functools.lru_cache(maxsize=1024)
-def _check_key(key: str) -> str | None:
-    xgr = require()
-    kind, _, text = key.partition(":")
-    value = json.loads(text)
-    try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=False)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(value)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(_choice_ebnf(value))
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(value)
-    except Exception as exc:  # xgrammar raises RuntimeError (C++) or ValueError for bad input
-        return f"invalid {_WHAT[kind]}: {_message(exc)}"
-    return None
+    key = params.key
+    if key not in _checked:
+        try:
+            grammar(params)
+            _checked[key] = None
+        except Exception as exc:  # xgrammar raises RuntimeError (C++) or ValueError for bad input
+            _checked[key] = f"invalid {_WHAT[params.kind]}: {_message(exc)}"
+    if _checked[key] is not None:
+        raise ValueError(_checked[key])
 
 
 class GrammarState:
@@ -177,17 +187,7 @@ class StructuredOutputsProcessor(StatefulLogitsProcessor):
     # -- compiling -----------------------------------------------------------------------------
 
     def _compile_now(self, params: StructuredOutputsParams) -> Any:
-        kind = params.kind
-        if kind == "json":
-            return self.compiler.compile_json_schema(_schema_text(params), any_whitespace=False)
-        if kind == "json_object":
-            # Any JSON object (vLLM compiles the same schema); strict_mode off lets it have any keys.
-            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return self.compiler.compile_regex(params.regex)
-        if kind == "choice":
-            return self.compiler.compile_grammar(_choice_ebnf(params.choice or []))
-        return self.compiler.compile_grammar(params.grammar)
+        return self.compiler.compile_grammar(grammar(params))
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """The compiled grammar of ``params``, as a future: compiled once per distinct
