@@ -1,5 +1,6 @@
-"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks;
-float32, and RMSNorm and SiLU·up in bfloat16 and float16 too; threaded over rows.
+"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, RoPE with the
+KV-cache write, greedy picks; float32, and all but the greedy pick in bfloat16 and float16 too;
+threaded over rows.
 
 Why: in a decode step of a small model each of these is a chain of torch ops over a few dozen
 rows (RMSNorm alone is six), so dispatch and temporaries cost more than the arithmetic. One C
@@ -14,6 +15,12 @@ went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 m
   are recognised by their attributes, then **checked**: a candidate is replaced only if the
   fused version reproduces the module's own output on a probe input. A variant with other
   semantics (Gemma's ``1 + weight`` norm, another activation) fails the check and stays as is.
+- :func:`rope_and_cache` rotates the query and key heads of a fused q/k/v projection's output
+  in place (HF's rotate-half ``apply_rotary_pos_emb``) and writes the key and value heads into
+  the paged cache (``reshape_and_cache``): about a dozen torch ops per attention layer in one
+  pass. Its user, :class:`~batchgen.engine.fused_attention.FusedAttention`, lives in the engine
+  (it attends through the engine's attention dispatch) and is fused, checked the same way, by
+  :func:`~batchgen.engine.fused_attention.fuse_attention`.
 - :func:`greedy` returns each row's argmax with its log-probability, in two passes over the
   logits instead of torch's argmax plus logsumexp (five passes and three temporaries).
 
@@ -23,9 +30,11 @@ arithmetic is float32, rounded to the 16-bit type exactly where the torch module
 (RMSNorm: the normalised row, then the product with the weight; SiLU·up: the SiLU, then the
 product), so results mostly equal torch's bit for bit and otherwise differ by one unit in the
 last place. Each row is computed by one thread in one order: results do not depend on the
-other rows nor on the thread count. Greedy output still matches HF ``generate`` in float32,
-which the oracle tests check. Used by ``linear_backend="cpu"``, which already needs the C
-compiler and AVX2.
+other rows nor on the thread count. :func:`rope_and_cache` is exact: torch's products and
+sums, each rounded as torch rounds them (float32: no fused multiply-add; 16-bit: each result
+rounded to the 16-bit type), so its results equal torch's bit for bit. Greedy output still
+matches HF ``generate`` in float32, which the oracle tests check. Used by
+``linear_backend="cpu"``, which already needs the C compiler and AVX2.
 """
 
 from __future__ import annotations
