@@ -196,21 +196,28 @@ static void rope_head_f32(float *x, const float *c, const float *s, int64_t h) {
   }
 }
 
-static void rope_rows_f32(void *ctx, int64_t begin, int64_t end) {
+static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h);
+
+static void rope_rows(void *ctx, int64_t begin, int64_t end) {
   const struct rope_args *a = ctx;
+  const size_t size = a->dtype ? sizeof(uint16_t) : sizeof(float);
   const int64_t d = a->d, kv = a->kv_heads * d;
   for (int64_t i = begin; i < end; ++i) {
-    float *row = (float *)a->qkv + i * a->ld;
-    const float *c = (const float *)a->cos + i * a->ldc;
-    const float *s = (const float *)a->sin + i * a->lds;
-    for (int64_t head = 0; head < a->heads + a->kv_heads; ++head) rope_head_f32(row + head * d, c, s, d / 2);
-    const int64_t slot = a->slots[i];
-    memcpy((float *)a->k_cache + slot * kv, row + a->heads * d, (size_t)kv * sizeof(float));
-    memcpy((float *)a->v_cache + slot * kv, row + a->heads * d + kv, (size_t)kv * sizeof(float));
+    char *row = (char *)a->qkv + (size_t)(i * a->ld) * size;
+    const void *c = (const char *)a->cos + (size_t)(i * a->ldc) * size;
+    const void *s = (const char *)a->sin + (size_t)(i * a->lds) * size;
+    for (int64_t head = 0; head < a->heads + a->kv_heads; ++head) {
+      void *x = row + (size_t)(head * d) * size;
+      if (a->dtype)
+        rope_head_16(a->dtype, x, c, s, d / 2);
+      else
+        rope_head_f32(x, c, s, d / 2);
+    }
+    const size_t slot = (size_t)a->slots[i];
+    memcpy((char *)a->k_cache + slot * kv * size, row + (size_t)(a->heads * d) * size, (size_t)kv * size);
+    memcpy((char *)a->v_cache + slot * kv * size, row + (size_t)(a->heads * d + kv) * size, (size_t)kv * size);
   }
 }
-
-static void rope_rows_16(void *ctx, int64_t begin, int64_t end);
 
 /* For each of m tokens: row i of qkv (row stride ld) holds `heads` query heads, then `kv_heads`
  * key heads, then `kv_heads` value heads, each of d values (d even); cos and sin rows i (row
@@ -228,7 +235,7 @@ int batchgen_rope_cache(void *qkv, int64_t ld, const void *cos, int64_t ldc, con
     if (slots[i] < 0 || slots[i] >= num_slots) return -1;
   if (dtype != 0 && !HAVE_16) return -2;
   struct rope_args a = {qkv, cos, sin, k_cache, v_cache, slots, ld, ldc, lds, heads, kv_heads, d, dtype};
-  bg_parallel_for(m, row_grain((heads + 2 * kv_heads) * d), dtype ? rope_rows_16 : rope_rows_f32, &a);
+  bg_parallel_for(m, row_grain((heads + 2 * kv_heads) * d), rope_rows, &a);
   return 0;
 }
 
@@ -388,21 +395,8 @@ static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16
   }
 }
 
-static void rope_rows_16(void *ctx, int64_t begin, int64_t end) {
-  const struct rope_args *a = ctx;
-  const int64_t d = a->d, kv = a->kv_heads * d;
-  for (int64_t i = begin; i < end; ++i) {
-    uint16_t *row = (uint16_t *)a->qkv + i * a->ld;
-    const uint16_t *c = (const uint16_t *)a->cos + i * a->ldc;
-    const uint16_t *s = (const uint16_t *)a->sin + i * a->lds;
-    for (int64_t head = 0; head < a->heads + a->kv_heads; ++head) rope_head_16(a->dtype, row + head * d, c, s, d / 2);
-    const int64_t slot = a->slots[i];
-    memcpy((uint16_t *)a->k_cache + slot * kv, row + a->heads * d, (size_t)kv * sizeof(uint16_t));
-    memcpy((uint16_t *)a->v_cache + slot * kv, row + a->heads * d + kv, (size_t)kv * sizeof(uint16_t));
-  }
-}
 #else
-static void rope_rows_16(void *ctx, int64_t begin, int64_t end) {
-  (void)ctx, (void)begin, (void)end;
+static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h) {
+  (void)dtype, (void)x, (void)c, (void)s, (void)h; /* not reached: batchgen_rope_cache refuses */
 }
 #endif
