@@ -121,3 +121,17 @@ def test_fused_attention_needs_the_engine(tiny_model) -> None:
     layer = model.model.layers[0].self_attn
     with pytest.raises(RuntimeError, match="only inside the batchgen engine"):
         layer(hidden_states=torch.zeros(1, 2, 64), position_embeddings=None)
+
+
+@pytest.mark.parametrize("model_type, fused, left", [("llama", 2, 0), ("qwen3", 0, 2)])
+def test_the_runner_fuses_and_logs_the_count(tiny_model, caplog, model_type, fused, left) -> None:
+    import logging
+
+    from batchgen.engine.model_runner import ModelRunner
+
+    with caplog.at_level(logging.INFO, logger="batchgen.engine.model_runner"):
+        runner = ModelRunner(tiny_model(model_type, head_dim=16), dtype="float32", device="cpu",
+                             kv_cache_memory=2**20)
+    assert f"and {fused} attention layers ({left} candidates left as they were)" in caplog.text
+    kinds = [type(layer.self_attn) is FusedAttention for layer in runner.model.model.layers]
+    assert kinds == [fused > 0] * 2
