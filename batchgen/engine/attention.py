@@ -8,6 +8,12 @@ forked.
 
 The packed batch is one row of ``num_tokens`` tokens: first the decode sequences (one token
 each), then the prefill sequences (one chunk each).
+
+:func:`attend` is the one place that attends over the cache. On the CPU path
+(``linear_backend="cpu"``) most attention layers do not reach :func:`paged_attention_forward`:
+:mod:`batchgen.engine.fused_attention` replaces them, where a probe shows it exact, by a
+:class:`~batchgen.engine.fused_attention.FusedAttention` that runs one q/k/v GEMM and RoPE plus
+the cache write in one C pass, then calls :func:`attend` too.
 """
 
 from __future__ import annotations
@@ -84,28 +90,45 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     layer = module.layer_idx
-    k_cache, v_cache = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]
-    meta.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    num_decode = meta.num_decode_tokens
-    num_tokens = q.shape[0]
-    if num_decode == num_tokens:
-        out = meta.ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-            workspace=meta.workspace)
-    elif num_decode == 0:
-        out = meta.ops.paged_prefill_attention(
-            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_context_lens, scale, workspace=meta.workspace)
-    else:
-        out = torch.empty_like(q)
-        out[:num_decode] = meta.ops.paged_decode_attention(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale, workspace=meta.workspace)
-        out[num_decode:] = meta.ops.paged_prefill_attention(
-            q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-            meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
-            workspace=meta.workspace)
+    meta.ops.reshape_and_cache(k, v, meta.kv_cache[layer, 0], meta.kv_cache[layer, 1], meta.slot_mapping)
+    out = attend(q, layer, scale, meta)
     return out.unsqueeze(0), None
+
+
+def attend(query: torch.Tensor, layer: int, scale: float, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention of the step's queries over layer ``layer``'s paged cache, whose K/V already
+    holds the step's tokens: the decode rows through ``meta.ops.paged_decode_attention``, the
+    prefill rows through ``paged_prefill_attention``. The one place that attends over the
+    cache (:func:`paged_attention_forward` and
+    :class:`~batchgen.engine.fused_attention.FusedAttention` both call it).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``; may be a strided view (the query heads of
+            a fused q/k/v projection).
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]``.
+    """
+    k_cache, v_cache = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]
+    num_decode = meta.num_decode_tokens
+    num_tokens = query.shape[0]
+    if num_decode == num_tokens:
+        return meta.ops.paged_decode_attention(
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+            workspace=meta.workspace)
+    if num_decode == 0:
+        return meta.ops.paged_prefill_attention(
+            query, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_context_lens, scale, workspace=meta.workspace)
+    out = query.new_empty(query.shape)
+    out[:num_decode] = meta.ops.paged_decode_attention(
+        query[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+        meta.decode_context_lens, scale, workspace=meta.workspace)
+    out[num_decode:] = meta.ops.paged_prefill_attention(
+        query[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
+        meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+        workspace=meta.workspace)
+    return out
 
 
 def register() -> str:

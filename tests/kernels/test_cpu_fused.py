@@ -230,3 +230,92 @@ def test_fuse_modules_leaves_other_semantics_alone(tiny_model) -> None:
     assert counts["rejected"] == 2 * 2 + 1 + 2
     assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in model.modules())
     assert torch.equal(_logits(model, ids), before)
+
+
+def _rope_case(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_size: int, seed: int = 0):
+    """A fused q/k/v output, HF-style cos/sin at random positions, a random paged cache and
+    distinct random slots."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen) * 3).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).float() / head_size))
+    freqs = positions[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]  # [1, T, D], as HF hands them
+    cache = torch.randn(2, 9, 4, kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(9 * 4, generator=gen)[:tokens]
+    return qkv, cos, sin, cache, slots
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_size", [
+    (1, 1, 1, 2), (7, 9, 3, 64), (31, 4, 2, 36), (5, 8, 1, 128), (3, 2, 2, 80)])
+def test_rope_and_cache_equals_hf_rope_and_reshape_and_cache_bitwise(dtype, tokens, heads, kv_heads, head_size) -> None:
+    """The C pass gives the bits of HF's ``apply_rotary_pos_emb`` (mul, mul, add; in 16-bit
+    each rounded) and of the engine's ``reshape_and_cache``: odd token counts, GQA and MHA,
+    half head sizes that are and are not a multiple of the 8-lane vectors."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from batchgen.kernels import reference as attention_reference
+
+    qkv, cos, sin, cache, slots = _rope_case(dtype, tokens, heads, kv_heads, head_size, seed=tokens + head_size)
+    q_end, k_end = heads * head_size, (heads + kv_heads) * head_size
+    q = qkv[:, :q_end].view(1, tokens, heads, head_size).transpose(1, 2)
+    k = qkv[:, q_end:k_end].view(1, tokens, kv_heads, head_size).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    want_cache = cache.clone()
+    attention_reference.reshape_and_cache(want_k[0].transpose(0, 1), qkv[:, k_end:].view(tokens, kv_heads, head_size),
+                                          want_cache[0], want_cache[1], slots)
+
+    got = qkv.clone()
+    got_cache = cache.clone()
+    cpu_fused.rope_and_cache(got, cos, sin, got_cache[0], got_cache[1], slots, heads)
+    assert torch.equal(got[:, :q_end].view(tokens, heads, head_size), want_q[0].transpose(0, 1))
+    assert torch.equal(got[:, q_end:k_end].view(tokens, kv_heads, head_size), want_k[0].transpose(0, 1))
+    assert torch.equal(got[:, k_end:], qkv[:, k_end:])  # the value heads are not touched
+    assert torch.equal(got_cache, want_cache)
+
+    ref, ref_cache = qkv.clone(), cache.clone()
+    reference.rope_and_cache(ref, cos, sin, ref_cache[0], ref_cache[1], slots, heads)
+    assert torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
+
+
+@needs_lib
+def test_rope_and_cache_rows_are_bit_identical_at_any_thread_count_and_in_a_3d_batch(kernel_threads) -> None:
+    qkv, cos, sin, cache, slots = _rope_case(torch.bfloat16, 33, 9, 3, 64)
+    kernel_threads(1)
+    want, want_cache = qkv.clone(), cache.clone()
+    cpu_fused.rope_and_cache(want, cos, sin, want_cache[0], want_cache[1], slots, 9)
+    for n in (2, 3):
+        kernel_threads(n)
+        got, got_cache = qkv.clone()[None], cache.clone()  # [1, T, width], as the model hands it
+        cpu_fused.rope_and_cache(got, cos, sin, got_cache[0], got_cache[1], slots, 9)
+        assert torch.equal(got[0], want) and torch.equal(got_cache, want_cache)
+    one, one_cache = qkv[20:21].clone(), cache.clone()
+    cpu_fused.rope_and_cache(one, cos[:, 20:21], sin[:, 20:21], one_cache[0], one_cache[1], slots[20:21], 9)
+    assert torch.equal(one[0], want[20])
+
+
+@needs_lib
+def test_rope_and_cache_contract_violations_raise_and_write_nothing() -> None:
+    qkv, cos, sin, cache, slots = _rope_case(torch.float32, 4, 4, 2, 16)
+    before, before_cache = qkv.clone(), cache.clone()
+    bad = slots.clone()
+    bad[3] = 9 * 4  # one past the last slot
+    with pytest.raises(ValueError, match="slots must lie in"):
+        cpu_fused.rope_and_cache(qkv, cos, sin, cache[0], cache[1], bad, 4)
+    with pytest.raises(ValueError, match="slots must lie in"):
+        cpu_fused.rope_and_cache(qkv, cos, sin, cache[0], cache[1], -1 - slots, 4)
+    assert torch.equal(qkv, before) and torch.equal(cache, before_cache)
+    with pytest.raises(ValueError, match="qkv must be"):
+        cpu_fused.rope_and_cache(qkv, cos, sin, cache[0], cache[1], slots, 3)  # heads do not fit
+    with pytest.raises(ValueError, match="cos and sin"):
+        cpu_fused.rope_and_cache(qkv, cos[:, :3], sin[:, :3], cache[0], cache[1], slots, 4)
+    with pytest.raises(ValueError, match="rope_and_cache"):  # partial rotary: cos narrower than the head
+        cpu_fused.rope_and_cache(qkv, cos[..., :8], sin[..., :8], cache[0], cache[1], slots, 4)
+    with pytest.raises(ValueError, match="caches must be"):
+        cpu_fused.rope_and_cache(qkv, cos, sin, cache[0].double(), cache[1].double(), slots, 4)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_fused.rope_and_cache(qkv, cos, sin, cache[0], cache[1], slots.int(), 4)
+    assert torch.equal(qkv, before) and torch.equal(cache, before_cache)

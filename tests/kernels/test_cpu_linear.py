@@ -264,8 +264,9 @@ def test_the_engine_packs_its_layers(tiny_model, threads, kernel_threads, caplog
     assert runner.linear_backend == "cpu" and "layers packed" in caplog.text
     assert "threads: C kernels on 2 thread(s), torch on 1" in caplog.text
     assert loader.num_threads() == 2 and torch.get_num_threads() == 1
-    assert isinstance(runner.model.model.layers[0].self_attn.q_proj, PackedLinear)
-    assert runner.model.model.layers[0].self_attn.q_proj.padded_bias is not None
+    attn = runner.model.model.layers[0].self_attn  # fused: q, k and v packed as one, with their biases
+    assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
+    assert attn.qkv_proj.padded_bias is not None
     maps = Path("/proc/self/maps")
     if maps.is_file():  # the checkpoint's memory map (unpacked weights included) is let go
         assert str(Path(path) / "model.safetensors") not in maps.read_text()

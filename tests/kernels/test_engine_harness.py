@@ -13,8 +13,10 @@ from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
 def test_greedy_tokens_match_the_torch_backend(smollm2_path: str) -> None:
     from batchgen import LLM, SamplingParams
 
-    llm = LLM(model=smollm2_path, attention_backend="torch", kv_cache_memory=32 * 2**20,
-              block_size=16)
+    # linear_backend="torch": HF's attention layers through the attention interface, the path
+    # a GPU takes (the CPU path's fused attention layers write the cache themselves)
+    llm = LLM(model=smollm2_path, attention_backend="torch", linear_backend="torch",
+              kv_cache_memory=32 * 2**20, block_size=16)
     prompts = ["The capital of France is", "def fib(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=3)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

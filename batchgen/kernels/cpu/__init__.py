@@ -5,7 +5,8 @@
   backend); its torch reference is :mod:`batchgen.kernels.reference`, shared with the CUDA
   kernels.
 * ``linear.c`` / ``linear.py``: the GEMM behind ``linear_backend="cpu"`` (:class:`PackedLinear`).
-* ``fused.c`` / ``fused.py``: RMSNorm, SiLU·up and the greedy pick.
+* ``fused.c`` / ``fused.py``: RMSNorm, SiLU·up, RoPE with the KV-cache write, and the greedy
+  pick.
 * ``exp.h``: the vectorisable ``exp`` the sources share.
 
 Importing this package imports torch but builds nothing; each library is built on first use.

@@ -7,6 +7,9 @@
  *   batchgen_rms_norm_f32   y = w * (x * 1/sqrt(mean(x^2) + eps))      (RMSNorm, per row)
  *   batchgen_silu_mul_f32   y = silu(gate) * up, from one [m, 2n] row   (gated MLP)
  *   batchgen_greedy_f32     argmax, max and logsumexp of each row        (greedy sampling)
+ *   batchgen_rope_cache     rotate-half RoPE of the q and k heads of a fused qkv row, in
+ *                           place, and the k and v heads copied into the paged KV cache
+ *                           (attention; float32, and bfloat16 / float16 with AVX2 and F16C)
  *   batchgen_rms_norm_16, batchgen_silu_mul_16: the same for bfloat16 / float16 tensors, in
  *     float32 arithmetic, rounded to the 16-bit type where the torch modules they replace
  *     round (see each).
@@ -162,6 +165,80 @@ void batchgen_greedy_f32(const float *logits, int64_t ld, int64_t m, int64_t n, 
   bg_parallel_for(m, row_grain(n), greedy_rows, &a);
 }
 
+/* ---- RoPE and the KV-cache write ----------------------------------------------------- */
+
+struct rope_args {
+  void *qkv;
+  const void *cos, *sin;
+  void *k_cache, *v_cache;
+  const int64_t *slots;
+  int64_t ld, ldc, lds, heads, kv_heads, d;
+  int dtype;
+};
+
+/* One head x[0, d) in place: x = x * c + rotate_half(x) * s, rotate_half(x) = (-x2, x1) for the
+ * halves x1 = x[0, d/2), x2 = x[d/2, d): torch's `q * cos + rotate_half(q) * sin` in float32,
+ * which rounds each product and the sum. Contracting a product and the sum into one fused
+ * multiply-add would round once less and change the bits: each product is its own statement
+ * (GCC's ISO C mode, -std=c99, does not contract at all; clang contracts only within an
+ * expression, and the pragma turns even that off). */
+static void rope_head_f32(float *x, const float *c, const float *s, int64_t h) {
+#pragma STDC FP_CONTRACT OFF
+#pragma omp simd
+  for (int64_t j = 0; j < h; ++j) {
+    const float x1 = x[j], x2 = x[j + h];
+    const float x1c = x1 * c[j];
+    const float x2s = -x2 * s[j];
+    const float x2c = x2 * c[j + h];
+    const float x1s = x1 * s[j + h];
+    x[j] = x1c + x2s;
+    x[j + h] = x2c + x1s;
+  }
+}
+
+static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h);
+
+static void rope_rows(void *ctx, int64_t begin, int64_t end) {
+  const struct rope_args *a = ctx;
+  const size_t size = a->dtype ? sizeof(uint16_t) : sizeof(float);
+  const int64_t d = a->d, kv = a->kv_heads * d;
+  for (int64_t i = begin; i < end; ++i) {
+    char *row = (char *)a->qkv + (size_t)(i * a->ld) * size;
+    const void *c = (const char *)a->cos + (size_t)(i * a->ldc) * size;
+    const void *s = (const char *)a->sin + (size_t)(i * a->lds) * size;
+    for (int64_t head = 0; head < a->heads + a->kv_heads; ++head) {
+      void *x = row + (size_t)(head * d) * size;
+      if (a->dtype)
+        rope_head_16(a->dtype, x, c, s, d / 2);
+      else
+        rope_head_f32(x, c, s, d / 2);
+    }
+    const size_t slot = (size_t)a->slots[i];
+    memcpy((char *)a->k_cache + slot * kv * size, row + (size_t)(a->heads * d) * size, (size_t)kv * size);
+    memcpy((char *)a->v_cache + slot * kv * size, row + (size_t)(a->heads * d + kv) * size, (size_t)kv * size);
+  }
+}
+
+/* For each of m tokens: row i of qkv (row stride ld) holds `heads` query heads, then `kv_heads`
+ * key heads, then `kv_heads` value heads, each of d values (d even); cos and sin rows i (row
+ * strides ldc, lds) hold d values each. Rotates the query and key heads in place (see
+ * rope_head_f32; bfloat16 / float16: each product and the sum rounded to the 16-bit type, as
+ * torch does), then copies the rotated key heads and the value heads into row slots[i] of
+ * k_cache and v_cache ([num_slots, kv_heads, d], contiguous). dtype 0 = float32, 1 = bfloat16,
+ * 2 = float16. Returns 0, -1 when a slot lies outside [0, num_slots) (nothing is written), -2
+ * for a 16-bit dtype this build lacks. Slots must be distinct. */
+int batchgen_rope_cache(void *qkv, int64_t ld, const void *cos, int64_t ldc, const void *sin,
+                        int64_t lds, void *k_cache, void *v_cache, const int64_t *slots,
+                        int64_t num_slots, int64_t m, int64_t heads, int64_t kv_heads, int64_t d,
+                        int dtype) {
+  for (int64_t i = 0; i < m; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return -1;
+  if (dtype != 0 && !HAVE_16) return -2;
+  struct rope_args a = {qkv, cos, sin, k_cache, v_cache, slots, ld, ldc, lds, heads, kv_heads, d, dtype};
+  bg_parallel_for(m, row_grain((heads + 2 * kv_heads) * d), rope_rows, &a);
+  return 0;
+}
+
 #if HAVE_16
 /* ---- bfloat16 / float16 -------------------------------------------------------------- */
 
@@ -282,5 +359,44 @@ void batchgen_silu_mul_16(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t
                           int64_t n, int dtype) {
   struct silu_args a = {gu, y, ldgu, ldy, n, dtype};
   bg_parallel_for(m, row_grain(n), silu_rows_16, &a);
+}
+
+/* 8 values of one half of a head: y1 = x1 * c1 + (-x2) * s1 and y2 = x2 * c2 + x1 * s1, each
+ * product and each sum rounded to the 16-bit type (torch's bfloat16 / float16 ops compute in
+ * float32 and round every result). y1, y2 may be x1, x2. */
+static inline void rope8_16(int dtype, const uint16_t *x1, const uint16_t *x2, const uint16_t *c1,
+                            const uint16_t *s1, const uint16_t *c2, const uint16_t *s2, uint16_t *y1,
+                            uint16_t *y2) {
+  const __m256 a = load8(dtype, x1), b = load8(dtype, x2);
+  const __m256 neg_b = _mm256_xor_ps(b, _mm256_set1_ps(-0.0f));
+  const __m256 ac = round8(dtype, _mm256_mul_ps(a, load8(dtype, c1)));
+  const __m256 bs = round8(dtype, _mm256_mul_ps(neg_b, load8(dtype, s1)));
+  const __m256 bc = round8(dtype, _mm256_mul_ps(b, load8(dtype, c2)));
+  const __m256 as = round8(dtype, _mm256_mul_ps(a, load8(dtype, s2)));
+  _mm_storeu_si128((__m128i *)y1, narrow8(dtype, _mm256_add_ps(ac, bs)));
+  _mm_storeu_si128((__m128i *)y2, narrow8(dtype, _mm256_add_ps(bc, as)));
+}
+
+static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h) {
+  const int64_t full = h / 8 * 8;
+  for (int64_t j = 0; j < full; j += 8) rope8_16(dtype, x + j, x + h + j, c + j, s + j, c + h + j, s + h + j, x + j, x + h + j);
+  if (full < h) {
+    const int64_t n = h - full;
+    uint16_t t[6][TAIL_PAD];
+    tail_in(x + full, n, t[0]);
+    tail_in(x + h + full, n, t[1]);
+    tail_in(c + full, n, t[2]);
+    tail_in(s + full, n, t[3]);
+    tail_in(c + h + full, n, t[4]);
+    tail_in(s + h + full, n, t[5]);
+    rope8_16(dtype, t[0], t[1], t[2], t[3], t[4], t[5], t[0], t[1]);
+    memcpy(x + full, t[0], (size_t)n * sizeof(uint16_t));
+    memcpy(x + h + full, t[1], (size_t)n * sizeof(uint16_t));
+  }
+}
+
+#else
+static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h) {
+  (void)dtype, (void)x, (void)c, (void)s, (void)h; /* not reached: batchgen_rope_cache refuses */
 }
 #endif

@@ -1,5 +1,6 @@
-"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, greedy picks;
-float32, and RMSNorm and SiLU·up in bfloat16 and float16 too; threaded over rows.
+"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, RoPE with the
+KV-cache write, greedy picks; float32, and all but the greedy pick in bfloat16 and float16 too;
+threaded over rows.
 
 Why: in a decode step of a small model each of these is a chain of torch ops over a few dozen
 rows (RMSNorm alone is six), so dispatch and temporaries cost more than the arithmetic. One C
@@ -14,6 +15,12 @@ went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 m
   are recognised by their attributes, then **checked**: a candidate is replaced only if the
   fused version reproduces the module's own output on a probe input. A variant with other
   semantics (Gemma's ``1 + weight`` norm, another activation) fails the check and stays as is.
+- :func:`rope_and_cache` rotates the query and key heads of a fused q/k/v projection's output
+  in place (HF's rotate-half ``apply_rotary_pos_emb``) and writes the key and value heads into
+  the paged cache (``reshape_and_cache``): about a dozen torch ops per attention layer in one
+  pass. Its user, :class:`~batchgen.engine.fused_attention.FusedAttention`, lives in the engine
+  (it attends through the engine's attention dispatch) and is fused, checked the same way, by
+  :func:`~batchgen.engine.fused_attention.fuse_attention`.
 - :func:`greedy` returns each row's argmax with its log-probability, in two passes over the
   logits instead of torch's argmax plus logsumexp (five passes and three temporaries).
 
@@ -23,9 +30,11 @@ arithmetic is float32, rounded to the 16-bit type exactly where the torch module
 (RMSNorm: the normalised row, then the product with the weight; SiLU·up: the SiLU, then the
 product), so results mostly equal torch's bit for bit and otherwise differ by one unit in the
 last place. Each row is computed by one thread in one order: results do not depend on the
-other rows nor on the thread count. Greedy output still matches HF ``generate`` in float32,
-which the oracle tests check. Used by ``linear_backend="cpu"``, which already needs the C
-compiler and AVX2.
+other rows nor on the thread count. :func:`rope_and_cache` is exact: torch's products and
+sums, each rounded as torch rounds them (float32: no fused multiply-add; 16-bit: each result
+rounded to the 16-bit type), so its results equal torch's bit for bit. Greedy output still
+matches HF ``generate`` in float32, which the oracle tests check. Used by
+``linear_backend="cpu"``, which already needs the C compiler and AVX2.
 """
 
 from __future__ import annotations
@@ -69,6 +78,8 @@ def _declare(lib: Any) -> None:
     lib.batchgen_greedy_f32.restype = None
     lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.batchgen_fused_has_16.restype = ctypes.c_int
+    lib.batchgen_rope_cache.restype = ctypes.c_int
+    lib.batchgen_rope_cache.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
     if lib.batchgen_fused_has_16():
         lib.batchgen_rms_norm_16.restype = None
         lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -147,6 +158,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         else:
             lib.batchgen_silu_mul_16(*args, DTYPES[dtype])
     return out
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
+    """Rotate-half RoPE of a fused projection's query and key heads, in place, and the key and
+    value heads written into the paged cache: HF's ``apply_rotary_pos_emb`` followed by
+    ``reshape_and_cache``, in one C pass (float32, bfloat16 or float16; bit for bit what torch
+    computes, see :func:`~batchgen.kernels.cpu.reference.rope_and_cache`).
+
+    Args:
+        qkv: ``[..., num_tokens, (num_heads + 2 * num_kv_heads) * head_size]``, rows of unit
+            column stride (the output of the fused q/k/v projection): query heads, then key
+            heads, then value heads. The query and key heads are rotated in place.
+        cos, sin: ``[..., num_tokens, head_size]`` (HF's ``position_embeddings``), ``qkv``'s dtype.
+        k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads,
+            head_size]``, contiguous, ``qkv``'s dtype.
+        slot_mapping: ``[num_tokens]`` int64, distinct cache slots.
+
+    Raises:
+        ValueError: shapes, dtypes or layouts outside the contract, or a slot outside the cache
+            (then nothing is written).
+    """
+    dtype = qkv.dtype
+    _check_dtype(dtype, "rope_and_cache")
+    num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
+    width = (num_heads + 2 * num_kv_heads) * head_size
+    if qkv.shape[-1] != width or qkv.stride(-1) != 1 or not qkv.is_cpu:
+        raise ValueError(f"rope_and_cache: qkv must be a CPU [..., {width}] tensor of unit column stride "
+                         f"({num_heads} query and {num_kv_heads} key/value heads of {head_size}), "
+                         f"got {tuple(qkv.shape)} with strides {qkv.stride()}")
+    rows = qkv.view(-1, width)  # a view, so that the rotation lands in qkv
+    m = rows.shape[0]
+    if head_size % 2 or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"rope_and_cache: k_cache and v_cache must be contiguous, of one shape and an even "
+                         f"head size, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype is not dtype or v_cache.dtype is not dtype or not k_cache.is_cpu or not v_cache.is_cpu:
+        raise ValueError(f"rope_and_cache: the caches must be {dtype} CPU tensors, got {k_cache.dtype}, {v_cache.dtype}")
+    if slot_mapping.dtype is not torch.int64 or slot_mapping.shape != (m,) or not slot_mapping.is_cpu:
+        raise ValueError(f"rope_and_cache: slot_mapping must be a CPU int64 [{m}] tensor, got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    cos_rows = as_rows(cos, head_size, "rope_and_cache (cos)", dtype)
+    sin_rows = as_rows(sin, head_size, "rope_and_cache (sin)", dtype)
+    if cos_rows.shape[0] != m or sin_rows.shape[0] != m:
+        raise ValueError(f"rope_and_cache: cos and sin must hold {m} rows of {head_size}, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not m:
+        return
+    slots = slot_mapping.contiguous()
+    status = load_fused().batchgen_rope_cache(
+        rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), cos_rows.stride(0), sin_rows.data_ptr(),
+        sin_rows.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        num_blocks * block_size, m, num_heads, num_kv_heads, head_size, DTYPES[dtype])
+    if status:
+        raise ValueError(f"rope_and_cache: slots must lie in [0, {num_blocks * block_size})")
 
 
 def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]] | None:
@@ -232,7 +297,8 @@ class FusedGatedMLP(torch.nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
-def _supported(dtype: torch.dtype) -> bool:
+def supported(dtype: torch.dtype) -> bool:
+    """Whether the library runs ``dtype`` here (float32; bfloat16 and float16 with AVX2, F16C)."""
     return dtype is torch.float32 or (dtype in DTYPES and bool(load_fused().batchgen_fused_has_16()))
 
 
@@ -243,7 +309,7 @@ def _norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float]
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
-            or not _supported(weight.dtype) or weight.device.type != "cpu"
+            or not supported(weight.dtype) or weight.device.type != "cpu"
             or not weight.is_contiguous() or not isinstance(eps, float)):
         return None
     return weight, eps
@@ -258,7 +324,7 @@ def _mlp_candidate(module: torch.nn.Module) -> bool:
         return False
     gate, up, down = parts
     dtype = gate.weight.dtype
-    if not _supported(dtype) or any(p.weight.dtype != dtype or p.weight.device.type != "cpu" for p in parts):
+    if not supported(dtype) or any(p.weight.dtype != dtype or p.weight.device.type != "cpu" for p in parts):
         return False
     return (gate.in_features == up.in_features and gate.out_features == up.out_features
             == down.in_features and (gate.bias is None) == (up.bias is None))

@@ -9,6 +9,8 @@ shared with the CUDA kernels.)
 * :func:`rms_norm`, :func:`silu_mul`: HF's ``LlamaRMSNorm`` and the gated MLP's ``silu(g) * u``,
   with torch's roundings in bfloat16 / float16.
 * :func:`greedy`: each row's argmax (first index on ties) and its log-probability.
+* :func:`rope_and_cache`: HF's ``apply_rotary_pos_emb`` (rotate-half) on the query and key heads
+  of a fused q/k/v projection, then the key and value heads written into the paged cache.
 """
 
 from __future__ import annotations
@@ -54,3 +56,22 @@ def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     ids = logits.argmax(-1)
     logprobs = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, None])[:, 0]
     return ids.tolist(), logprobs.tolist()
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
+    """``qkv`` ``[num_tokens, (num_heads + 2 kv_heads) * head_size]``: the query and key heads
+    rotated in place as HF's ``q * cos + rotate_half(q) * sin`` (torch ops, each rounding to
+    the tensor's dtype), then key and value heads copied to the cache rows ``slot_mapping``."""
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
+    t = qkv.shape[0]
+    heads = qkv.view(t, -1, head_size)
+    rotated = heads[:, : num_heads + num_kv_heads]
+    c, s = cos.reshape(t, 1, head_size), sin.reshape(t, 1, head_size)
+    half = head_size // 2
+    rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    rotated.copy_((rotated * c) + (rotate_half * s))
+    flat_k = k_cache.view(-1, num_kv_heads, head_size)
+    flat_v = v_cache.view(-1, num_kv_heads, head_size)
+    flat_k.index_copy_(0, slot_mapping, heads[:, num_heads: num_heads + num_kv_heads])
+    flat_v.index_copy_(0, slot_mapping, heads[:, num_heads + num_kv_heads:])
