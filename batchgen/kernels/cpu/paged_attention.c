@@ -228,94 +228,81 @@ typedef struct {
 
 static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
-/* The rows of keys p0 .. p0 + n - 1 (1 <= n <= KB) of KV head h in `cache` (k_cache or
+/* The rows of n keys (1 <= n <= KB) at element offsets off[0 .. n - 1] of `cache` (k_cache or
  * v_cache) as float32: the cache's own rows for float32, else converted into buf ([KB][HSP]).
- * rows[n..KB-1] repeat row n - 1 (read, never used). */
-static inline void key_block(const Args *a, const void *cache, const int32_t *table, int64_t h,
-                             int64_t p0, int n, float *restrict buf, const float **rows) {
-  const int64_t es = elem_size(a->dtype);
-  const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE;
-  const int64_t bs = a->block_size;
-  int64_t b = p0 / bs, o = p0 % bs;
-  for (int j = 0; j < n; ++j) {
-    const char *src = (const char *)cache + (((int64_t)table[b] * bs + o) * tok_stride + h * HEAD_SIZE) * es;
-    if (a->dtype == DT_F32) {
-      rows[j] = (const float *)src;
-    } else {
-      convert_row(src, a->dtype, buf + j * HSP);
+ * rows[n .. KB - 1] repeat row n - 1 (read, never used). */
+static inline void key_block(const void *cache, int dtype, const int64_t *off, int n,
+                             float *restrict buf, const float **rows) {
+  if (dtype == DT_F32) {
+    for (int j = 0; j < n; ++j) rows[j] = (const float *)cache + off[j];
+  } else {
+    for (int j = 0; j < n; ++j) {
+      convert_row((const uint16_t *)cache + off[j], dtype, buf + j * HSP);
       rows[j] = buf + j * HSP;
-    }
-    if (++o == bs) {
-      o = 0;
-      ++b;
     }
   }
   for (int j = n; j < KB; ++j) rows[j] = rows[n - 1];
 }
 
-/* Ask for the rows of keys p0 .. p0 + n - 1 (n <= KB) of KV head h ahead of their use: they
- * come from scattered blocks, which the hardware prefetchers cannot guess. */
-static inline void prefetch_block(const Args *a, const void *cache, const int32_t *table, int64_t h,
-                                  int64_t p0, int64_t n) {
-  const int64_t es = elem_size(a->dtype);
-  const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE;
-  const int64_t bs = a->block_size;
-  int64_t b = p0 / bs, o = p0 % bs;
-  for (int64_t j = 0; j < n; ++j) {
-    const char *src = (const char *)cache + (((int64_t)table[b] * bs + o) * tok_stride + h * HEAD_SIZE) * es;
-    for (int64_t x = 0; x < HEAD_SIZE * es; x += 64) __builtin_prefetch(src + x, 0, 3);
-    if (++o == bs) {
-      o = 0;
-      ++b;
-    }
-  }
-}
-
 /* ---------------------------------------------------------------- the per-row arithmetic */
 #ifdef BG_AVX512
-/* Accumulator slot j of scores16 holds the key that the transposed tree leaves in lane j. */
-static const int KEY_OF_SLOT[KB] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+/* The first three steps of the tree (lane l + (l + 8), l + (l + 4), l + (l + 2)) of 8 slots
+ * (one query row's accumulators against 8 keys) at once: a shuffle and a blend line up the
+ * lanes to add, an add adds them; a slot's lanes are only added to the same slot's. Leaves in 128-bit
+ * quarter q the two partial sums of two slots: q0 slots 0, 1; q1 4, 5; q2 2, 3; q3 6, 7. */
+static inline __m512 tree8(const __m512 *acc) {
+  __m512 t[4], u[2];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) /* [m.q0 + m.q2, m.q1 + m.q3, (m+4).q2 + (m+4).q0, (m+4).q3 + (m+4).q1] */
+    t[m] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, acc[m], acc[m + 4]),
+                         _mm512_shuffle_f32x4(acc[m], acc[m + 4], 0x4E));
+#pragma GCC unroll 2
+  for (int n = 0; n < 2; ++n) /* quarters: slots [n, n + 4, n + 2, n + 6] */
+    u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(t[n], t[n + 2], 0x88),
+                         _mm512_shuffle_f32x4(t[n], t[n + 2], 0xDD));
+  /* in each quarter: lanes 0 + 2, 1 + 3 of u[0], then of u[1] */
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, u[0], u[1]), _mm512_shuffle_ps(u[0], u[1], 0x4E));
+}
 
-/* The 16 scores q . k_j, j < 16, lane j: each exactly dot_head's arithmetic. Slot j's
- * accumulator has lane l = sum of q[d] k[d] over d = l (mod 16), in order of d. The tree then
- * runs on two slots per instruction: a shuffle gathers the lanes to be added, an add adds
- * them; the lanes of a slot are only ever added to lanes of the same slot. */
-static inline __m512 scores16(const float *restrict q, const float *const *rows) {
-  __m512 acc[KB];
-#pragma GCC unroll 16
-  for (int j = 0; j < KB; ++j) acc[j] = _mm512_setzero_ps();
+/* The last step (0 + 1) of two tree8 results, a's slots and b's: lane L then holds the slot
+ * KEY_A (a) or KEY_B (b) assigns key L. */
+static const int KEY_A[8] = {0, 1, 8, 9, 4, 5, 12, 13};
+static const int KEY_B[8] = {2, 3, 10, 11, 6, 7, 14, 15};
+
+static inline __m512 tree_last(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/* One query row against 8 keys (rows[slot[0 .. 7]]), up to tree8: accumulator j, lane l sums
+ * q[d] k[d] over d = l (mod 16) in order of d, one FMA each, from zero (dot_head's lanes). */
+static inline __m512 half8(const float *restrict q, const float *const *rows, const int *slot) {
+  const float *k[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) k[j] = rows[slot[j]];
+  __m512 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
   for (int c = 0; c < NFULL; ++c) {
     const __m512 qc = _mm512_loadu_ps(q + 16 * c);
-#pragma GCC unroll 16
-    for (int j = 0; j < KB; ++j)
-      acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[KEY_OF_SLOT[j]] + 16 * c), acc[j]);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + 16 * c), acc[j]);
   }
 #if HEAD_SIZE % 16
   {
     const __mmask16 m = (__mmask16)((1u << (HEAD_SIZE % 16)) - 1);
     const __m512 qc = _mm512_maskz_loadu_ps(m, q + 16 * NFULL);
-#pragma GCC unroll 16
-    for (int j = 0; j < KB; ++j)
-      acc[j] = _mm512_mask3_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, rows[KEY_OF_SLOT[j]] + 16 * NFULL), acc[j], m);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm512_mask3_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, k[j] + 16 * NFULL), acc[j], m);
   }
 #endif
-  /* lanes l + (l + 8): slots j and j + 8 -> 128-bit quarters [j, j, j + 8, j + 8] */
-  __m512 t[8];
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j], acc[j + 8], 0x44),
-                         _mm512_shuffle_f32x4(acc[j], acc[j + 8], 0xEE));
-  /* l + (l + 4): quarters [j, j + 8, j + 4, j + 12] */
-  __m512 u[4];
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j)
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[j], t[j + 4], 0x88),
-                         _mm512_shuffle_f32x4(t[j], t[j + 4], 0xDD));
-  /* l + (l + 2): in each quarter, two lanes of u[0] (u[1]) then two of u[2] (u[3]) */
-  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[2], 0x44), _mm512_shuffle_ps(u[0], u[2], 0xEE));
-  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_ps(u[1], u[3], 0x44), _mm512_shuffle_ps(u[1], u[3], 0xEE));
-  /* 0 + 1: quarter q holds slots [u0, u2, u1, u3] of quarter q = keys 4q' .. in order */
-  return _mm512_add_ps(_mm512_shuffle_ps(v0, v1, 0x88), _mm512_shuffle_ps(v0, v1, 0xDD));
+  return tree8(acc);
+}
+
+/* The 16 scores q . k_j (j < 16) of one query row, lane j: each exactly dot_head's. */
+static inline __m512 scores16(const float *restrict q, const float *const *rows) {
+  return tree_last(half8(q, rows, KEY_A), half8(q, rows, KEY_B));
 }
 
 /* exp.h's batchgen_exp_clamped on 16 lanes: the same operations in the same order (no
@@ -404,17 +391,18 @@ static inline void store16(void *dst, int dtype, int64_t d0, __m512 acc, float i
   }
 }
 
-/* acc / output over dimensions [16 * c0, 16 * (c0 + nc)) of query rows r .. r + nr - 1 of a
- * tile (nr * nc accumulators in registers, through the whole context). Rows are ordered by
- * the last key they see, lim[r]; w holds their numerators (row stride ss). */
+/* acc and output over dimensions [16 * c0, 16 * (c0 + nc)) of query rows r .. r + nr - 1 of
+ * a tile, the nr * nc accumulators in registers through the whole context. Rows are ordered
+ * by the last key they see, lim[r]. */
 #define PV_REGS 24 /* accumulators held at once */
 #define PV_DC (NV < 8 ? NV : 8)
 #define PV_RB (PV_REGS / PV_DC < 8 ? PV_REGS / PV_DC : 8)
 
 typedef struct {
-  const Args *a;
-  const int32_t *table;
-  int64_t h, ss;
+  const void *v_cache;
+  int dtype;
+  int64_t ss;
+  const int64_t *off;    /* element offset of each key's row */
   const float *w;        /* numerators [rows][ss] */
   const int64_t *lim;    /* last key of each row */
   const float *inv;      /* 1 / sum of each row */
@@ -429,34 +417,34 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
   for (int i = 0; i < nr; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_setzero_ps();
-  const int64_t first = job->lim[r], last = job->lim[r + nr - 1];
-  const float *w = job->w + r * job->ss;
+  const int64_t first = job->lim[r], last = job->lim[r + nr - 1], ss = job->ss;
+  const float *w = job->w + r * ss;
   const int tail_vec = (HEAD_SIZE % 16) && c0 + nc == NV; /* the last vector is partial */
   const __mmask16 tail = (__mmask16)((1u << (HEAD_SIZE % 16)) - 1);
   const float *rows[KB];
   for (int64_t kb = 0; kb <= last; kb += KB) {
     const int n = last + 1 - kb < KB ? (int)(last + 1 - kb) : KB;
-    if (kb + KB <= last) prefetch_block(job->a, job->a->v_cache, job->table, job->h, kb + KB, last + 1 - kb - KB < KB ? last + 1 - kb - KB : KB);
-    key_block(job->a, job->a->v_cache, job->table, job->h, kb, n, job->vbuf, rows);
+    const int all = first + 1 - kb >= n ? n : (int)(first + 1 - kb); /* keys every row sees */
+    key_block(job->v_cache, job->dtype, job->off + kb, n, job->vbuf, rows);
+    const float *wk = w + kb;
     for (int j = 0; j < n; ++j) {
-      const int64_t p = kb + j;
       __m512 v[PV_DC];
+      const float *vr = rows[j] + 16 * c0;
 #pragma GCC unroll 8
       for (int c = 0; c < nc; ++c)
-        v[c] = tail_vec && c == nc - 1 ? _mm512_maskz_loadu_ps(tail, rows[j] + 16 * (c0 + c))
-                                       : _mm512_loadu_ps(rows[j] + 16 * (c0 + c));
-      if (p <= first) { /* every row sees key p */
+        v[c] = tail_vec && c == nc - 1 ? _mm512_maskz_loadu_ps(tail, vr + 16 * c) : _mm512_loadu_ps(vr + 16 * c);
+      if (j < all) {
 #pragma GCC unroll 8
         for (int i = 0; i < nr; ++i) {
-          const __m512 e = _mm512_set1_ps(w[i * job->ss + p]);
+          const __m512 e = _mm512_set1_ps(wk[i * ss + j]);
 #pragma GCC unroll 8
           for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_fmadd_ps(e, v[c], acc[i][c]);
         }
-      } else {
+      } else { /* prefill: rows whose context ends before key kb + j skip it */
 #pragma GCC unroll 8
         for (int i = 0; i < nr; ++i) {
-          if (p > job->lim[r + i]) continue;
-          const __m512 e = _mm512_set1_ps(w[i * job->ss + p]);
+          if (kb + j > job->lim[r + i]) continue;
+          const __m512 e = _mm512_set1_ps(wk[i * ss + j]);
 #pragma GCC unroll 8
           for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_fmadd_ps(e, v[c], acc[i][c]);
         }
@@ -467,7 +455,7 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
   for (int i = 0; i < nr; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < nc; ++c)
-      store16(job->dst[r + i], job->a->dtype, 16 * (c0 + c), acc[i][c], job->inv[r + i]);
+      store16(job->dst[r + i], job->dtype, 16 * (c0 + c), acc[i][c], job->inv[r + i]);
 }
 
 /* Rows r .. r + nr - 1 (nr <= PV_RB), every dimension. */
@@ -583,17 +571,22 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const int32_t *table = a->block_tables + s * a->max_blocks;
   const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
 
-  prefetch_block(a, a->k_cache, table, h, 0, nmax < KB ? nmax : KB);
-  float *buf = scratch((int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss);
+  float *buf = scratch(2 * ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss);
   if (buf == NULL) return 4;
-  float *restrict q = buf;                    /* [rows][HSP], scaled */
-  float *restrict kbuf = q + ROWS * HSP;      /* [KB][HSP]: a converted key block */
-  float *restrict vbuf = kbuf + KB * HSP;     /* [KB][HSP]: a converted value block */
-  float *restrict scores = vbuf + KB * HSP;   /* [rows][ss], then (without AVX-512) acc */
-  int64_t lim[ROWS];                          /* the last key each row sees */
+  int64_t *restrict off = (int64_t *)buf;          /* [ss]: element offset of key p's rows */
+  float *restrict q = buf + 2 * ss;                /* [rows][HSP], scaled */
+  float *restrict kbuf = q + ROWS * HSP;           /* [KB][HSP]: a converted key block */
+  float *restrict vbuf = kbuf + KB * HSP;          /* [KB][HSP]: a converted value block */
+  float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then (without AVX-512) acc */
+  int64_t lim[ROWS];                               /* the last key each row sees */
   float inv[ROWS];
   void *dst[ROWS];
 
+  const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE, bs = a->block_size;
+  for (int64_t p = 0, b = 0; p < nmax; ++b) {
+    const int64_t at = (int64_t)table[b] * bs * tok_stride + h * HEAD_SIZE;
+    for (int64_t o = 0; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
+  }
   const int64_t num_heads = a->num_kv_heads * GROUP;
   for (int i = 0; i < nq; ++i)
     for (int g = 0; g < GROUP; ++g) {
@@ -611,22 +604,20 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const float *krows[KB];
   for (int64_t kb = 0; kb < nmax; kb += KB) {
     const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
-    if (kb + KB < nmax) prefetch_block(a, a->k_cache, table, h, kb + KB, nmax - kb - KB < KB ? nmax - kb - KB : KB);
-    else prefetch_block(a, a->v_cache, table, h, 0, nmax < KB ? nmax : KB);
-    key_block(a, a->k_cache, table, h, kb, n, kbuf, krows);
-    for (int r = kb > base ? (int)(kb - base) * GROUP : 0; r < rows; ++r) {
+    key_block(a->k_cache, a->dtype, off + kb, n, kbuf, krows);
+    int r = kb > base ? (int)(kb - base) * GROUP : 0;
 #ifdef BG_AVX512
-      _mm512_storeu_ps(scores + r * ss + kb, scores16(q + r * HSP, krows));
+    for (; r < rows; ++r) _mm512_storeu_ps(scores + r * ss + kb, scores16(q + r * HSP, krows));
 #else
+    for (; r < rows; ++r)
       for (int j = 0; j < n; ++j) scores[r * ss + kb + j] = dot_head(q + r * HSP, krows[j]);
 #endif
-    }
   }
   for (int r = 0; r < rows; ++r) inv[r] = 1.f / softmax_row(scores + r * ss, lim[r] + 1);
 
   /* acc_r = sum_p e_rp v_p, in order of p. */
 #ifdef BG_AVX512
-  const PvJob job = {a, table, h, ss, scores, lim, inv, dst, vbuf};
+  const PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
   pv(&job, rows);
 #else
   float *restrict acc = scores + (int64_t)ROWS * ss; /* [rows][HSP] */
@@ -634,7 +625,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const float *vrows[KB];
   for (int64_t kb = 0; kb < nmax; kb += KB) {
     const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
-    key_block(a, a->v_cache, table, h, kb, n, vbuf, vrows);
+    key_block(a->v_cache, a->dtype, off + kb, n, vbuf, vrows);
     for (int j = 0; j < n; ++j) {
       const int64_t p = kb + j;
       const float *vp = vrows[j];
