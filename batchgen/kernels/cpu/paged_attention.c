@@ -588,6 +588,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
     for (int64_t o = 0; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
   }
   const int64_t num_heads = a->num_kv_heads * GROUP;
+  const float scale = a->scale;
   for (int i = 0; i < nq; ++i)
     for (int g = 0; g < GROUP; ++g) {
       const int r = i * GROUP + g;
@@ -595,7 +596,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
                         ((r0 + i) * a->q_stride_tok + (h * GROUP + g) * a->q_stride_head) * es;
       float *qr = q + r * HSP;
       convert_row(src, a->dtype, qr);
-      for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * a->scale;
+      for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * scale;
       lim[r] = base + i;
       dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * es;
     }
