@@ -244,6 +244,18 @@ static inline void key_block(const void *cache, int dtype, const int64_t *off, i
   for (int j = n; j < KB; ++j) rows[j] = rows[n - 1];
 }
 
+/* Ask for the rows of keys p0 .. p1 - 1 of `cache` (element offsets off[p]) ahead of their use,
+ * into every cache level (locality 3) or into L2 and beyond (locality 2). They lie in scattered
+ * blocks that the hardware prefetchers cannot guess; in a model step they come from memory
+ * (every layer's weights stream through the caches between two calls for one layer). */
+#define PREFETCH_ROWS(cache, es, off, p0, p1, locality)                                       \
+  do {                                                                                        \
+    for (int64_t p_ = (p0); p_ < (p1); ++p_) {                                                \
+      const char *row_ = (const char *)(cache) + (off)[p_] * (es);                            \
+      for (int64_t x_ = 0; x_ < HEAD_SIZE * (es); x_ += 64) __builtin_prefetch(row_ + x_, 0, locality); \
+    }                                                                                         \
+  } while (0)
+
 /* ---------------------------------------------------------------- the per-row arithmetic */
 #ifdef BG_AVX512
 /* The first three steps of the tree (lane l + (l + 8), l + (l + 4), l + (l + 2)) of 8 slots
@@ -587,6 +599,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
     const int64_t at = (int64_t)table[b] * bs * tok_stride + h * HEAD_SIZE;
     for (int64_t o = 0; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
   }
+  PREFETCH_ROWS(a->k_cache, es, off, 0, nmax < 2 * KB ? nmax : 2 * KB, 3);
   const int64_t num_heads = a->num_kv_heads * GROUP;
   const float scale = a->scale;
   for (int i = 0; i < nq; ++i)
@@ -605,6 +618,9 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const float *krows[KB];
   for (int64_t kb = 0; kb < nmax; kb += KB) {
     const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
+    /* keys two blocks ahead into L1, this block's values into L2 for the second pass */
+    PREFETCH_ROWS(a->k_cache, es, off, kb + 2 * KB, nmax < kb + 3 * KB ? nmax : kb + 3 * KB, 3);
+    PREFETCH_ROWS(a->v_cache, es, off, kb, kb + n, 2);
     key_block(a->k_cache, a->dtype, off + kb, n, kbuf, krows);
     int r = kb > base ? (int)(kb - base) * GROUP : 0;
 #ifdef BG_AVX512
