@@ -43,6 +43,8 @@
  *   - acc: the accumulators of several query rows stay in registers over the whole context
  *     (rows x dimensions tiled to fit), each V row loaded once per tile and added to every
  *     row that sees it, in order of k.
+ * Key rows are prefetched two key blocks ahead, and a block's V rows into L2 while its scores
+ * are computed (the blocks are scattered; in a model step they come from memory).
  *
  * Compile-time constants (-D): HEAD_SIZE (elements per head) and GROUP (query heads per KV
  * head). With both fixed the compiler unrolls the head loops.
@@ -247,7 +249,8 @@ static inline void key_block(const void *cache, int dtype, const int64_t *off, i
 /* Ask for the rows of keys p0 .. p1 - 1 of `cache` (element offsets off[p]) ahead of their use,
  * into every cache level (locality 3) or into L2 and beyond (locality 2). They lie in scattered
  * blocks that the hardware prefetchers cannot guess; in a model step they come from memory
- * (every layer's weights stream through the caches between two calls for one layer). */
+ * (every layer's weights stream through the caches between two calls for one layer). A macro:
+ * the locality must be a constant. */
 #define PREFETCH_ROWS(cache, es, off, p0, p1, locality)                                       \
   do {                                                                                        \
     for (int64_t p_ = (p0); p_ < (p1); ++p_) {                                                \
