@@ -3,6 +3,7 @@
 On SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head size 64, 16-token blocks),
 one layer call of each kind a run makes:
 
+* ``decode-30``: 30 sequences, contexts 80-159 (a W32 decode step some tokens in);
 * ``decode-32``: 32 sequences, contexts 62-159 (W32's prompts plus some output);
 * ``decode-128``: 128 sequences (32 prompts x 4 beams or samples), contexts 62-223;
 * ``prefill-w32``: W32's whole prefill in one call, 32 prompts of 62-159 tokens;
@@ -18,7 +19,8 @@ OpenMP workers spin after a parallel region, on the cores the pool needs).
 Timing: one block per (path, thread count), the blocks in turn, ``--blocks`` times over; in a
 block, float32 and bfloat16 calls alternate, ``--rounds`` each, after an untimed warm-up. Before
 every timed call a 64 MiB buffer is written, so that K/V come from memory as they do in a model
-step (between two attention calls the step streams every weight of a layer). The summary gives
+step (between two attention calls the step streams every weight of a layer); ``--no-flush``
+leaves K/V in the caches, which times the kernel's arithmetic rather than the memory. The summary gives
 each variant's median and fastest call, its speed relative to the float32 kernel on one
 thread (the ratio of block medians, block by block: its median and spread), and its largest
 difference from the float32 torch path.
@@ -74,9 +76,11 @@ def call(ops, case: dict, dtype: torch.dtype, workspace) -> torch.Tensor:
 def cases() -> dict[str, tuple[list[int], list[int] | None]]:
     gen = torch.Generator().manual_seed(0)
     w32 = torch.randint(62, 160, (32,), generator=gen).tolist()
+    beams = torch.randint(62, 224, (128,), generator=gen).tolist()
     return {
+        "decode-30": (torch.randint(80, 160, (30,), generator=gen).tolist(), None),
         "decode-32": (w32, None),
-        "decode-128": (torch.randint(62, 224, (128,), generator=gen).tolist(), None),
+        "decode-128": (beams, None),
         "prefill-w32": (w32, w32),
         "prefill-2k": ([2048], [2048]),
         "chunk-512": ([2048], [512]),
@@ -93,6 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="calls of each variant per block")
     ap.add_argument("--blocks", type=int, default=3, help="blocks of each thread count, alternating")
     ap.add_argument("--cases", default=",".join(cases()))
+    ap.add_argument("--no-flush", action="store_true", help="leave K/V in the caches between calls")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     args = ap.parse_args()
     if args.plot_only:
@@ -109,6 +114,7 @@ def main() -> None:
     base = "cpu_f32_t1"
     flush = torch.zeros(16 * 2**20)
     result: dict = {"threads": args.threads, "blocks": args.blocks, "rounds": args.rounds,
+                    "flush": not args.no_flush,
                     "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
                               "block_size": BLOCK}, "results": []}
     wanted = args.cases.split(",")
@@ -135,7 +141,8 @@ def main() -> None:
                         block: dict[str, list[float]] = {d: [] for d in dtypes}
                         for _ in range(args.rounds):
                             for dname, dtype in dtypes.items():
-                                flush.add_(1.0)
+                                if not args.no_flush:
+                                    flush.add_(1.0)
                                 t0 = time.perf_counter()
                                 call(ops, case, dtype, workspace)
                                 block[dname].append(time.perf_counter() - t0)
@@ -178,7 +185,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("ms per layer call (median)")
     ax.set_title(f"paged attention on SmolLM2's shape: torch path vs the C kernel "
-                 f"(1 and {result['threads']} threads)")
+                 f"(1 and {result['threads']} threads{'' if result.get('flush', True) else ', K/V in cache'})")
     ax.legend(ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -52,6 +52,7 @@ def prefill(ops, case, query, starts):
     (80, 8, 32),    # head size not a power of two, a wide group
     (32, 2, 1),     # one token per block
     (96, 16, 16),   # the largest group
+    (256, 2, 16),   # a head too wide for one pass of accumulators
 ])
 def test_decode_matches_the_reference(head_size: int, group: int, block_size: int) -> None:
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 137, 300]
@@ -103,7 +104,8 @@ def test_decode_and_prefill_in_half_precision_caches(dtype: torch.dtype) -> None
     assert_close_to_reference(out, ref, dtype, f"prefill {dtype}")
 
 
-@pytest.mark.parametrize("head_size,group,block_size", [(64, 3, 16), (80, 8, 32), (32, 2, 1), (96, 16, 16)])
+@pytest.mark.parametrize("head_size,group,block_size", [(64, 3, 16), (80, 8, 32), (32, 2, 1), (96, 16, 16),
+                                                       (256, 2, 8)])
 def test_prefill_matches_the_reference(head_size: int, group: int, block_size: int) -> None:
     """Whole prompts, chunks over a cached prefix, one-token chunks, and an empty query."""
     lens = [1, block_size + 1, 37, 137, 300, 64]
@@ -266,11 +268,16 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
 
 
 def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None:
-    """The dot product is written three times (AVX-512, AVX2, plain C) with one order of
-    operations, so a machine without AVX-512 reproduces an AVX-512 machine's results. Head
-    size 40 covers the partial last group of 16 lanes."""
+    """Every step is written for AVX-512 (16 keys' dot products and their reduction trees side
+    by side, a vector exp, accumulators in registers), and again for AVX2 and plain C, with one
+    order of operations, so a machine without AVX-512 reproduces an AVX-512 machine's results.
+    Decode and prefill (rows that stop at different keys), in every dtype; head size 40 covers
+    the partial last group of 16 lanes, context lengths the partial key blocks."""
     import ctypes
 
+    case = make_decode_case(dtype=torch.float32, head_size=40, block_size=16,
+                            context_lens=[1, 17, 130, 300], num_kv_heads=2, group=3, seed=5)
+    query, starts = prefill_inputs(case, [1, 9, 30, 50], seed=6)
     results = []
     for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
         path = tmp_path / f"attention{len(extra)}.so"
@@ -281,12 +288,18 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
         assert error is None, error
         lib = ctypes.CDLL(str(path))
         kcpu.attention._declare_attention(lib)
-        case = make_decode_case(dtype=torch.float32, head_size=40, block_size=16,
-                                context_lens=[1, 17, 130, 300], num_kv_heads=2, group=3, seed=5)
-        q, out = case.query, torch.empty_like(case.query)
-        assert lib.batchgen_paged_attention(
-            out.data_ptr(), q.data_ptr(), case.k_cache.data_ptr(), case.v_cache.data_ptr(),
-            case.block_tables.data_ptr(), None, case.context_lens.data_ptr(), 4, 4, 2, 16,
-            case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, case.k_cache.shape[0], 0) == 0
-        results.append(out)
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+        outs = []
+        for dtype, code in kcpu.attention.DTYPES.items():
+            k, v = case.k_cache.to(dtype), case.v_cache.to(dtype)
+            for q, loc in ((case.query.to(dtype), None), (query.to(dtype), starts)):
+                out = torch.empty_like(q)
+                assert lib.batchgen_paged_attention(
+                    out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    case.block_tables.data_ptr(), None if loc is None else loc.data_ptr(),
+                    case.context_lens.data_ptr(), 4, q.shape[0], 2, 16, case.block_tables.shape[1],
+                    q.stride(0), q.stride(1), case.scale, k.shape[0], code) == 0
+                outs.append(out)
+        results.append(outs)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)

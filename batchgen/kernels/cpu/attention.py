@@ -80,6 +80,18 @@ def load(head_size: int, group: int) -> Any:
                         tag=f"h{head_size}-g{group}")
 
 
+# (head_size, group) -> the loaded kernel's entry point: a decode step calls the kernel once per
+# layer, so the per-call Python work is kept to the checks the kernel needs.
+_entry_points: dict[tuple[int, int], Any] = {}
+
+
+def _entry_point(head_size: int, group: int) -> Any:
+    fn = _entry_points.get((head_size, group))
+    if fn is None:
+        fn = _entry_points[(head_size, group)] = load(head_size, group).batchgen_paged_attention
+    return fn
+
+
 _ERRORS = {
     1: "context_lens must be in [1, {width}] (the block tables' width)",
     # Only entries a sequence reads must be valid; padding past them is never read.
@@ -110,11 +122,13 @@ def paged_attention(
     """
     num_tokens, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, cache_head = k_cache.shape
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in DTYPES or t.device.type != "cpu":
-            raise ValueError(f"{op} (cpu): {name} must be a float32, bfloat16 or float16 CPU tensor, "
-                             f"got {t.dtype} on {t.device}")
-    if not query.dtype == k_cache.dtype == v_cache.dtype:
+    dtype = query.dtype
+    if dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or not (
+            query.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
+        for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype not in DTYPES or t.device.type != "cpu":
+                raise ValueError(f"{op} (cpu): {name} must be a float32, bfloat16 or float16 CPU "
+                                 f"tensor, got {t.dtype} on {t.device}")
         raise ValueError(f"{op} (cpu): query, k_cache and v_cache must have one dtype, got "
                          f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -122,13 +136,12 @@ def paged_attention(
     if cache_head != head_size or num_heads % num_kv_heads:
         raise ValueError(f"{op} (cpu): query {tuple(query.shape)} does not fit the cache "
                          f"{tuple(k_cache.shape)}")
-    out = torch.empty(num_tokens, num_heads, head_size, dtype=query.dtype)
-    tables = block_tables.to(torch.int32).contiguous()  # no copies for the engine's own
-    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype)
+    tables, lens = _int32(block_tables), _int32(context_lens)  # no copies for the engine's own
     num_seqs = lens.shape[0] if lens.dim() == 1 else -1
     starts = None
     if query_start_loc is not None:
-        starts = query_start_loc.to(torch.int32).contiguous()
+        starts = _int32(query_start_loc)
         if starts.shape != (num_seqs + 1,):
             raise ValueError(f"{op} (cpu): query_start_loc {tuple(starts.shape)} does not fit "
                              f"context_lens {tuple(lens.shape)}")
@@ -141,17 +154,25 @@ def paged_attention(
     if query.stride(2) != 1:
         query = query.contiguous()
     max_blocks = tables.shape[1]
-    fn = load(head_size, num_heads // num_kv_heads).batchgen_paged_attention
+    fn = _entry_point(head_size, num_heads // num_kv_heads)
     # The kernel checks every index it would follow before computing anything.
+    q_stride_tok, q_stride_head, _ = query.stride()
     status = fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), None if starts is None else starts.data_ptr(), lens.data_ptr(),
-                num_seqs, num_tokens, num_kv_heads, block_size, max_blocks, query.stride(0),
-                query.stride(1), float(scale), num_blocks, DTYPES[query.dtype])
+                num_seqs, num_tokens, num_kv_heads, block_size, max_blocks, q_stride_tok,
+                q_stride_head, float(scale), num_blocks, DTYPES[dtype])
     if status:
         message = _ERRORS.get(status, f"kernel error {status}")
         raise ValueError(f"{op} (cpu): " + message.format(width=max_blocks * block_size,
                                                             num_blocks=num_blocks))
     return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int32 tensor (itself when it already is one)."""
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 class CpuOps:

@@ -13,9 +13,10 @@
  * its query vector and of the K/V rows of positions 0..p alone:
  *
  *   s_k   = dot(q * scale, k_k)           16 partial sums over d (lane d % 16), FMA chains in
- *                                         order of d, then a fixed pairwise tree
+ *                                         order of d, then a fixed pairwise tree: lane j plus
+ *                                         lane j + 8, then j + (j + 4), j + (j + 2), 0 + 1
  *   m     = max_k s_k
- *   e_k   = exp(s_k - m)                  exp.h's polynomial
+ *   e_k   = exp(s_k - m)                  exp.h's polynomial, operation for operation
  *   sum   = 16 partial sums over k (lane k % 16) for k < 16 * floor(n / 16), the rest added
  *           in order to a 17th, then the 16 lanes added to it in order
  *   acc   = sum over k in order of e_k * v_k   (one FMA chain per dimension)
@@ -27,7 +28,23 @@
  * first by decode and later recomputed by prefill after a preemption, with any thread count.
  * Only the build (compiler, flags, CPU) may change the bits. No reduction is left to the
  * compiler to reorder (no `omp simd reduction`); every order above is written out, and FMA is
- * spelled fmaf where the target has it, never left to contraction.
+ * spelled fmaf where the target has it, never left to contraction (the loader compiles in ISO
+ * C mode, -std=c99, where GCC contracts nothing: a multiply then an add stay two roundings).
+ *
+ * How it is computed (the order above is kept exactly by every build; AVX-512, AVX2 and plain
+ * C give the same bits, pinned by the tests). Keys are taken 16 at a time (a key block; K/V
+ * rows of bfloat16 and float16 converted into float32 once per block):
+ *   - scores: with AVX-512, the 16 dot products of one query row with a key block run as 16
+ *     accumulators side by side; their reduction trees run together as a transpose (each add
+ *     of the tree above, for 16 keys per instruction), leaving the 16 scores in one register.
+ *     Without AVX-512, one dot product at a time, with the same lanes and tree;
+ *   - softmax numerators and their sum: 16 scores per instruction (exp.h's operations on a
+ *     vector; the sum's 16 lanes are the vector's lanes);
+ *   - acc: the accumulators of several query rows stay in registers over the whole context
+ *     (rows x dimensions tiled to fit), each V row loaded once per tile and added to every
+ *     row that sees it, in order of k.
+ * Key rows are prefetched two key blocks ahead, and a block's V rows into L2 while its scores
+ * are computed (the blocks are scattered; in a model step they come from memory).
  *
  * Compile-time constants (-D): HEAD_SIZE (elements per head) and GROUP (query heads per KV
  * head). With both fixed the compiler unrolls the head loops.
@@ -71,7 +88,18 @@
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
 
+#if defined(__AVX512F__) && defined(__FMA__)
+#define BG_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #define LANES 16 /* partial sums of a dot product and of the softmax denominator */
+#define KB 16    /* keys per key block */
+#define NV ((HEAD_SIZE + 15) / 16)   /* 16-float vectors per head row */
+#define NFULL (HEAD_SIZE / 16)       /* of which full */
+#define HSP (NV * 16)                /* a head row padded to whole vectors (scratch rows) */
 /* Query rows computed together over one read of each K/V row (prefill); a decode has one. The
  * per-row arithmetic is the same whatever the tile. */
 #ifndef TILE
@@ -149,19 +177,6 @@ static inline uint16_t f32_to_f16(float f) { /* round to nearest even */
 }
 #endif
 
-/* A row of HEAD_SIZE elements of `dtype` as float32: the row itself for float32, else
- * converted (exactly) into buf. */
-static inline const float *row_f32(const void *src, int dtype, float *restrict buf) {
-  if (dtype == DT_F32) return (const float *)src;
-  const uint16_t *h = (const uint16_t *)src;
-  if (dtype == DT_BF16) {
-    for (int d = 0; d < HEAD_SIZE; ++d) buf[d] = bf16_to_f32(h[d]);
-  } else {
-    for (int d = 0; d < HEAD_SIZE; ++d) buf[d] = f16_to_f32(h[d]);
-  }
-  return buf;
-}
-
 static inline void store_row(void *dst, int dtype, const float *restrict acc, float inv) {
   if (dtype == DT_F32) {
     float *o = (float *)dst;
@@ -175,35 +190,313 @@ static inline void store_row(void *dst, int dtype, const float *restrict acc, fl
   }
 }
 
-/* ---------------------------------------------------------------- the per-row arithmetic */
-/* exp(x) for x <= 0 (softmax numerators); relative error about 2e-7 (exp.h). */
-static inline float exp_nonpos(float x) { return batchgen_exp_clamped(x < -87.0f ? -87.0f : x); }
-
-/* a . b, by definition: lane j (of 16) sums a[d] * b[d] for d = j, j + 16, ... in order of d,
- * one fused multiply-add each, from zero; then the lanes are added pairwise, j + (j + 8), then
- * j + (j + 4), j + (j + 2), 0 + 1. Written with AVX-512 or AVX2 where the build has them, in
- * plain C otherwise: the same operations in the same order, so the same bits. */
-#if defined(__AVX512F__) && defined(__FMA__)
-#include <immintrin.h>
-static inline float dot_head(const float *restrict a, const float *restrict b) {
-  __m512 acc = _mm512_setzero_ps();
+/* A row of HEAD_SIZE elements of `dtype` into float32 (exactly), zero-padded to HSP. */
+static inline void convert_row(const void *src, int dtype, float *restrict dst) {
+  const uint16_t *h = (const uint16_t *)src;
   int d = 0;
-  for (; d + 16 <= HEAD_SIZE; d += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+#ifdef BG_AVX512
+  if (dtype == DT_F32) {
+    for (; d < NFULL * 16; d += 16) _mm512_storeu_ps(dst + d, _mm512_loadu_ps((const float *)src + d));
+  } else if (dtype == DT_BF16) {
+    for (; d < NFULL * 16; d += 16) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + d)));
+      _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  } else {
+    for (; d < NFULL * 16; d += 16)
+      _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + d))));
+  }
+#endif
+  if (dtype == DT_F32)
+    for (; d < HEAD_SIZE; ++d) dst[d] = ((const float *)src)[d];
+  else if (dtype == DT_BF16)
+    for (; d < HEAD_SIZE; ++d) dst[d] = bf16_to_f32(h[d]);
+  else
+    for (; d < HEAD_SIZE; ++d) dst[d] = f16_to_f32(h[d]);
+  for (; d < HSP; ++d) dst[d] = 0.f;
+}
+
+/* ---------------------------------------------------------------- work items */
+typedef struct {
+  void *out;
+  const void *query, *k_cache, *v_cache;
+  const int32_t *block_tables, *query_start_loc, *context_lens;
+  const int64_t *item_start; /* [num_seqs + 1]: first work item of each sequence */
+  int64_t num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok, q_stride_head;
+  float scale;
+  int dtype;
+  volatile int failed; /* set by an item that could not get scratch memory */
+} Args;
+
+static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+/* The rows of n keys (1 <= n <= KB) at element offsets off[0 .. n - 1] of `cache` (k_cache or
+ * v_cache) as float32: the cache's own rows for float32, else converted into buf ([KB][HSP]).
+ * rows[n .. KB - 1] repeat row n - 1 (read, never used). */
+static inline void key_block(const void *cache, int dtype, const int64_t *off, int n,
+                             float *restrict buf, const float **rows) {
+  if (dtype == DT_F32) {
+    for (int j = 0; j < n; ++j) rows[j] = (const float *)cache + off[j];
+  } else {
+    for (int j = 0; j < n; ++j) {
+      convert_row((const uint16_t *)cache + off[j], dtype, buf + j * HSP);
+      rows[j] = buf + j * HSP;
+    }
+  }
+  for (int j = n; j < KB; ++j) rows[j] = rows[n - 1];
+}
+
+/* Ask for the rows of keys p0 .. p1 - 1 of `cache` (element offsets off[p]) ahead of their use,
+ * into every cache level (locality 3) or into L2 and beyond (locality 2). They lie in scattered
+ * blocks that the hardware prefetchers cannot guess; in a model step they come from memory
+ * (every layer's weights stream through the caches between two calls for one layer). A macro:
+ * the locality must be a constant. */
+#define PREFETCH_ROWS(cache, es, off, p0, p1, locality)                                       \
+  do {                                                                                        \
+    for (int64_t p_ = (p0); p_ < (p1); ++p_) {                                                \
+      const char *row_ = (const char *)(cache) + (off)[p_] * (es);                            \
+      for (int64_t x_ = 0; x_ < HEAD_SIZE * (es); x_ += 64) __builtin_prefetch(row_ + x_, 0, locality); \
+    }                                                                                         \
+  } while (0)
+
+/* ---------------------------------------------------------------- the per-row arithmetic */
+#ifdef BG_AVX512
+/* The first three steps of the tree (lane l + (l + 8), l + (l + 4), l + (l + 2)) of 8 slots
+ * (one query row's accumulators against 8 keys) at once: a shuffle and a blend line up the
+ * lanes to add, an add adds them; a slot's lanes are only added to the same slot's. Leaves in 128-bit
+ * quarter q the two partial sums of two slots: q0 slots 0, 1; q1 4, 5; q2 2, 3; q3 6, 7. */
+static inline __m512 tree8(const __m512 *acc) {
+  __m512 t[4], u[2];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) /* [m.q0 + m.q2, m.q1 + m.q3, (m+4).q2 + (m+4).q0, (m+4).q3 + (m+4).q1] */
+    t[m] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, acc[m], acc[m + 4]),
+                         _mm512_shuffle_f32x4(acc[m], acc[m + 4], 0x4E));
+#pragma GCC unroll 2
+  for (int n = 0; n < 2; ++n) /* quarters: slots [n, n + 4, n + 2, n + 6] */
+    u[n] = _mm512_add_ps(_mm512_shuffle_f32x4(t[n], t[n + 2], 0x88),
+                         _mm512_shuffle_f32x4(t[n], t[n + 2], 0xDD));
+  /* in each quarter: lanes 0 + 2, 1 + 3 of u[0], then of u[1] */
+  return _mm512_add_ps(_mm512_mask_blend_ps(0xCCCC, u[0], u[1]), _mm512_shuffle_ps(u[0], u[1], 0x4E));
+}
+
+/* The last step (0 + 1) of two tree8 results, a's slots and b's: lane L then holds the slot
+ * KEY_A (a) or KEY_B (b) assigns key L. */
+static const int KEY_A[8] = {0, 1, 8, 9, 4, 5, 12, 13};
+static const int KEY_B[8] = {2, 3, 10, 11, 6, 7, 14, 15};
+
+static inline __m512 tree_last(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/* One query row against 8 keys (rows[slot[0 .. 7]]), up to tree8: accumulator j, lane l sums
+ * q[d] k[d] over d = l (mod 16) in order of d, one FMA each, from zero (dot_head's lanes). */
+static inline __m512 half8(const float *restrict q, const float *const *rows, const int *slot) {
+  const float *k[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) k[j] = rows[slot[j]];
+  __m512 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < NFULL; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[j] + 16 * c), acc[j]);
+  }
 #if HEAD_SIZE % 16
   {
     const __mmask16 m = (__mmask16)((1u << (HEAD_SIZE % 16)) - 1);
-    acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc, m);
+    const __m512 qc = _mm512_maskz_loadu_ps(m, q + 16 * NFULL);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm512_mask3_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, k[j] + 16 * NFULL), acc[j], m);
   }
 #endif
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  return tree8(acc);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+
+/* The 16 scores q . k_j (j < 16) of one query row, lane j: each exactly dot_head's. */
+static inline __m512 scores16(const float *restrict q, const float *const *rows) {
+  return tree_last(half8(q, rows, KEY_A), half8(q, rows, KEY_B));
+}
+
+/* exp.h's batchgen_exp_clamped on 16 lanes: the same operations in the same order (no
+ * contraction: see the header), so the same bits; NaN in, NaN out, nothing undefined. */
+static inline __m512 exp16(__m512 c) {
+  const __m512 big = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)), big), big);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 */
+  const __mmask16 ge = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  const __mmask16 le = _mm512_cmp_ps_mask(n, _mm512_set1_ps(128.0f), _CMP_LE_OQ);
+  const __m512 nc = _mm512_mask_blend_ps(ge, _mm512_set1_ps(-126.0f),
+                                         _mm512_mask_blend_ps(le, _mm512_set1_ps(128.0f), n));
+  const __m512i ni = _mm512_cvttps_epi32(nc);
+  const __m512i n1 = _mm512_srai_epi32(_mm512_add_epi32(ni, _mm512_srli_epi32(ni, 31)), 1); /* ni / 2 */
+  const __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+
+/* Turn the n scores of a row into softmax numerators exp(s - max) in place; return their
+ * sum. sc has room for n rounded up to 16. */
+static inline float softmax_row(float *restrict sc, int64_t n) {
+  const int64_t nf = n & ~(int64_t)15;
+  const __mmask16 tail = (__mmask16)((1u << (n - nf)) - 1);
+  __m512 mv = _mm512_set1_ps(-FLT_MAX);
+  for (int64_t i = 0; i < nf; i += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + i), mv); /* s > m ? s : m */
+  if (tail) mv = _mm512_mask_max_ps(mv, tail, _mm512_loadu_ps(sc + nf), mv);
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)); /* no NaN in mv: any order */
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nf; i += 16) {
+    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + i), mx);
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
+    const __m512 e = exp16(x);
+    _mm512_storeu_ps(sc + i, e);
+    lanes = _mm512_add_ps(lanes, e);
+  }
+  float total = 0.f;
+  if (tail) {
+    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + nf), mx);
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
+    _mm512_storeu_ps(sc + nf, exp16(x));
+    for (int64_t i = nf; i < n; ++i) total += sc[i];
+  }
+  float l[LANES];
+  _mm512_storeu_ps(l, lanes);
+  for (int j = 0; j < LANES; ++j) total += l[j];
+  return total;
+}
+
+/* Output elements d0 .. d0 + 15 (fewer at the row's end) of acc * inv in the output dtype. */
+static inline void store16(void *dst, int dtype, int64_t d0, __m512 acc, float inv) {
+  const __m512 x = _mm512_mul_ps(acc, _mm512_set1_ps(inv));
+  const int n = HEAD_SIZE - d0 < 16 ? (int)(HEAD_SIZE - d0) : 16;
+  if (dtype == DT_F32) {
+    _mm512_mask_storeu_ps((float *)dst + d0, (__mmask16)((1u << n) - 1), x);
+    return;
+  }
+  __m256i h;
+  if (dtype == DT_BF16) { /* round to nearest even; NaN -> 0x7FC0 (f32_to_bf16) */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    h = _mm512_cvtepi32_epi16(r);
+  } else {
+    h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  if (n == 16) {
+    _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d0), h);
+  } else {
+    uint16_t tmp[16];
+    _mm256_storeu_si256((__m256i *)tmp, h);
+    memcpy((uint16_t *)dst + d0, tmp, (size_t)n * sizeof tmp[0]);
+  }
+}
+
+/* acc and output over dimensions [16 * c0, 16 * (c0 + nc)) of query rows r .. r + nr - 1 of
+ * a tile, the nr * nc accumulators in registers through the whole context. Rows are ordered
+ * by the last key they see, lim[r]. */
+#define PV_REGS 24 /* accumulators held at once */
+#define PV_DC (NV < 8 ? NV : 8)
+#define PV_RB (PV_REGS / PV_DC < 8 ? PV_REGS / PV_DC : 8)
+
+typedef struct {
+  const void *v_cache;
+  int dtype;
+  int64_t ss;
+  const int64_t *off;    /* element offset of each key's row */
+  const float *w;        /* numerators [rows][ss] */
+  const int64_t *lim;    /* last key of each row */
+  const float *inv;      /* 1 / sum of each row */
+  void *const *dst;      /* output row of each row */
+  float *vbuf;           /* [KB][HSP] */
+} PvJob;
+
+static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, const int r, const int nr,
+                                                          const int c0, const int nc) {
+  __m512 acc[PV_RB][PV_DC];
+#pragma GCC unroll 8
+  for (int i = 0; i < nr; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_setzero_ps();
+  const int64_t first = job->lim[r], last = job->lim[r + nr - 1], ss = job->ss;
+  const float *w = job->w + r * ss;
+  const int tail_vec = (HEAD_SIZE % 16) && c0 + nc == NV; /* the last vector is partial */
+  const __mmask16 tail = (__mmask16)((1u << (HEAD_SIZE % 16)) - 1);
+  const float *rows[KB];
+  for (int64_t kb = 0; kb <= last; kb += KB) {
+    const int n = last + 1 - kb < KB ? (int)(last + 1 - kb) : KB;
+    const int all = first + 1 - kb >= n ? n : (int)(first + 1 - kb); /* keys every row sees */
+    key_block(job->v_cache, job->dtype, job->off + kb, n, job->vbuf, rows);
+    const float *wk = w + kb;
+    for (int j = 0; j < n; ++j) {
+      __m512 v[PV_DC];
+      const float *vr = rows[j] + 16 * c0;
+#pragma GCC unroll 8
+      for (int c = 0; c < nc; ++c)
+        v[c] = tail_vec && c == nc - 1 ? _mm512_maskz_loadu_ps(tail, vr + 16 * c) : _mm512_loadu_ps(vr + 16 * c);
+      if (j < all) {
+#pragma GCC unroll 8
+        for (int i = 0; i < nr; ++i) {
+          const __m512 e = _mm512_set1_ps(wk[i * ss + j]);
+#pragma GCC unroll 8
+          for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_fmadd_ps(e, v[c], acc[i][c]);
+        }
+      } else { /* prefill: rows whose context ends before key kb + j skip it */
+#pragma GCC unroll 8
+        for (int i = 0; i < nr; ++i) {
+          if (kb + j > job->lim[r + i]) continue;
+          const __m512 e = _mm512_set1_ps(wk[i * ss + j]);
+#pragma GCC unroll 8
+          for (int c = 0; c < nc; ++c) acc[i][c] = _mm512_fmadd_ps(e, v[c], acc[i][c]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < nr; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < nc; ++c)
+      store16(job->dst[r + i], job->dtype, 16 * (c0 + c), acc[i][c], job->inv[r + i]);
+}
+
+/* Rows r .. r + nr - 1 (nr <= PV_RB), every dimension. */
+static inline __attribute__((always_inline)) void pv_rows_all(const PvJob *job, int r, const int nr) {
+#pragma GCC unroll 8
+  for (int c0 = 0; c0 < NV; c0 += PV_DC) pv_rows(job, r, nr, c0, NV - c0 < PV_DC ? NV - c0 : PV_DC);
+}
+
+static void pv(const PvJob *job, int rows) {
+  for (int r = 0; r < rows; r += PV_RB) {
+    switch (rows - r < PV_RB ? rows - r : PV_RB) {
+#define PV_CASE(k) case k: if (k <= PV_RB) pv_rows_all(job, r, k <= PV_RB ? k : 1); break;
+      PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
+#undef PV_CASE
+      default: break;
+    }
+  }
+}
+
+#else /* no AVX-512 */
+
+/* a . b, by definition: lane j (of 16) sums a[d] * b[d] for d = j, j + 16, ... in order of d,
+ * one fused multiply-add each, from zero; then the lanes are added pairwise, j + (j + 8), then
+ * j + (j + 4), j + (j + 2), 0 + 1. Written with AVX2 where the build has it, in plain C
+ * otherwise: the same operations in the same order as the AVX-512 scores16, so the same bits. */
+#if defined(__AVX2__) && defined(__FMA__)
 static inline float dot_head(const float *restrict a, const float *restrict b) {
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); /* lanes 0-7, 8-15 */
   int d = 0;
@@ -236,8 +529,13 @@ static inline float dot_head(const float *restrict a, const float *restrict b) {
 }
 #endif
 
-/* Turn n scores into softmax numerators exp(s - max) in place; return their sum. */
-static inline float exp_and_sum(float *restrict sc, int64_t n, float mx) {
+/* exp(x) for x <= 0 (softmax numerators); relative error about 2e-7 (exp.h). */
+static inline float exp_nonpos(float x) { return batchgen_exp_clamped(x < -87.0f ? -87.0f : x); }
+
+/* Turn the n scores of a row into softmax numerators exp(s - max) in place; return their sum. */
+static inline float softmax_row(float *restrict sc, int64_t n) {
+  float mx = -FLT_MAX;
+  for (int64_t i = 0; i < n; ++i) mx = sc[i] > mx ? sc[i] : mx;
   float lanes[LANES];
   for (int j = 0; j < LANES; ++j) lanes[j] = 0.f;
   int64_t i = 0;
@@ -256,22 +554,10 @@ static inline float exp_and_sum(float *restrict sc, int64_t n, float mx) {
   for (int j = 0; j < LANES; ++j) total += lanes[j];
   return total;
 }
+#endif
 
-/* ---------------------------------------------------------------- work items */
-typedef struct {
-  void *out;
-  const void *query, *k_cache, *v_cache;
-  const int32_t *block_tables, *query_start_loc, *context_lens;
-  const int64_t *item_start; /* [num_seqs + 1]: first work item of each sequence */
-  int64_t num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok, q_stride_head;
-  float scale;
-  int dtype;
-  volatile int failed; /* set by an item that could not get scratch memory */
-} Args;
-
-static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
-
-/* Per-thread scratch, kept between calls (pool threads live as long as the process). */
+/* Per-thread scratch, kept between calls (pool threads live as long as the process); 64-byte
+ * aligned. */
 static __thread float *tls_buf;
 static __thread int64_t tls_cap;
 
@@ -281,11 +567,11 @@ static float *scratch(int64_t floats) {
     tls_buf = NULL;
     tls_cap = 0;
     int64_t cap = floats + floats / 2 + 1024;
-    tls_buf = (float *)malloc((size_t)cap * sizeof(float));
+    tls_buf = (float *)malloc((size_t)(cap + 16) * sizeof(float));
     if (tls_buf == NULL) return NULL;
     tls_cap = cap;
   }
-  return tls_buf;
+  return (float *)(((uintptr_t)tls_buf + 63) & ~(uintptr_t)63);
 }
 
 /* Query rows r0 .. r0 + nq - 1 of sequence s (positions base .. base + nq - 1), KV head h. */
@@ -295,76 +581,83 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const int64_t q_len = a->query_start_loc ? a->query_start_loc[s + 1] - q0 : 1;
   const int64_t base = ctx - q_len + (r0 - q0); /* row r0 sees keys 0 .. base */
   const int64_t nmax = base + nq;               /* keys the tile's last row sees */
+  const int64_t ss = (nmax + KB - 1) / KB * KB; /* a row of scores, whole key blocks */
   const int64_t es = elem_size(a->dtype);
-  const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE;
-  const int64_t blk_stride = a->block_size * tok_stride;
   const int32_t *table = a->block_tables + s * a->max_blocks;
+  const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
 
-  float *buf = scratch((int64_t)ROWS * HEAD_SIZE * 2 + HEAD_SIZE + (int64_t)ROWS * nmax + 64);
+  float *buf = scratch(2 * ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss);
   if (buf == NULL) return 4;
-  float *restrict q = buf;                        /* [nq][GROUP][HEAD_SIZE], scaled */
-  float *restrict acc = q + ROWS * HEAD_SIZE;     /* [nq][GROUP][HEAD_SIZE] */
-  float *restrict conv = acc + ROWS * HEAD_SIZE;  /* one converted K or V row */
-  float *restrict scores = conv + HEAD_SIZE;      /* [nq * GROUP][nmax] */
+  int64_t *restrict off = (int64_t *)buf;          /* [ss]: element offset of key p's rows */
+  float *restrict q = buf + 2 * ss;                /* [rows][HSP], scaled */
+  float *restrict kbuf = q + ROWS * HSP;           /* [KB][HSP]: a converted key block */
+  float *restrict vbuf = kbuf + KB * HSP;          /* [KB][HSP]: a converted value block */
+  float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then (without AVX-512) acc */
+  int64_t lim[ROWS];                               /* the last key each row sees */
+  float inv[ROWS];
+  void *dst[ROWS];
 
+  const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE, bs = a->block_size;
+  for (int64_t p = 0, b = 0; p < nmax; ++b) {
+    const int64_t at = (int64_t)table[b] * bs * tok_stride + h * HEAD_SIZE;
+    for (int64_t o = 0; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
+  }
+  PREFETCH_ROWS(a->k_cache, es, off, 0, nmax < 2 * KB ? nmax : 2 * KB, 3);
+  const int64_t num_heads = a->num_kv_heads * GROUP;
+  const float scale = a->scale;
   for (int i = 0; i < nq; ++i)
     for (int g = 0; g < GROUP; ++g) {
+      const int r = i * GROUP + g;
       const char *src = (const char *)a->query +
                         ((r0 + i) * a->q_stride_tok + (h * GROUP + g) * a->q_stride_head) * es;
-      const float *qr = row_f32(src, a->dtype, conv);
-      float *dst = q + (i * GROUP + g) * HEAD_SIZE;
-      for (int d = 0; d < HEAD_SIZE; ++d) dst[d] = qr[d] * a->scale;
+      float *qr = q + r * HSP;
+      convert_row(src, a->dtype, qr);
+      for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * scale;
+      lim[r] = base + i;
+      dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * es;
     }
 
-  /* Pass 1: scores and each row's maximum. Row i sees key p when p <= base + i. */
-  float max_score[ROWS];
-  for (int r = 0; r < nq * GROUP; ++r) max_score[r] = -FLT_MAX;
-  int64_t p = 0;
-  for (int64_t b = 0; p < nmax; ++b) {
-    const char *kb = (const char *)a->k_cache + ((int64_t)table[b] * blk_stride + h * HEAD_SIZE) * es;
-    const int64_t n = nmax - p < a->block_size ? nmax - p : a->block_size;
-    for (int64_t o = 0; o < n; ++o, ++p) {
-      const float *kp = row_f32(kb + o * tok_stride * es, a->dtype, conv);
-      for (int i = p > base ? (int)(p - base) : 0; i < nq; ++i)
-        for (int g = 0; g < GROUP; ++g) {
-          const int r = i * GROUP + g;
-          const float v = dot_head(q + r * HEAD_SIZE, kp);
-          scores[r * nmax + p] = v;
-          max_score[r] = v > max_score[r] ? v : max_score[r];
-        }
-    }
+  /* Scores, key block by key block; a row's scores past its last key are not used. */
+  const float *krows[KB];
+  for (int64_t kb = 0; kb < nmax; kb += KB) {
+    const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
+    /* keys two blocks ahead into L1, this block's values into L2 for the second pass */
+    PREFETCH_ROWS(a->k_cache, es, off, kb + 2 * KB, nmax < kb + 3 * KB ? nmax : kb + 3 * KB, 3);
+    PREFETCH_ROWS(a->v_cache, es, off, kb, kb + n, 2);
+    key_block(a->k_cache, a->dtype, off + kb, n, kbuf, krows);
+    int r = kb > base ? (int)(kb - base) * GROUP : 0;
+#ifdef BG_AVX512
+    for (; r < rows; ++r) _mm512_storeu_ps(scores + r * ss + kb, scores16(q + r * HSP, krows));
+#else
+    for (; r < rows; ++r)
+      for (int j = 0; j < n; ++j) scores[r * ss + kb + j] = dot_head(q + r * HSP, krows[j]);
+#endif
   }
-  float inv[ROWS];
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < GROUP; ++g) {
-      const int r = i * GROUP + g;
-      inv[r] = 1.f / exp_and_sum(scores + r * nmax, base + i + 1, max_score[r]);
-    }
+  for (int r = 0; r < rows; ++r) inv[r] = 1.f / softmax_row(scores + r * ss, lim[r] + 1);
 
-  /* Pass 2: acc_r = sum_p e_rp v_p, in order of p. */
-  for (int64_t j = 0; j < (int64_t)nq * GROUP * HEAD_SIZE; ++j) acc[j] = 0.f;
-  p = 0;
-  for (int64_t b = 0; p < nmax; ++b) {
-    const char *vb = (const char *)a->v_cache + ((int64_t)table[b] * blk_stride + h * HEAD_SIZE) * es;
-    const int64_t n = nmax - p < a->block_size ? nmax - p : a->block_size;
-    for (int64_t o = 0; o < n; ++o, ++p) {
-      const float *vp = row_f32(vb + o * tok_stride * es, a->dtype, conv);
-      for (int i = p > base ? (int)(p - base) : 0; i < nq; ++i)
-        for (int g = 0; g < GROUP; ++g) {
-          const int r = i * GROUP + g;
-          const float w = scores[r * nmax + p];
-          float *ar = acc + r * HEAD_SIZE;
-          for (int d = 0; d < HEAD_SIZE; ++d) ar[d] = MADD(w, vp[d], ar[d]);
-        }
+  /* acc_r = sum_p e_rp v_p, in order of p. */
+#ifdef BG_AVX512
+  const PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
+  pv(&job, rows);
+#else
+  float *restrict acc = scores + (int64_t)ROWS * ss; /* [rows][HSP] */
+  for (int64_t j = 0; j < (int64_t)rows * HSP; ++j) acc[j] = 0.f;
+  const float *vrows[KB];
+  for (int64_t kb = 0; kb < nmax; kb += KB) {
+    const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
+    key_block(a->v_cache, a->dtype, off + kb, n, vbuf, vrows);
+    for (int j = 0; j < n; ++j) {
+      const int64_t p = kb + j;
+      const float *vp = vrows[j];
+      for (int r = p > base ? (int)(p - base) * GROUP : 0; r < rows; ++r) {
+        const float w = scores[r * ss + p];
+        float *ar = acc + r * HSP;
+        for (int d = 0; d < HEAD_SIZE; ++d) ar[d] = MADD(w, vp[d], ar[d]);
+      }
     }
   }
-  const int64_t num_heads = a->num_kv_heads * GROUP;
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < GROUP; ++g) {
-      const int r = i * GROUP + g;
-      char *dst = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * es;
-      store_row(dst, a->dtype, acc + r * HEAD_SIZE, inv[r]);
-    }
+  for (int r = 0; r < rows; ++r) store_row(dst[r], a->dtype, acc + r * HSP, inv[r]);
+#endif
   return 0;
 }
 
@@ -390,6 +683,10 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
   }
 }
 
+/* The calling thread's item table, kept between calls. */
+static __thread int64_t *tls_items;
+static __thread int64_t tls_items_cap;
+
 int batchgen_paged_attention(
     void *out, const void *query, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *context_lens,
@@ -411,8 +708,14 @@ int batchgen_paged_attention(
     for (int64_t b = 0; b * block_size < ctx; ++b)
       if (table[b] < 0 || table[b] >= num_blocks) return 2;
   }
-  int64_t *item_start = (int64_t *)malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
-  if (item_start == NULL) return 4;
+  if (num_seqs + 1 > tls_items_cap) {
+    free(tls_items);
+    tls_items_cap = 0;
+    tls_items = (int64_t *)malloc((size_t)(num_seqs + 1 + 256) * sizeof(int64_t));
+    if (tls_items == NULL) return 4;
+    tls_items_cap = num_seqs + 1 + 256;
+  }
+  int64_t *item_start = tls_items;
   item_start[0] = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
@@ -422,6 +725,5 @@ int batchgen_paged_attention(
             item_start, num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok,
             q_stride_head, scale, dtype, 0};
   bg_parallel_for(item_start[num_seqs], 1, run_items, &a);
-  free(item_start);
   return a.failed ? 4 : 0;
 }
