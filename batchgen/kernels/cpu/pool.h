@@ -20,8 +20,12 @@
  *     takes whatever chunks a late or descheduled worker has not claimed, and waits only for
  *     chunks that are already running. A worker that never wakes costs nothing;
  *   - an idle worker spins for a short, bounded time (BATCHGEN_POOL_SPIN_US, default 50 us;
- *     kernels of one model step follow each other closely), then sleeps on a condition
- *     variable: an oversubscribed machine sees no busy-waiting;
+ *     kernels of one model step follow each other closely), then keeps watching for work
+ *     while yielding its core at every check (BATCHGEN_POOL_YIELD_US, default 1000 us: in a
+ *     decode step the Python between two kernels often takes 50-200 us, and a worker that
+ *     slept through it must be woken through the kernel), then sleeps on a condition
+ *     variable. A yielding worker costs a quiet machine nothing and hands a loaded one's core
+ *     to whatever else is runnable: an oversubscribed machine sees no busy-waiting;
  *   - a call made while the pool is busy (another thread's, or one nested in a task) runs on
  *     its caller alone, never deadlocks;
  *   - after fork() the child starts with no workers and makes new ones when needed.
@@ -90,6 +94,9 @@ static inline void bg_parallel_for(int64_t n, int64_t grain, bg_task_fn fn, void
 
 #define BG_MAX_THREADS 256
 #define BG_CHUNKS_PER_THREAD 4
+#ifndef BG_YIELD_US
+#define BG_YIELD_US 1000
+#endif
 
 #define BG_LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define BG_LOAD_SC(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
@@ -119,7 +126,8 @@ struct bg_pool {
   int threads;  /* thread count asked for, the caller included */
   int started;  /* worker threads running */
   pthread_t workers[BG_MAX_THREADS];
-  int64_t spin_ns;
+  int64_t spin_ns;  /* an idle worker spins this long, */
+  int64_t yield_ns; /* then spins yielding its core this long, then sleeps */
   int initialised;
 };
 
@@ -174,6 +182,11 @@ static void *bg_worker_main(void *arg) {
       if ((spins & 63) == 0) {
         int64_t now = bg_now_ns();
         if (deadline == 0) deadline = now + p->spin_ns;
+        if (now >= deadline && now < deadline + p->yield_ns) {
+          /* past the pure spin: keep watching, but hand the core to anything runnable */
+          sched_yield();
+          continue;
+        }
         if (now >= deadline) {
           pthread_mutex_lock(&p->lock);
           __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
@@ -241,6 +254,9 @@ static void bg_init_once(void) {
   const char *spin = getenv("BATCHGEN_POOL_SPIN_US");
   long us = spin && *spin ? strtol(spin, NULL, 10) : 50;
   p->spin_ns = (us < 0 ? 0 : us > 100000 ? 100000 : us) * 1000;
+  const char *yield = getenv("BATCHGEN_POOL_YIELD_US");
+  long yus = yield && *yield ? strtol(yield, NULL, 10) : BG_YIELD_US;
+  p->yield_ns = (yus < 0 ? 0 : yus > 100000 ? 100000 : yus) * 1000;
   p->stop_from = BG_MAX_THREADS;
   pthread_atfork(NULL, NULL, bg_atfork_child);
   p->initialised = 1;
