@@ -304,7 +304,8 @@ def flop_bound_rows(out: Path, ceilings: dict[str, float] | None = None,
                 ceilings[dtype] = max([k["ceiling_gflops"], *(r["torch_gflops"] for r in k["results"])])
     rows = []
     for key, r in json.loads(path.read_text())["rows"].items():
-        if r["mode"]["kind"] != "greedy" or r["dtype"] not in ceilings or "only" in key:
+        if r["mode"]["kind"] != "greedy" or r["dtype"] not in ceilings or not key.endswith(r["dtype"]):
+            # only the plain rows: tagged ones (prefill only, other block sizes) are side runs
             continue
         ours = r["peers"].get("batchgen", {})
         best = r.get("best_vllm")
