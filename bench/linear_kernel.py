@@ -3,9 +3,9 @@
 For SmolLM2-135M's layer shapes (q/o 576->576, k/v 576->192, gate/up 576->1536, down
 1536->576, lm_head 576->49152) and row counts from a lone decode to a prefill, times
 ``F.linear`` (MKL) and :class:`batchgen.kernels.cpu.linear.PackedLinear` on the same random
-float32 weights and input. The two are interleaved in short blocks of back-to-back calls, each
-after a pause (so neither runs beside the other's idle spinning threads), and each keeps its
-fastest block, so a noisy machine slows both alike; the ratio is what to read. Also records the largest
+float32 weights and input. The two are interleaved in blocks of back-to-back calls (at least
+200 ms each), and each keeps its fastest block, so a noisy machine slows both alike; the ratio is
+what to read. Also records the largest
 difference between the two (float32 rounding: the kernel sums in another order).
 
 One layer's weight stays in the caches from call to call, which a real step never sees: a
@@ -42,27 +42,28 @@ SHAPES = {  # name: (out_features, in_features)
 }
 
 
-def best_times(fns: dict, reps: int, inner: int = 3, gap: float = 0.01) -> dict[str, float]:
-    """Fastest per-call time of each function over ``reps`` blocks of ``inner`` back-to-back
-    calls, the functions' blocks interleaved.
+def best_times(fns: dict, reps: int, block_seconds: float = 0.2) -> dict[str, float]:
+    """Fastest per-call time of each function over ``reps`` blocks, the functions' blocks
+    interleaved; a block calls its function back to back for at least ``block_seconds`` (and at
+    least 3 times) and counts the mean.
 
-    Each block starts after a ``gap`` of idle time and one untimed call: torch's OpenMP workers
-    keep spinning for a while after a parallel call, and timed straight after torch, the kernel
-    would share the cores with them (and torch with batchgen's pool's spinning workers, for
-    50 us). In a model step the two never alternate like that: with the C kernels on, torch
-    runs one thread.
+    Long blocks rather than single calls: torch's OpenMP workers keep spinning for tens of
+    milliseconds after its last parallel call, and a kernel call timed in that window shares the
+    cores with them, which a model step never sees (with the C kernels on, torch runs one
+    thread). Timed call by call (or in 20 ms blocks), the kernel's q/o layer at 32 rows in
+    float32 read 100-130 GFLOP/s; in 200 ms blocks 167-171, and 174 with no torch call at all.
     """
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            time.sleep(gap)
             fn()
-            t0 = time.perf_counter()
-            for _ in range(inner):
+            calls, t0 = 0, time.perf_counter()
+            while calls < 3 or time.perf_counter() - t0 < block_seconds:
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / inner)
+                calls += 1
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
     return best
 
 
@@ -100,7 +101,7 @@ def main() -> None:
                 continue  # the engine keeps only the sampled rows' logits
             x = torch.randn(m, k).to(dtype)
             with torch.no_grad():
-                reps = max(3, min(15, int(6e8 / (2 * m * n * k))))
+                reps = 5
                 best = best_times({"torch": lambda: F.linear(x, weight), "cpu": lambda: packed(x)}, reps)
                 diff = (packed(x).float() - F.linear(x, weight).float()).abs().max().item()
             flop = 2 * m * n * k
@@ -139,7 +140,7 @@ def model_sweep(rows_list: list[int], repeats: int = 5, dtype: torch.dtype = tor
             for layer in packed:
                 layer(inputs[layer.in_features])
         with torch.no_grad():
-            best = best_times({"torch": sweep_torch, "cpu": sweep_cpu}, repeats, inner=1)
+            best = best_times({"torch": sweep_torch, "cpu": sweep_cpu}, repeats, block_seconds=0.0)
         flop = 2 * m * sum(n * k for n, k in shapes)
         row = {"rows": m, "layers": len(shapes), "torch_ms": best["torch"] * 1e3, "cpu_ms": best["cpu"] * 1e3,
                "torch_gflops": flop / best["torch"] / 1e9, "cpu_gflops": flop / best["cpu"] / 1e9,
