@@ -256,8 +256,6 @@ def fuse_attention(model: torch.nn.Module) -> dict[str, int]:
             logger.info("%s (%s) left unfused: the fused attention does not reproduce it",
                         name, type(module).__name__)
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, fused)
+        model.set_submodule(name, fused)
         counts["attention"] += 1
     return counts

@@ -378,8 +378,6 @@ def fuse_modules(model: torch.nn.Module) -> dict[str, int]:
             logger.info("%s (%s) left unfused: the fused %s does not reproduce it",
                         name, type(module).__name__, kind)
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, fused)
+        model.set_submodule(name, fused)
         counts[kind] += 1
     return counts

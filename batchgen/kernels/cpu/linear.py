@@ -206,9 +206,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     count = len(targets)
     while targets:  # drop each unpacked weight as soon as its packed copy is in place
         name, module = targets.pop()
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
+        model.set_submodule(name, PackedLinear(module))
         del module
     if count:
         # transformers may map the checkpoint file into memory, and the tensors left (the
