@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchgen.kernels.reference import reshape_and_cache
+
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -71,7 +73,5 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     half = head_size // 2
     rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
     rotated.copy_((rotated * c) + (rotate_half * s))
-    flat_k = k_cache.view(-1, num_kv_heads, head_size)
-    flat_v = v_cache.view(-1, num_kv_heads, head_size)
-    flat_k.index_copy_(0, slot_mapping, heads[:, num_heads: num_heads + num_kv_heads])
-    flat_v.index_copy_(0, slot_mapping, heads[:, num_heads + num_kv_heads:])
+    reshape_and_cache(heads[:, num_heads: num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:],
+                      k_cache, v_cache, slot_mapping)
