@@ -94,9 +94,8 @@ static inline void bg_parallel_for(int64_t n, int64_t grain, bg_task_fn fn, void
 
 #define BG_MAX_THREADS 256
 #define BG_CHUNKS_PER_THREAD 4
-#ifndef BG_YIELD_US
-#define BG_YIELD_US 1000
-#endif
+#define BG_SPIN_US 50    /* the default of BATCHGEN_POOL_SPIN_US */
+#define BG_YIELD_US 1000 /* the default of BATCHGEN_POOL_YIELD_US */
 
 #define BG_LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define BG_LOAD_SC(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
@@ -249,14 +248,17 @@ static void bg_atfork_child(void) {
   p->stop_from = BG_MAX_THREADS;
 }
 
+/* Microseconds from the environment variable `name` (default `us`), within [0, 100 ms], in ns. */
+static int64_t bg_env_ns(const char *name, long us) {
+  const char *text = getenv(name);
+  if (text && *text) us = strtol(text, NULL, 10);
+  return (int64_t)(us < 0 ? 0 : us > 100000 ? 100000 : us) * 1000;
+}
+
 static void bg_init_once(void) {
   struct bg_pool *p = &bg_the_pool;
-  const char *spin = getenv("BATCHGEN_POOL_SPIN_US");
-  long us = spin && *spin ? strtol(spin, NULL, 10) : 50;
-  p->spin_ns = (us < 0 ? 0 : us > 100000 ? 100000 : us) * 1000;
-  const char *yield = getenv("BATCHGEN_POOL_YIELD_US");
-  long yus = yield && *yield ? strtol(yield, NULL, 10) : BG_YIELD_US;
-  p->yield_ns = (yus < 0 ? 0 : yus > 100000 ? 100000 : yus) * 1000;
+  p->spin_ns = bg_env_ns("BATCHGEN_POOL_SPIN_US", BG_SPIN_US);
+  p->yield_ns = bg_env_ns("BATCHGEN_POOL_YIELD_US", BG_YIELD_US);
   p->stop_from = BG_MAX_THREADS;
   pthread_atfork(NULL, NULL, bg_atfork_child);
   p->initialised = 1;
