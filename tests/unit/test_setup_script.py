@@ -34,7 +34,7 @@ def _pip_calls(repo: Path) -> list[str]:
     return calls.read_text().splitlines() if calls.exists() else []
 
 
-def test_second_run_only_checks(tmp_path: Path) -> None:
+def _fake_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     for relative in ["scripts/setup.sh", "pyproject.toml", *(str(p.relative_to(ROOT)) for p in ROOT.glob("plugins/*/pyproject.toml"))]:
         (repo / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +44,12 @@ def test_second_run_only_checks(tmp_path: Path) -> None:
     python.write_text(FAKE_PYTHON.format(python=sys.executable))
     python.chmod(0o755)
     (repo / "site").mkdir()
+    return repo
+
+
+def test_second_run_only_checks(tmp_path: Path) -> None:
+    repo = _fake_repo(tmp_path)
+    python = repo / ".venv" / "bin" / "python"
 
     assert _setup(repo, "--check").returncode == 1
     first = _setup(repo)
@@ -69,3 +75,27 @@ def test_second_run_only_checks(tmp_path: Path) -> None:
         f.write("\n# a new dependency\n")
     assert _setup(repo, "--check").returncode == 1
     assert _setup(repo).returncode == 0 and _pip_calls(repo)
+
+
+def test_quickstart_installs_no_test_extras(tmp_path: Path) -> None:
+    """The quickstart installs batchgen and the model only; ``--test`` adds the extras (xgrammar
+    without triton) and the plugin packages, and a test install satisfies the quickstart."""
+    repo = _fake_repo(tmp_path)
+    calls = repo / ".venv" / "bin" / "pip-calls"
+    assert _setup(repo).returncode == 0
+    quick = _pip_calls(repo)
+    assert any(call.endswith("install --quiet -e .") for call in quick)
+    assert not any("[test" in call or "xgrammar" in call or "plugins/" in call for call in quick), quick
+    assert _setup(repo, "--check", "--test").returncode == 1  # a quickstart install is not a test one
+
+    calls.unlink()
+    assert _setup(repo, "--test").returncode == 0
+    full = _pip_calls(repo)
+    assert any("[test,ray,lm-eval]" in call for call in full)
+    assert any("--no-deps" in call and "xgrammar" in call for call in full)
+    assert not any("triton" in call for call in full)
+    assert any("plugins/batchgen-typical" in call for call in full)
+    calls.unlink()
+    assert _setup(repo).returncode == 0 and _pip_calls(repo) == []  # the test install serves the quickstart
+    assert _setup(repo, "--check").returncode == 0
+    assert _setup(repo, "--bogus").returncode == 2
