@@ -140,7 +140,7 @@ def _note(message: str) -> None:
 
 class _StopOnSignal:
     """SIGINT and SIGTERM stop the run cleanly: the first raises
-    :class:`~batchgen.pipeline.Interrupted` (a ``KeyboardInterrupt``) so that the run writes its
+    :class:`~batchgen.run.execute.Interrupted` (a ``KeyboardInterrupt``) so that the run writes its
     summary and releases its lock; later ones are ignored while that happens, so that a second
     Ctrl-C cannot cut the summary short or print a traceback from a finaliser."""
 
@@ -153,7 +153,7 @@ class _StopOnSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
-            from batchgen.pipeline import Interrupted
+            from batchgen.run.execute import Interrupted
 
             raise Interrupted(signum)
         # os.write, not print: the handler may run in the middle of another write to stderr.
@@ -219,7 +219,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from batchgen.models import quiet_libraries
-    from batchgen.pipeline import SETUP_ERRORS, RunFailed, TooManyErrors, error_example, execute, plan
+    from batchgen.run.execute import SETUP_ERRORS, RunFailed, TooManyErrors, error_example, execute, plan
 
     if args.quiet or not sys.stderr.isatty():
         quiet_libraries()  # before plan: converting the embedded model draws bars too
@@ -298,8 +298,8 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from batchgen.config import ConfigError, ConfigIssue
-    from batchgen.dataset import PromptBuilder
-    from batchgen.pipeline import SETUP_ERRORS, plan
+    from batchgen.run.dataset import PromptBuilder
+    from batchgen.run.execute import SETUP_ERRORS, plan
 
     try:
         registry, config = _load(args)
@@ -324,7 +324,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 raise ConfigError(issues, str(args.config))
             notes = []
             checked = f"{len(job.data)} rows from {config.data.source}, template renders on the first {shown}"
-        from batchgen.executor import check_address
+        from batchgen.run.executors.ray import check_address
 
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
@@ -336,7 +336,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
-    from batchgen.output import OutputLock
+    from batchgen.run.writer import OutputLock
 
     holder = OutputLock(config.output.path).holder()
     if holder is not None:

@@ -45,8 +45,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchgen.config import ConfigError, ConfigIssue, PromptSection, RunConfig
-from batchgen.dataset import DataError, PromptBuilder, PromptRecord, resolve_source
-from batchgen.output import read_records
+from batchgen.run.dataset import DataError, PromptBuilder, PromptRecord, resolve_source
+from batchgen.run.writer import read_records
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 __all__ = [

@@ -177,19 +177,19 @@ def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dic
     ``per_line_fsync`` writes with one fsync per line instead of the default group commit.
     """
     if per_line_fsync:
-        import batchgen.pipeline
-        from batchgen.output import JsonlWriter
+        import batchgen.run.execute
+        from batchgen.run.writer import JsonlWriter
 
         class PerLineWriter(JsonlWriter):
             def __init__(self, path: Any, *, group_commit: bool = False) -> None:
                 super().__init__(path, group_commit=False)
 
-        batchgen.pipeline.JsonlWriter = PerLineWriter  # type: ignore[misc]
+        batchgen.run.execute.JsonlWriter = PerLineWriter  # type: ignore[misc]
     from transformers import AutoTokenizer
 
     from batchgen.config import validate_config
     from batchgen.models import resolve_model
-    from batchgen.pipeline import execute, plan
+    from batchgen.run.execute import execute, plan
 
     def job(path: str, out: str) -> Any:
         return plan(validate_config({"model": {"name": "smollm2-135m-instruct"},
@@ -264,7 +264,7 @@ def w32_worker(kind: str, source: str, output: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     from batchgen import LLM
     from batchgen.config import validate_config
-    from batchgen.pipeline import execute, plan
+    from batchgen.run.execute import execute, plan
 
     engine = {"kv_cache_memory": 256 * 2**20, "max_num_seqs": 256, "max_num_batched_tokens": 2048}
     if kind == "batch":

@@ -45,7 +45,7 @@ CONFIGS = {
 
 
 def fake_engine(engine: dict[str, Any]) -> FakeEngine:
-    """Engine factory for :class:`batchgen.executor.RayExecutor`: an instant engine."""
+    """Engine factory for :class:`batchgen.run.executors.ray.RayExecutor`: an instant engine."""
     return FakeEngine(engine)
 
 
@@ -217,8 +217,8 @@ def part_runs(args: Any, out: Path, log: Any, result: dict) -> None:
 def driver_ceiling(rows: int, replicas: int, folder: Path) -> dict:
     """Records/s through the driver with ``replicas`` instant engines (the writer's fsync included)."""
     from batchgen.config import validate_config
-    from batchgen.executor import RayExecutor
-    from batchgen.pipeline import execute, plan
+    from batchgen.run.executors.ray import RayExecutor
+    from batchgen.run.execute import execute, plan
     from batchgen.plugins import load_registry
 
     data = folder / "rows.jsonl"
@@ -246,7 +246,7 @@ def driver_ceiling(rows: int, replicas: int, folder: Path) -> dict:
 
 def writer_ceiling(rows: int, folder: Path) -> dict:
     """Records/s of the JSONL writer alone (one write + fsync per record), for comparison."""
-    from batchgen.output import JsonlWriter
+    from batchgen.run.writer import JsonlWriter
 
     record = {"id": "r0", "index": 0, "prompt": "Row 0: say something.",
               "generations": [{"index": 0, "text": "x" * 32, "finish_reason": "length", "num_tokens": 32}],

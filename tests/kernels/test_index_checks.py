@@ -190,7 +190,7 @@ def test_check_functions_agree_with_the_cpu_kernel_on_random_tables() -> None:
 
 def test_engine_option_reaches_the_cuda_ops() -> None:
     from batchgen.config import RunConfig
-    from batchgen.executor import engine_kwargs
+    from batchgen.run.executors.ray import engine_kwargs
     from batchgen.kernels import get_ops
 
     base = {"data": {"source": "rows.jsonl"}, "output": {"path": "out.jsonl"}}

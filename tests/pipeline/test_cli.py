@@ -237,7 +237,7 @@ def test_plugins_lists_options(capsys) -> None:
 
 
 def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
-    from batchgen.output import OutputLock
+    from batchgen.run.writer import OutputLock
 
     out = tmp_path / "out" / "results.jsonl"
     out.parent.mkdir()
@@ -255,7 +255,7 @@ def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
 
 def test_resume_with_another_config_is_refused(job_config, capsys, tmp_path: Path) -> None:
     from batchgen.config import load_config, resolved_dict
-    from batchgen.output import write_json_atomic
+    from batchgen.run.writer import write_json_atomic
     from batchgen.plugins import load_registry
 
     path = job_config()

@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletion
 from batchgen.cli import main
 from batchgen.config import ConfigError, validate_config
 from batchgen.openai_batch import LineParser
-from batchgen.pipeline import execute, plan
+from batchgen.run.execute import execute, plan
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -327,7 +327,7 @@ def batch_cli(capsys: pytest.CaptureFixture[str], source: Path, out: Path, tiny_
 
 def test_batch_holds_the_lock_and_checks_the_job_on_resume(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from batchgen.output import OutputLock
+    from batchgen.run.writer import OutputLock
 
     source = write_lines(tmp_path / "in.jsonl", [chat("a", max_tokens=2, temperature=0), chat("b", max_tokens=2, temperature=0)])
     out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"

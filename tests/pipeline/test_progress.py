@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from batchgen.progress import Progress
+from batchgen.run.progress import Progress
 
 
 class _Terminal(io.StringIO):
@@ -32,7 +32,7 @@ def test_bar_counts_records_with_a_fixed_total_and_tokens_alongside() -> None:
 
 def test_log_lines_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("batchgen.progress._clock", lambda: clock[0])
+    monkeypatch.setattr("batchgen.run.progress._clock", lambda: clock[0])
     stream = io.StringIO()  # not a terminal: the default is a log line every interval
     with Progress(num_records=4, stream=stream, log_interval=30) as progress:
         assert progress.mode == "log"

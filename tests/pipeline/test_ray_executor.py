@@ -22,7 +22,7 @@ import yaml
 
 from batchgen.cli import main as cli_main
 from batchgen.config import ConfigError, validate_config
-from batchgen.pipeline import execute, plan
+from batchgen.run.execute import execute, plan
 from batchgen.plugins import load_registry
 
 PROMPTS = [
@@ -93,7 +93,7 @@ def local_records(smollm2_path: str, prompts_file: Path, tmp_path_factory: pytes
     import torch
 
     from batchgen import LLM
-    from batchgen.executor import engine_kwargs
+    from batchgen.run.executors.ray import engine_kwargs
 
     tmp = tmp_path_factory.mktemp("local")
     threads = torch.get_num_threads()
@@ -117,7 +117,7 @@ class TestTwoReplicas:
 
     @pytest.fixture(scope="class")
     def executor(self, ray_address: str, prompts_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-        from batchgen.executor import RayExecutor
+        from batchgen.run.executors.ray import RayExecutor
 
         config = _config(tmp_path_factory.mktemp("ray"), prompts_file, GREEDY, "x")
         executor = RayExecutor(config)
@@ -130,7 +130,7 @@ class TestTwoReplicas:
         return summary, _read(Path(config.output.path))
 
     def test_greedy_records_equal_local_run(self, executor, local_records, prompts_file, tmp_path, monkeypatch) -> None:
-        from batchgen.progress import Progress
+        from batchgen.run.progress import Progress
 
         ticked: list[int] = []
         monkeypatch.setattr(Progress, "on_tokens", lambda self, n: ticked.append(n))
@@ -301,7 +301,7 @@ def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_addre
     import ray
 
     from batchgen.engine.outputs import Request
-    from batchgen.executor import MAX_ROW_CRASHES, RayExecutor
+    from batchgen.run.executors.ray import MAX_ROW_CRASHES, RayExecutor
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replicas cannot import a test module
     config = validate_config({"model": {"name": tiny_llama}, "data": {"source": "x"}, "engine": {"max_num_seqs": 4},
@@ -334,7 +334,7 @@ def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_addre
 
 
 def test_replicas_and_resources_follow_the_cluster() -> None:
-    from batchgen.executor import ExecutorError, RayExecutor
+    from batchgen.run.executors.ray import ExecutorError, RayExecutor
 
     def plan(cluster: dict[str, float], device: str = "auto", **executor: Any) -> tuple[int, float, float, int]:
         config = validate_config({"model": {"device": device}, "data": {"source": "x"},

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from batchgen.config import load_config, plugin_modules
-from batchgen.pipeline import RunFailed, execute, plan
+from batchgen.run.execute import RunFailed, execute, plan
 from batchgen.plugins import load_registry
 
 
@@ -307,7 +307,7 @@ def test_summary_fills_plugin_defaults_labels_and_token_counts(job_config, tiny_
 
 
 def test_full_disk_mid_run(job_config, tiny_llm, tmp_path: Path, full_disk, monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchgen.output import JsonlWriter
+    from batchgen.run.writer import JsonlWriter
 
     out = tmp_path / "out" / "results.jsonl"
     elsewhere = tmp_path / "summaries" / "run.summary.json"
@@ -414,7 +414,7 @@ def test_nan_or_inf_logits_from_a_sampler_plugin_fail_the_run(job_config, tiny_l
 
 
 def test_resume_refuses_a_changed_config_unless_forced(job_config, tiny_llm, tmp_path: Path) -> None:
-    from batchgen.pipeline import ResumeMismatchError
+    from batchgen.run.execute import ResumeMismatchError
 
     path = job_config()
     _run(path, tiny_llm, "data.limit=4")
@@ -445,8 +445,8 @@ def test_interrupt_counts_what_is_in_the_file(job_config, tiny_llama: str, tmp_p
     """A signal right after a record is written, before the run's own bookkeeping: the summary
     still counts that record (it is read back from the file)."""
     from batchgen import LLM
-    from batchgen.output import JsonlWriter
-    from batchgen.pipeline import Interrupted
+    from batchgen.run.writer import JsonlWriter
+    from batchgen.run.execute import Interrupted
 
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory=8 * 2**20, max_num_seqs=4)
     real_write = JsonlWriter.write

@@ -14,7 +14,7 @@ pytest.importorskip("xgrammar", reason="structured outputs need: pip install 'ba
 
 from batchgen.cli import main  # noqa: E402
 from batchgen.config import load_config, plugin_modules  # noqa: E402
-from batchgen.pipeline import execute, plan  # noqa: E402
+from batchgen.run.execute import execute, plan  # noqa: E402
 from batchgen.plugins import load_registry  # noqa: E402
 
 

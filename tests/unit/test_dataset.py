@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from batchgen.config import ConfigError, validate_config
-from batchgen.dataset import (
+from batchgen.run.dataset import (
     DataError,
     PromptBuilder,
     check_columns,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.output import (
+from batchgen.run.writer import (
     JsonlWriter,
     OutputError,
     OutputExistsError,
@@ -277,7 +277,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     code = (
         "import sys, time\n"
-        "from batchgen.output import OutputLock\n"
+        "from batchgen.run.writer import OutputLock\n"
         "lock = OutputLock(sys.argv[1]).acquire()\n"
         "print('locked', flush=True)\n"
         "time.sleep(120)\n"

@@ -4,17 +4,17 @@ The run is split in two so the CLI can tell the user's mistakes from runtime fai
 
 * :func:`plan` does every check that needs no model (plugins built with their options, the
   dataset loaded, its columns checked, the output prepared) and raises :class:`SetupError`
-  subclasses (:class:`~batchgen.config.ConfigError`, :class:`~batchgen.dataset.DataError`,
-  :class:`~batchgen.output.OutputError`, :class:`~batchgen.plugins.PluginError`) for problems
+  subclasses (:class:`~batchgen.config.ConfigError`, :class:`~batchgen.run.dataset.DataError`,
+  :class:`~batchgen.run.writer.OutputError`, :class:`~batchgen.plugins.PluginError`) for problems
   the user must fix: exit status 2.
 * :func:`execute` loads the model and generates; anything it raises is a runtime failure
   (exit status 1). It still writes a summary with ``"status": "failed"`` (or
   ``"interrupted"``), and every line already in the JSONL stays valid, so ``--resume`` picks up
   where it stopped.
 
-:func:`plan` takes the output's lock (:class:`~batchgen.output.OutputLock`) before it touches the
+:func:`plan` takes the output's lock (:class:`~batchgen.run.writer.OutputLock`) before it touches the
 file, and :func:`execute` holds it until the summary is written: one run per output at a time.
-A resume first compares the config's fingerprint (:mod:`batchgen.fingerprint`) with the earlier
+A resume first compares the config's fingerprint (:mod:`batchgen.run.fingerprint`) with the earlier
 run's summary and refuses a different one unless forced. The summary is written when the run
 starts (``"status": "running"``) and again when it ends; its counts are read back from the file,
 so they are exact whenever the run stopped.
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, GenerationSection, MetricRef, RunConfig, resolved_dict
-from batchgen.dataset import DataError, LoadedData, PromptBuilder, PromptRecord, check_columns, iter_prompts, load_rows
-from batchgen.fingerprint import config_differences, fingerprint_hash
-from batchgen.output import (
+from batchgen.run.dataset import DataError, LoadedData, PromptBuilder, PromptRecord, check_columns, iter_prompts, load_rows
+from batchgen.run.fingerprint import config_differences, fingerprint_hash
+from batchgen.run.writer import (
     JsonlWriter,
     OutputError,
     OutputLock,
@@ -53,7 +53,7 @@ from batchgen.output import (
     read_summary,
     write_json_atomic,
 )
-from batchgen.progress import Progress, announce
+from batchgen.run.progress import Progress, announce
 
 __all__ = [
     "Interrupted",
@@ -236,7 +236,7 @@ def plan(
         check_model(config.model.name)
     except ModelNotFoundError as exc:
         raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
-    from batchgen.executor import check_executor
+    from batchgen.run.executors.ray import check_executor
 
     check_executor(config)  # backend 'ray' without Ray installed: say what to install
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
@@ -542,7 +542,7 @@ def execute(
 
     ``llm`` may be passed to reuse a loaded engine, or ``executor`` a started executor (left
     running); otherwise the executor that ``executor:`` asks for is built from ``engine`` and
-    ``model`` (see :mod:`batchgen.executor`) and stopped at the end. With ``max_error_rate``, the run stops (:class:`TooManyErrors`) once more than
+    ``model`` (see :mod:`batchgen.run.executors.ray`) and stopped at the end. With ``max_error_rate``, the run stops (:class:`TooManyErrors`) once more than
     that share of its records are errors, checked from the
     :data:`MIN_RECORDS_FOR_ERROR_RATE`-th record on.
 
@@ -567,7 +567,7 @@ def execute(
     timings: dict[str, float] = {}
     new_records = {"ok": 0, "error": 0}
     hooks = _Hooks(job, summary)
-    from batchgen.executor import ExecutorError, make_executor
+    from batchgen.run.executors.ray import ExecutorError, make_executor
 
     owned = executor is None
     executor = executor or make_executor(config, llm)

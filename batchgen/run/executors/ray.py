@@ -4,7 +4,7 @@
 * :class:`RayExecutor`: N engine replicas, each a Ray actor holding its own ``LLM`` on its own
   GPU or cores, fed by this process (the *driver*). See docs/scale-out.md.
 
-Contract of both (what :func:`batchgen.pipeline.execute` relies on):
+Contract of both (what :func:`batchgen.run.execute.execute` relies on):
 
 * :meth:`start` loads the engine(s); then ``tokenizer`` and ``max_model_len`` are set.
 * :meth:`stream` takes an iterable of :class:`~batchgen.engine.outputs.Request` and yields one
