@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import CompletionOutput, EngineStats, Prompt, Request, RequestOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.models import DEFAULT_MODEL, resolve_model
 from batchgen.sampling.beam import BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
 from batchgen.sampling.sampler import Sampler, SamplingRow, apply_stateful
@@ -34,68 +34,34 @@ _SEED_MASK = (1 << 63) - 1
 class LLM:
     """Offline batch generation over a paged KV cache.
 
-    Args:
-        model: a local HF folder, a hub id, or a built-in alias (default: the embedded
-            SmolLM2-135M-Instruct).
-        dtype: ``"auto"`` (float32 on CPU), ``"float32"``, ``"float16"``, ``"bfloat16"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"``...
-        block_size: tokens per KV block (1..256).
-        kv_cache_memory: KV budget in bytes (default: 0.9 of free GPU memory, 512 MiB on CPU).
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-        enable_prefix_caching: share full prompt blocks across requests.
-        scheduling_policy: the order of waiting requests: ``"prefix"`` (requests sharing a
-            prompt prefix run together, so that it is computed once) or ``"fcfs"`` (arrival
-            order). Either way ``generate`` returns outputs in input order.
-        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
-        linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"``: the model's linear layers through
-            batchgen's CPU GEMM (``auto``: on the CPU wherever it builds).
-        num_threads: CPU threads, ``"auto"`` (``OMP_NUM_THREADS`` if set, else the CPUs this
-            process may use: affinity and cgroup quota) or a count; see :mod:`batchgen.threads`.
-        seed: derives a per-request seed for requests that give none, so whole runs repeat.
-        index_checks: the ``cuda`` attention backend checks context lengths, block ids and
-            slots against the cache before launching (one host sync per step); False skips
-            it (the cpu backend checks always).
+    ``LLM(config=EngineConfig(...))``, or the convenience ``LLM(model, dtype=..., ...)``: the
+    keyword arguments are :class:`~batchgen.engine.config.EngineConfig`'s fields (see it for
+    each setting) and build one; given both, the keywords override the config's fields.
+
+    Raises:
+        ValueError: a setting out of range (see :class:`EngineConfig`).
+        TypeError: a keyword that is no engine setting.
     """
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "prefix",
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        seed: int | None = 0,
-        trust_remote_code: bool = False,
-        num_threads: int | str = "auto",
-        index_checks: bool = True,
-    ) -> None:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
         from transformers import AutoTokenizer
 
-        if not 1 <= block_size <= 256:
-            raise ValueError(f"block_size must be between 1 and 256, got {block_size}")
-        resolved = resolve_model(model)
-        self.model_name = model
-        self.tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
-        self.runner = ModelRunner(
-            resolved.path, dtype=dtype, device=device, block_size=block_size,
-            kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
-            linear_backend=linear_backend, trust_remote_code=trust_remote_code,
-            num_threads=num_threads, index_checks=index_checks,
-        )
+        if config is None:
+            config = EngineConfig.from_kwargs(model, **kwargs)
+        elif model is not None or kwargs:
+            config = EngineConfig.from_kwargs(**{**config.to_dict(), **kwargs, **({"model": model} if model else {})})
+        self.config = config
+        self.model_name = config.model
+        self.runner = ModelRunner(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_path,
+                                                       trust_remote_code=config.trust_remote_code)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   scheduling_policy)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy)
         self.sampler = Sampler(fused_greedy=self.runner.linear_backend == "cpu")
         self.eos_token_ids: list[int] = self.runner.eos_token_ids()
-        self.seed = seed
+        self.seed = config.seed
         self._structured: Any = None  # the StructuredOutputsProcessor, made on first use
         self._arrivals = 0
         self._num_prompt_tokens = 0
@@ -105,7 +71,7 @@ class LLM:
         self._physical_blocks = 0
         self._logical_blocks = 0
         logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend %s, "
-                    "linear backend %s", model, self.runner.num_blocks, block_size,
+                    "linear backend %s", config.model, self.runner.num_blocks, config.block_size,
                     self.runner.kv_cache.num_bytes / 2**20, self.runner.attention_backend,
                     self.runner.linear_backend)
 

@@ -19,16 +19,13 @@ from typing import Any
 import torch
 
 from batchgen.engine import attention
+from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
 from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
 from batchgen.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+_DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
 
 class UnsupportedModelError(ValueError):
@@ -47,7 +44,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
             cfg_dtype = _DTYPES.get(cfg_dtype)
         return cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+        raise ValueError(dtype_error(dtype))
     return _DTYPES[dtype]
 
 
@@ -97,45 +94,38 @@ class StepInput:
 class ModelRunner:
     """Owns the HF model and the KV cache; ``execute`` runs one packed step.
 
-    Args:
-        model_path: a local folder or hub id for ``from_pretrained``.
-        dtype: ``"auto"``, ``"float32"``, ``"float16"``, ``"bfloat16"``.
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` ... (``"auto"``: cuda when available).
-        block_size: tokens per KV block.
-        kv_cache_memory: KV budget in bytes (None: 0.9 of free GPU memory, or 512 MiB on CPU).
-        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"cuda"``.
-        linear_backend: ``"auto"``, ``"torch"`` or ``"cpu"`` (the model's ``nn.Linear`` layers
-            through batchgen's C GEMM; see :mod:`batchgen.kernels.cpu.linear`).
-        num_threads: ``"auto"`` or a count of CPU threads (see :mod:`batchgen.threads`).
-        index_checks: the ``cuda`` backend checks the values of context lengths, block ids
-            and slots before launching (one host sync per step); False skips that.
+    ``ModelRunner(config)`` reads an :class:`~batchgen.engine.config.EngineConfig`: the model
+    (resolved here, once: :attr:`model_path` is where it loads from), ``dtype``, ``device``,
+    ``block_size``, ``kv_cache_memory``, ``attention_backend``, ``linear_backend``
+    (the model's ``nn.Linear`` layers through batchgen's C GEMM; see
+    :mod:`batchgen.kernels.cpu.linear`), ``num_threads``, ``trust_remote_code`` and
+    ``index_checks``. ``ModelRunner(model_path, dtype=..., ...)`` builds the config from
+    keywords (a convenience for tests and tools).
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str | torch.dtype = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        trust_remote_code: bool = False,
-        num_threads: int | str = "auto",
-        index_checks: bool = True,
-    ) -> None:
+    def __init__(self, config: EngineConfig | str, **kwargs: Any) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from batchgen import threads
+        from batchgen.models import resolve_model
 
+        if not isinstance(config, EngineConfig):
+            config = EngineConfig.from_kwargs(config, **kwargs)
+        elif kwargs:
+            config = config.replace(**kwargs)
+        self.engine_config = config
+        dtype, device, block_size = config.dtype, config.device, config.block_size
+        attention_backend, index_checks = config.attention_backend, config.index_checks
+        num_threads, trust_remote_code = config.num_threads, config.trust_remote_code
+        self.model_path = model_path = resolve_model(config.model).path
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.num_threads = threads.resolve_num_threads(num_threads)
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        model_cls = _causal_lm_class(config)
-        window = check_supported(config, model_cls)
-        self.dtype = resolve_dtype(dtype, config, self.device)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model_cls = _causal_lm_class(hf_config)
+        window = check_supported(hf_config, model_cls)
+        self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, attn_implementation=attention.register(),
             trust_remote_code=trust_remote_code,
@@ -153,7 +143,7 @@ class ModelRunner:
             num_layers=text_config.num_hidden_layers, num_kv_heads=num_kv_heads,
             head_size=head_size, block_size=block_size, dtype=self.dtype,
         )
-        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, kv_cache_memory)
+        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, config.kv_cache_memory)
         self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         from batchgen import kernels
@@ -177,7 +167,7 @@ class ModelRunner:
         from batchgen.kernels.reference import Workspace
 
         self.workspace = Workspace()
-        self.linear_backend = self._setup_linears(linear_backend)
+        self.linear_backend = self._setup_linears(config.linear_backend)
         self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
         if self.device.type == "cpu":
             threads.apply(self.threads)
