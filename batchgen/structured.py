@@ -8,7 +8,7 @@ in O(state), which copy-on-write samples and beams need. Its CPU build runs ever
 does; its HF logits processor is the oracle of the tests.
 
 Structured outputs are built on the public stateful-processor contract
-(:class:`batchgen.plugins.StatefulLogitsProcessor`), exactly as a plugin's processor is:
+(:class:`batchgen.sampling.processors.StatefulLogitsProcessor`), exactly as a plugin's processor is:
 
 * :class:`StructuredOutputsProcessor`: one per engine, shared by every constrained request, so
   that one ``fill_mask`` call per step fills the bitmask rows of all constrained sequences;
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from batchgen.plugins.specs import StatefulLogitsProcessor
+from batchgen.sampling.processors import StatefulLogitsProcessor
 from batchgen.sampling.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
