@@ -1,0 +1,283 @@
+"""QuantizedLinear: a linear layer whose weight stays in its GGUF blocks (Q4_0, Q4_1, Q8_0,
+Q4_K, Q6_K), computed by batchgen's int8 dot-product kernel (``quant.c``) on the CPU.
+
+The weight ``W [out_features, in_features]`` arrives as GGUF stores it: each row is
+``in_features / block_size`` blocks of ``type_size`` bytes (``gguf.GGML_QUANT_SIZES``). The
+module keeps those bytes (rearranged for the kernel, never widened: no float copy of the
+weight is resident) and computes ``y = x W^T + b``.
+
+Two paths compute it:
+
+* the kernel (``quant.c``): each row of ``x`` is quantized to int8 blocks, then integer dot
+  products (AVX512-VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``/``vpmaddwd``, or plain C) are
+  combined with the blocks' scales in float32, in an order fixed per output element (see
+  ``quant.c``'s header): batch-invariant and the same bits on every instruction-set build;
+* the torch reference (:func:`reference_linear`): de-quantize (bit for bit as
+  ``gguf.quants.dequantize``), then ``F.linear`` in float32. The kernel differs from it by the
+  activations' int8 rounding, within :func:`activation_error_bound`.
+
+``dequantize`` is this project's own de-quantization of the five formats, in torch, bit-equal
+to ``gguf.quants.dequantize`` (the tests check it on random and real tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+logger = logging.getLogger(__name__)
+
+Q = GGMLQuantizationType
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # what this module computes quantized
+QK_K = 256
+
+
+def block_size(qtype: GGMLQuantizationType) -> int:
+    """Weights per block of ``qtype`` (32, or 256 for the K-quants)."""
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one weight row of ``in_features`` weights in ``qtype``.
+
+    Raises:
+        ValueError: ``qtype`` not one of :data:`QTYPES`, or ``in_features`` not a multiple of
+            its block size.
+    """
+    qtype = _check_qtype(qtype)
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    if in_features <= 0 or in_features % size:
+        raise ValueError(f"{qtype.name} stores rows in blocks of {size} weights; "
+                         f"in_features={in_features} is not a positive multiple of {size}")
+    return in_features // size * nbytes
+
+
+def _check_qtype(qtype) -> GGMLQuantizationType:  # noqa: ANN001 - an int or the enum
+    try:
+        qtype = GGMLQuantizationType(int(qtype))
+    except (ValueError, TypeError):
+        raise ValueError(f"unknown GGML quantization type {qtype!r}") from None
+    if qtype not in QTYPES:
+        raise ValueError(f"{qtype.name} is not computed quantized here (supported: "
+                         f"{', '.join(t.name for t in QTYPES)}); de-quantize it at load")
+    return qtype
+
+
+def _as_bytes(raw) -> torch.Tensor:  # noqa: ANN001 - numpy array or tensor
+    if isinstance(raw, np.ndarray):
+        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        if not raw.flags.writeable:  # a read-only map of the file (GGUFReader): copy the bytes
+            raw = raw.copy()
+        raw = torch.from_numpy(raw)
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
+        raise ValueError(f"quantized weight bytes must be a uint8 numpy array or tensor, got {type(raw).__name__}"
+                         f"{'' if not hasattr(raw, 'dtype') else ' of ' + str(raw.dtype)}")
+    return raw.reshape(-1).contiguous()
+
+
+# ---- de-quantization (bit-equal to gguf.quants.dequantize) -------------------------------
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> float32 (little-endian half, exact)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return qs & 0x0F, qs >> 4
+
+
+def _dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """[n, type_size] uint8 -> [n, block_size] float32, the same float operations as gguf's."""
+    n = blocks.shape[0]
+    if qtype == Q.Q4_0:
+        d = _f16(blocks[:, :2])
+        lo, hi = _nibbles(blocks[:, 2:])
+        q = torch.cat([lo, hi], dim=1).to(torch.int8) - 8
+        return d * q.float()
+    if qtype == Q.Q4_1:
+        d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        lo, hi = _nibbles(blocks[:, 4:])
+        return d * torch.cat([lo, hi], dim=1).float() + m
+    if qtype == Q.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks[:, :2])
+    if qtype == Q.Q4_K:
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        sc, m = _q4k_scale_min(blocks[:, 4:16])
+        lo, hi = _nibbles(blocks[:, 16:].reshape(n, 4, 32))
+        q = torch.stack([lo, hi], dim=2).reshape(n, 8, 32).float()  # sub-block 2p: lo, 2p+1: hi
+        ds = (d * sc.float()).reshape(n, 8, 1)
+        dm = (dmin * m.float()).reshape(n, 8, 1)
+        return (ds * q - dm).reshape(n, QK_K)
+    if qtype == Q.Q6_K:
+        ql, qh = blocks[:, :128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
+        scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+        d = _f16(blocks[:, 208:210])
+        low = torch.stack([ql & 0x0F, ql >> 4], dim=2).reshape(n, 2, 128)      # e = 128h + 64s + l
+        high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 2, 128)
+        q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+        return ((d * scales).reshape(n, 16, 1) * q).reshape(n, QK_K)
+    raise AssertionError(qtype)
+
+
+def _q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of 6-bit scales and mins -> ([n, 8], [n, 8]) uint8."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN001
+    """De-quantize GGUF blocks to a float32 tensor of ``shape`` (the last dimension is the one
+    stored in blocks), bit for bit as ``gguf.quants.dequantize``.
+
+    Args:
+        raw: uint8 numpy array or tensor holding the blocks (any shape; read as flat bytes).
+        qtype: one of :data:`QTYPES` (a ``gguf.GGMLQuantizationType`` or its integer id).
+        shape: the weight's shape, e.g. ``(out_features, in_features)``.
+
+    Raises:
+        ValueError: an unsupported type, or a byte count that does not match ``shape``.
+    """
+    qtype = _check_qtype(qtype)
+    shape = tuple(int(s) for s in shape)
+    data = _as_bytes(raw)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    expected = rows * row_bytes(qtype, shape[-1])
+    if data.numel() != expected:
+        raise ValueError(f"{qtype.name} weight of shape {shape} needs {expected} bytes, got {data.numel()}")
+    nbytes = GGML_QUANT_SIZES[qtype][1]
+    return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(shape)
+
+
+# ---- the layer ----------------------------------------------------------------------------
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch reference of a quantized layer: ``F.linear`` in float32 on the de-quantized
+    ``weight``, returned in ``x``'s dtype."""
+    y = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, qtype) -> torch.Tensor:  # noqa: ANN001
+    """How far the kernel's output may lie from the exact product of ``x`` [M, K] with the
+    de-quantized ``weight`` [N, K] (float64, [M, N]).
+
+    The kernel rounds each block of ``x`` (32 values; 256 for the K-quants) to int8 with the
+    scale ``amax / 127``: each value moves by at most half a step, ``amax_b / 254``. So an
+    output moves by at most ``sum_b (amax_b / 254) sum_{k in b} |w_k|``; the float32
+    combination of the block sums adds a sequential-sum rounding term,
+    ``(n_blocks + 4) eps sum_k |x_k w_k|``, and the int8 values' own rounding of the products
+    (``eps``-relative, absorbed by the 1 % margin).
+    """
+    qtype = _check_qtype(qtype)
+    bs = block_size(qtype)
+    m, k = x.shape
+    xd, wd = x.double(), weight.double()
+    amax = xd.abs().reshape(m, k // bs, bs).amax(dim=2)                  # [M, B]
+    wsum = wd.abs().reshape(weight.shape[0], k // bs, bs).sum(dim=2)     # [N, B]
+    step = (amax / 254.0) @ wsum.T
+    eps = torch.finfo(torch.float32).eps
+    rounding = (k // bs + 4) * eps * (xd.abs() @ wd.abs().T)
+    return 1.01 * step + 2 * rounding + 1e-30
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``y = x W^T + b`` with ``W`` kept in GGUF blocks of one of :data:`QTYPES`.
+
+    Args:
+        raw: the weight's GGUF bytes (uint8 numpy array or tensor, read as flat bytes:
+            ``out_features`` rows of :func:`row_bytes` each, as a GGUF file stores a
+            ``[out_features, in_features]`` weight).
+        qtype: its ``gguf.GGMLQuantizationType`` (or the integer id).
+        out_features, in_features: the weight's shape.
+        bias: optional ``[out_features]`` tensor (kept in float32).
+
+    ``forward(x)`` takes ``[..., in_features]`` CPU input (float32, bfloat16 or float16) and
+    returns ``[..., out_features]`` in ``x``'s dtype. Inference only.
+
+    Raises:
+        ValueError: an unsupported type, a byte count or bias that does not match the shape.
+    """
+
+    def __init__(self, raw, qtype, out_features: int, in_features: int,  # noqa: ANN001
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qtype = _check_qtype(qtype)
+        self.out_features, self.in_features = int(out_features), int(in_features)
+        self.row_bytes = row_bytes(self.qtype, self.in_features)
+        data = _as_bytes(raw)
+        if data.numel() != self.out_features * self.row_bytes:
+            raise ValueError(f"{self.qtype.name} weight [{self.out_features}, {self.in_features}] needs "
+                             f"{self.out_features * self.row_bytes} bytes, got {data.numel()}")
+        if bias is not None:
+            bias = torch.as_tensor(bias).detach().float().reshape(-1).contiguous()
+            if bias.numel() != self.out_features:
+                raise ValueError(f"bias has {bias.numel()} values; the layer has {self.out_features} outputs")
+        self.register_buffer("raw", data.reshape(self.out_features, self.row_bytes), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+
+    def raw_rows(self) -> torch.Tensor:
+        """The weight's GGUF bytes, ``[out_features, row_bytes]`` uint8 (as stored in the file)."""
+        return self.raw
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight de-quantized to float32 ``[out_features, in_features]`` (a new tensor)."""
+        return dequantize(self.raw_rows(), self.qtype, (self.out_features, self.in_features))
+
+    @classmethod
+    def concat(cls, layers: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
+        """One layer whose output is the outputs of ``layers`` side by side (their weight rows
+        stacked in order: a packed q/k/v or gate/up GEMM). Biases: all or none.
+
+        Raises:
+            ValueError: no layers, or layers of different types, input widths or bias presence.
+        """
+        layers = list(layers)
+        if not layers:
+            raise ValueError("concat needs at least one layer")
+        first = layers[0]
+        for layer in layers[1:]:
+            if layer.qtype != first.qtype or layer.in_features != first.in_features:
+                raise ValueError(f"concat needs one type and input width; got {first.qtype.name} x "
+                                 f"{first.in_features} and {layer.qtype.name} x {layer.in_features}")
+            if (layer.bias is None) != (first.bias is None):
+                raise ValueError("concat needs a bias on every layer or on none")
+        raw = torch.cat([layer.raw_rows() for layer in layers], dim=0)
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        return cls(raw, first.qtype, raw.shape[0], first.in_features, bias)
+
+    def select_rows(self, index) -> "QuantizedLinear":  # noqa: ANN001 - a LongTensor or sequence
+        """A layer whose output ``j`` is this layer's output ``index[j]`` (weight rows, and the
+        bias, gathered: a RoPE head permutation, a subset). ``index`` may repeat or drop rows.
+
+        Raises:
+            ValueError: an index out of range.
+        """
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= self.out_features:
+            raise ValueError(f"select_rows: indices must lie in [0, {self.out_features}), got "
+                             f"{index.numel()} indices" + (f" in [{int(index.min())}, {int(index.max())}]"
+                                                           if index.numel() else ""))
+        raw = self.raw_rows()[index]
+        bias = None if self.bias is None else self.bias[index]
+        return type(self)(raw, self.qtype, index.numel(), self.in_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features or not x.is_cpu:
+            raise ValueError(f"{self}: needs CPU input [..., {self.in_features}], got {tuple(x.shape)} on {x.device}")
+        return reference_linear(x, self.dequantized_weight(), self.bias)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+        # The bytes must stay uint8 on the CPU (model.float()/.to(bfloat16) would otherwise be
+        # refused by nothing and corrupt them): casting applies to the bias only.
+        raise RuntimeError("a QuantizedLinear cannot be moved or cast (its weight is GGUF bytes on the CPU)")
