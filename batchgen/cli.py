@@ -371,6 +371,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         for kind in ("samplers", "metrics"):
             for item in entry[kind]:
                 print(f"  {kind[:-1]:<7} {item['name']:<16} {item['description']}")
+                if item.get("clash"):  # another plugin registers this name (see docs/plugins.md, "Names")
+                    print(f"{'':<10}clash: {item['clash']}")
                 for option in item.get("options", ()):
                     kind_text = option["type"] + (f", {option['constraints']}" if option.get("constraints") else "")
                     default = "required" if option["required"] else f"default {json.dumps(option['default'])}"

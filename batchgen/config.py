@@ -12,8 +12,9 @@ Contract:
   :class:`ConfigError` whose :attr:`ConfigError.issues` each carry a dotted key path (the same
   spelling ``--set`` accepts, e.g. ``metrics.0.options``), a message, and, for unknown keys and
   bad choices, a did-you-mean suggestion and the valid choices.
-* Plugin names and options are checked too when a plugin registry is passed (duck-typed: it
-  needs ``samplers`` and ``metrics`` mappings of specs with an ``options_model``). The registry
+* Plugin names and options are checked too when a plugin registry is passed (duck-typed: its
+  ``resolve(kind, name)`` gives the registration a bare or ``PLUGIN:NAME`` name picks, whose
+  ``spec`` has an ``options_model``, or raises a ``PluginError``). The registry
   travels in pydantic's validation context so that plugin problems are reported together with
   schema problems.
 
@@ -22,7 +23,6 @@ This module imports neither torch nor the engine: ``batchgen validate`` must sta
 
 from __future__ import annotations
 
-import difflib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -44,6 +44,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from batchgen.suggest import did_you_mean
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -82,12 +84,6 @@ class ConfigError(Exception):
         lines = [f"{where}invalid config ({len(self.issues)} errors):"]
         lines += [f"  - {issue}" for issue in self.issues]
         return "\n".join(lines)
-
-
-def did_you_mean(word: str, choices: Sequence[str]) -> str:
-    """Return ``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _choices(choices: Sequence[str]) -> str:
@@ -200,7 +196,7 @@ class SamplerRef(PluginRef):
 
     @model_validator(mode="after")
     def _known(self, info: ValidationInfo) -> SamplerRef:
-        _check_plugin(info, "samplers", "sampler", self.name, self.options)
+        _check_plugin(info, "sampler", self.name, self.options)
         return self
 
 
@@ -216,32 +212,31 @@ class MetricRef(PluginRef):
 
     @model_validator(mode="after")
     def _known(self, info: ValidationInfo) -> MetricRef:
-        _check_plugin(info, "metrics", "metric", self.name, self.options)
+        _check_plugin(info, "metric", self.name, self.options)
         return self
 
 
-def _check_plugin(info: ValidationInfo, kind: str, noun: str, name: str, options: dict[str, Any]) -> None:
+def _check_plugin(info: ValidationInfo, noun: str, name: str, options: dict[str, Any]) -> None:
     """Check a plugin name and options against the registry in the validation context.
 
-    Without a registry (plain schema checks) this does nothing.
+    The registry's ``resolve(noun, name)`` decides what a bare or qualified name picks, and
+    raises (a :class:`~batchgen.plugins.PluginError`) for a name that is unknown or that two
+    plugins register. Without a registry (plain schema checks) this does nothing.
     """
     registry = (info.context or {}).get("registry")
     if registry is None:
         return
-    specs: Mapping[str, Any] = getattr(registry, kind)
-    if name not in specs:
-        available = sorted(specs)
-        raise ValueError(
-            f"unknown {noun} plugin '{name}'{did_you_mean(name, available)}; "
-            f"installed: {_choices(available) or 'none'}"
-        )
-    options_model = getattr(specs[name], "options_model", None)
-    if options_model is None:
-        return
+    from batchgen.plugins.errors import PluginError
+
+    try:
+        spec = registry.resolve(noun, name).spec
+    except PluginError as exc:
+        raise ValueError(str(exc)) from None
+    options_model = spec.options_model
     try:
         options_model.model_validate(options)
     except ValidationError as exc:
-        fields = list(getattr(options_model, "model_fields", {}))
+        fields = list(options_model.model_fields)
         problems = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "options"
@@ -815,20 +810,20 @@ def resolved_dict(config: RunConfig, registry: Any = None) -> dict[str, Any]:
     data = config.model_dump(mode="json")
     for ref, dumped in zip(config.metrics, data["metrics"]):
         dumped["label"] = ref.key
-        dumped["options"] = _resolved_options(registry, "metrics", ref.name, ref.options)
+        dumped["options"] = _resolved_options(registry, "metric", ref.name, ref.options)
     sampler = config.generation.sampler
     if sampler is not None:
-        data["generation"]["sampler"]["options"] = _resolved_options(registry, "samplers", sampler.name, sampler.options)
+        data["generation"]["sampler"]["options"] = _resolved_options(registry, "sampler", sampler.name, sampler.options)
     return data
 
 
 def _resolved_options(registry: Any, kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """A plugin's options with its defaults filled in, or as given when that is not possible."""
-    spec = getattr(registry, kind, {}).get(name) if registry is not None else None
-    model = getattr(spec, "options_model", None)
-    if model is None:
+    if registry is None:
         return dict(options)
+    from batchgen.plugins.errors import PluginError
+
     try:
-        return model.model_validate(options).model_dump(mode="json")
-    except (ValidationError, TypeError, ValueError):
+        return registry.resolve(kind, name).spec.options_model.model_validate(options).model_dump(mode="json")
+    except (PluginError, ValidationError, TypeError, ValueError):
         return dict(options)

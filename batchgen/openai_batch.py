@@ -30,7 +30,6 @@ This module imports neither torch nor the engine (their parameter classes are to
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import secrets
@@ -48,6 +47,7 @@ from batchgen.config import ConfigError, ConfigIssue, PromptSection, RunConfig
 from batchgen.run.dataset import DataError, PromptBuilder, PromptRecord, resolve_source
 from batchgen.run.writer import read_records
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
+from batchgen.suggest import did_you_mean
 
 __all__ = [
     "BatchFile",
@@ -272,7 +272,7 @@ def _validation_error(exc: ValidationError, fields: Iterable[str]) -> LineError:
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden" and loc:
         return LineError(
-            f"Unrecognized request argument supplied: {loc[-1]}{_did_you_mean(loc[-1], fields)}",
+            f"Unrecognized request argument supplied: {loc[-1]}{did_you_mean(loc[-1], fields)}",
             param, "unknown_parameter",
         )
     if err["type"] == "missing":
@@ -280,11 +280,6 @@ def _validation_error(exc: ValidationError, fields: Iterable[str]) -> LineError:
     value = err.get("input")
     shown = json.dumps(value)[:80] if not isinstance(value, (dict, list)) else type(value).__name__
     return LineError(f"Invalid value for '{param}': {err['msg'].lower()} (got {shown}).", param, "invalid_type")
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _messages(raw: list[Any]) -> list[dict[str, str]]:

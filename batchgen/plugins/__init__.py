@@ -5,19 +5,19 @@ Plugins contribute samplers (logits processors) and metrics through the hooks in
 found through the ``batchgen`` entry-point group and the config's ``plugins`` list; batchgen's own
 samplers and metrics register through the same hooks. See docs/plugins.md.
 
+The package, one noun a module: :mod:`~batchgen.plugins.specs` (what a plugin hands over),
+:mod:`~batchgen.plugins.loaders` (where plugins come from), :mod:`~batchgen.plugins.registry`
+(what a name picks), :mod:`~batchgen.plugins.guards` (the wrappers that name a failing plugin),
+:mod:`~batchgen.plugins.options` (options models read for messages and listings).
+
 This package imports neither torch nor any other heavy dependency.
 """
 
+from batchgen.plugins.errors import PluginError
+from batchgen.plugins.guards import GuardedProcessor, GuardedStatefulProcessor, PluginMetric
 from batchgen.plugins.hookspecs import HOOK_NAMES, LIFECYCLE_HOOKS, hookimpl, hookspec
-from batchgen.plugins.manager import (
-    ENTRY_POINT_GROUP,
-    GuardedProcessor,
-    GuardedStatefulProcessor,
-    PluginError,
-    PluginMetric,
-    PluginRegistry,
-    load_registry,
-)
+from batchgen.plugins.loaders import ENTRY_POINT_GROUP, load_registry
+from batchgen.plugins.registry import PluginRegistry, Registration
 from batchgen.plugins.specs import (
     LogitsProcessor,
     MetricSpec,
@@ -39,6 +39,7 @@ __all__ = [
     "PluginMetric",
     "PluginRegistry",
     "ProcessorState",
+    "Registration",
     "SamplerSpec",
     "StatefulLogitsProcessor",
     "allow_only",

@@ -28,3 +28,20 @@ def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cal
     for name in made:
         sys.modules.pop(name, None)
 
+
+
+@pytest.fixture
+def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str, str], Path]:
+    """``make_distribution(name, version, entry_points)``: an installed-looking distribution, a
+    ``.dist-info`` folder on the temporary sys.path entry that importlib.metadata finds, whose
+    ``entry_points`` are lines of its ``[batchgen]`` group (``plugin = module``)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(name: str, version: str, entry_points: str) -> Path:
+        info = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8")
+        (info / "entry_points.txt").write_text(f"[batchgen]\n{entry_points}\n", encoding="utf-8")
+        return info
+
+    return make

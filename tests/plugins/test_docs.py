@@ -78,7 +78,7 @@ def test_builtin_sampler_options_are_documented() -> None:
     """docs/plugins.md names every option of the shipped samplers with its default."""
     import json
 
-    from batchgen.plugins.manager import describe_options
+    from batchgen.plugins.options import describe_options
 
     section = DOC.read_text(encoding="utf-8").split("## Built-in samplers", 1)[1].split("\n## ", 1)[0]
     registry = load_registry()

@@ -165,7 +165,7 @@ def test_pass_at_k_errors_name_the_plugin(registry) -> None:
         "metric 'pass_at_k' (plugin 'humaneval' from batchgen-humaneval 0.1.0): invalid options:",
         "  k: Value error, every k must be at least 1 (got [0, 5])",
         "  timeout_s: Input should be greater than 0 (got -1)",
-        "  memory: unknown option. Did you mean 'memory_mb'? Allowed options: k, timeout_s, memory_mb, "
+        "  memory: unknown option (did you mean 'memory_mb'?). Allowed options: k, timeout_s, memory_mb, "
         "workers, prompt_column, test_column, entry_point_column, completion.",
     ]
     metric = registry.build_metric("pass_at_k", {"test_column": "tests"})

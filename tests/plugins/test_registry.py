@@ -19,7 +19,7 @@ from batchgen.plugins import (
     hookimpl,
     load_registry,
 )
-from batchgen.plugins.manager import BUILTIN_METRICS_PLUGIN, BUILTIN_SAMPLERS_PLUGIN
+from batchgen.plugins.loaders import BUILTIN_METRICS_PLUGIN, BUILTIN_SAMPLERS_PLUGIN
 
 MakeModule = Callable[[str, str], str]
 
@@ -155,10 +155,12 @@ def test_extra_module_contributes_sampler_metric_and_lifecycle(make_module: Make
     assert entry["samplers"] == [
         {
             "name": "mask_token",
+            "qualified_name": f"{name}:mask_token",
             "description": "Mask one token id.",
             "options": [
                 {"name": "token", "type": "int", "constraints": ">= 0", "required": False, "default": 0, "description": None}
             ],
+            "clash": None,
         }
     ]
     assert entry["hooks"] == ["batchgen_record_finished", "batchgen_run_end", "batchgen_run_start"]
@@ -285,39 +287,20 @@ def test_malformed_registration_is_named(make_module: MakeModule, body: str, exp
     assert info.value.plugin == "bg_bad_spec"
 
 
-def test_duplicate_name_names_both_plugins(make_module: MakeModule) -> None:
-    name = make_module(
-        "bg_dup",
-        """
-        from pydantic import BaseModel
-        from batchgen.plugins import MetricSpec, hookimpl
-        class NoOpts(BaseModel):
-            pass
-        @hookimpl
-        def batchgen_register_metrics():
-            return [MetricSpec("exact_match", "mine", NoOpts, lambda o: None)]
-        """,
-    )
-    with pytest.raises(PluginError) as info:
-        load_registry([name])
-    assert str(info.value) == (
-        "metric 'exact_match' is registered twice: by plugin 'batchgen-builtin-metrics' (built-in) "
-        "and by plugin 'bg_dup' (module); uninstall one of them or remove it from 'plugins'"
-    )
-
-
 def test_unknown_names_suggest_and_list() -> None:
     registry = load_registry()
     with pytest.raises(PluginError) as info:
         registry.build_sampler("epsilonn", {})
-    message = str(info.value)
-    assert message.startswith("unknown sampler 'epsilonn'. Did you mean 'epsilon'? Available samplers: ")
-    assert "epsilon, " in message and "top_a" in message
-    assert message.endswith("Run 'batchgen plugins' to see what is installed.")
+    installed = ", ".join(f"'{name}'" for name in sorted(registry.samplers))
+    assert "'epsilon', " in installed and "'top_a'" in installed
+    assert str(info.value) == f"unknown sampler plugin 'epsilonn' (did you mean 'epsilon'?); installed: {installed}"
     with pytest.raises(PluginError) as info:
         registry.build_metric("bleu", {})
-    assert "Did you mean" not in str(info.value)
-    assert "Available metrics: " in str(info.value) and "exact_match" in str(info.value)
+    assert "did you mean" not in str(info.value)
+    assert "; installed: " in str(info.value) and "'exact_match'" in str(info.value)
+    # A qualified name is suggested like a bare one.
+    with pytest.raises(PluginError, match=r"^unknown metric plugin 'batchgen:exact_mach' \(did you mean 'batchgen:exact_match'\?\)"):
+        registry.build_metric("batchgen:exact_mach", {})
 
 
 def test_invalid_options_name_the_plugin_and_every_field() -> None:
@@ -334,7 +317,7 @@ def test_invalid_options_name_the_plugin_and_every_field() -> None:
     lines = str(info.value).splitlines()
     assert lines[0] == "metric 'exact_match' (plugin 'batchgen-builtin-metrics' (built-in)): invalid options:"
     assert lines[1] == "  lowercase: Input should be a valid boolean, unable to interpret input (got 'maybe')"
-    assert lines[2].startswith("  referense: unknown option. Did you mean 'reference'? Allowed options: lowercase, ")
+    assert lines[2].startswith("  referense: unknown option (did you mean 'reference'?). Allowed options: lowercase, ")
     assert lines[2].endswith(", reference.")
     with pytest.raises(PluginError, match=r"^metric 'length' \(plugin 'batchgen-builtin-metrics' \(built-in\)\): "
                        r"options must be a mapping, got list$"):
@@ -488,17 +471,9 @@ def test_specs_are_frozen_records() -> None:
     assert MetricSpec("m", "d", builtin_metrics.LengthOptions, lambda o: None).name == "m"
 
 
-def fake_distribution(root, name: str, version: str, entry_points: str) -> None:
-    """An installed-looking distribution: a ``.dist-info`` folder that importlib.metadata finds."""
-    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text(f"[batchgen]\n{entry_points}\n", encoding="utf-8")
-
-
-def test_entry_point_plugins_carry_their_distribution(tmp_path, make_module: MakeModule) -> None:
+def test_entry_point_plugins_carry_their_distribution(make_module: MakeModule, make_distribution) -> None:
     make_module("bg_ep_good", GOOD_PLUGIN)
-    fake_distribution(tmp_path, "bg-ep-good", "2.3.4", "epgood = bg_ep_good")
+    make_distribution("bg-ep-good", "2.3.4", "epgood = bg_ep_good")
     registry = load_registry()
     entry = next(e for e in registry.describe() if e["name"] == "epgood")
     assert (entry["source"], entry["distribution"], entry["version"], entry["module"]) == (
@@ -511,9 +486,9 @@ def test_entry_point_plugins_carry_their_distribution(tmp_path, make_module: Mak
     )
 
 
-def test_entry_point_that_fails_to_load_is_named(tmp_path, make_module: MakeModule) -> None:
+def test_entry_point_that_fails_to_load_is_named(make_module: MakeModule, make_distribution) -> None:
     make_module("bg_ep_broken", "raise ImportError('libfoo.so: cannot open shared object file')\n")
-    fake_distribution(tmp_path, "bg-ep-broken", "0.9", "epbroken = bg_ep_broken")
+    make_distribution("bg-ep-broken", "0.9", "epbroken = bg_ep_broken")
     with pytest.raises(PluginError) as info:
         load_registry()
     assert str(info.value) == (
@@ -523,11 +498,11 @@ def test_entry_point_that_fails_to_load_is_named(tmp_path, make_module: MakeModu
     assert info.value.plugin == "epbroken"
 
 
-def test_two_distributions_with_one_plugin_name_are_named(tmp_path, make_module: MakeModule) -> None:
+def test_two_distributions_with_one_plugin_name_are_named(make_module: MakeModule, make_distribution) -> None:
     make_module("bg_ep_one", "")
     make_module("bg_ep_two", "")
-    fake_distribution(tmp_path, "bg-ep-one", "1.0", "clash = bg_ep_one")
-    fake_distribution(tmp_path, "bg-ep-two", "1.0", "clash = bg_ep_two")
+    make_distribution("bg-ep-one", "1.0", "clash = bg_ep_one")
+    make_distribution("bg-ep-two", "1.0", "clash = bg_ep_two")
     with pytest.raises(PluginError, match=r"^plugin 'clash' \(entry point 'bg_ep_\w+' from bg-ep-\w+ 1.0\) clashes with "
                        r"plugin 'clash' from bg-ep-\w+ 1.0: two plugins with one name; uninstall one of them$"):
         load_registry()

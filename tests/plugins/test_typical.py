@@ -113,8 +113,8 @@ def test_typical_options_are_validated(registry) -> None:
     assert lines[0] == "sampler 'typical' (plugin 'typical' from batchgen-typical 0.1.0): invalid options:"
     assert lines[1] == "  mass: Input should be less than or equal to 1 (got 1.5)"
     assert lines[2] == (
-        "  min_tokens: unknown option. Did you mean 'min_tokens_to_keep'? "
+        "  min_tokens: unknown option (did you mean 'min_tokens_to_keep'?). "
         "Allowed options: mass, min_tokens_to_keep."
     )
-    with pytest.raises(PluginError, match=r"^unknown sampler 'typcal'. Did you mean 'typical'\?"):
+    with pytest.raises(PluginError, match=r"^unknown sampler plugin 'typcal' \(did you mean 'typical'\?\); installed: "):
         registry.build_sampler("typcal", {})

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pluggy
 import pytest
 from pydantic import BaseModel, ConfigDict
 
@@ -18,6 +18,7 @@ from batchgen.config import (
     plugin_modules,
     validate_config,
 )
+from batchgen.plugins import MetricSpec, PluginRegistry, SamplerSpec, hookimpl, hookspecs
 
 MINIMAL = {"data": {"source": "prompts.jsonl"}, "output": {"path": "out.jsonl"}}
 
@@ -148,22 +149,23 @@ class _TypicalOptions(BaseModel):
     mass: float = 0.9
 
 
-@dataclass
-class _Spec:
-    name: str
-    options_model: type[BaseModel]
-    description: str = ""
+class _Plugin:
+    """Registers ``typical``, ``exact_match`` and ``contains``, as a plugin would (no built-ins)."""
+
+    @hookimpl
+    def batchgen_register_samplers(self) -> list[SamplerSpec]:
+        return [SamplerSpec("typical", "", _TypicalOptions, lambda o: None)]
+
+    @hookimpl
+    def batchgen_register_metrics(self) -> list[MetricSpec]:
+        return [MetricSpec(name, "", _ExactOptions, lambda o: None) for name in ("exact_match", "contains")]
 
 
-@dataclass
-class _Registry:
-    samplers: dict[str, _Spec] = field(default_factory=lambda: {"typical": _Spec("typical", _TypicalOptions)})
-    metrics: dict[str, _Spec] = field(
-        default_factory=lambda: {
-            "exact_match": _Spec("exact_match", _ExactOptions),
-            "contains": _Spec("contains", _ExactOptions),
-        }
-    )
+def _Registry() -> PluginRegistry:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    pm.register(_Plugin(), name="test-plugin")
+    return PluginRegistry(pm, {})
 
 
 def test_unknown_plugins_get_suggestion_and_installed_list() -> None:

@@ -13,7 +13,7 @@ import torch
 from batchgen import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.config import ConfigError, resolved_dict, validate_config
 from batchgen.plugins import PluginError, StatefulLogitsProcessor, allow_only
-from batchgen.plugins.manager import GuardedStatefulProcessor
+from batchgen.plugins import GuardedStatefulProcessor
 from batchgen.sampling.sampler import Sampler, SamplingRow, apply_stateful, unpack_bitmask
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
