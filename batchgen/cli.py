@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a config without running the model")
     config_args(validate)
 
+    sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the model 'batchgen' (main() hands it the rest)")
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument("--plugin", dest="modules", action="append", default=[], metavar="MODULE",
@@ -387,6 +388,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:  # lm-eval's own CLI parses the rest (batchgen.integrations.lm_eval_command)
+        from batchgen.integrations.lm_eval_command import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
     handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
     try:

@@ -1,0 +1,260 @@
+"""BatchgenLM: batchgen's engine as a model of lm-evaluation-harness (the model ``batchgen``).
+
+Importing this module registers :class:`BatchgenLM` with lm-eval's model registry under the
+name ``batchgen``, so that ``simple_evaluate(model="batchgen", model_args="pretrained=...")``
+and ``batchgen lm-eval run --model batchgen ...`` find it; ``simple_evaluate(model=BatchgenLM(...))``
+works as well. lm-eval is an extra (``pip install "batchgen[lm-eval]"``), imported here only.
+
+The contract, request type by request type (lm-eval's ``Instance.args``):
+
+- ``loglikelihood`` ``(context, continuation)``: tokenised exactly as lm-eval's ``hf`` model
+  does (the whole string and the context are encoded, the continuation is the difference;
+  trailing spaces of the context move to the continuation; an empty context becomes the
+  prefix token). A pair longer than ``max_length + 1`` tokens loses tokens from the left, as
+  ``hf`` does. Every pair of the call goes to :meth:`batchgen.LLM.loglikelihood` at once, so
+  the choices of a question and a shared few-shot prefix are prefilled once (prefix cache).
+- ``loglikelihood_rolling`` ``(text,)``: lm-eval's disjoint rolling windows of ``max_length``
+  tokens after the prefix token (each token scored once), every window of every text in one
+  engine call; the sum per text.
+- ``generate_until`` ``(context, gen_kwargs)``: lm-eval's normalisation of ``gen_kwargs``
+  (``max_gen_toks`` and its aliases, ``do_sample``/``temperature``); ``until`` plus the EOS
+  text become stop strings; ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+  ``repetition_penalty`` and ``seed`` become :class:`batchgen.SamplingParams` fields (others
+  are refused with a message naming them). The context is left-truncated to
+  ``max_length - max_gen_toks`` tokens; the text is the decoded tokens cut at the first stop
+  string, as ``hf`` returns it. All requests run in one engine call.
+
+``model_args``: ``pretrained`` (an alias such as ``smollm2-135m-instruct`` or a model folder),
+``dtype``, ``block_size``, ``kv_cache_memory`` (bytes or ``"512MiB"``), ``num_threads``,
+``max_length`` (the window; default the model's), ``max_gen_toks`` (default 256),
+``add_bos_token``, ``seed``, and any other :class:`batchgen.engine.config.EngineConfig` field
+(``max_num_batched_tokens``, ``enable_prefix_caching``...). lm-eval's ``batch_size`` and
+``max_batch_size`` are accepted and ignored: the engine batches by its token budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours is added)
+    from lm_eval import utils as _lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        'batchgen\'s lm-eval backend needs lm-evaluation-harness: pip install "batchgen[lm-eval]"'
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_GEN_TOKS = 256
+# gen_kwargs keys that map onto SamplingParams fields of the same name.
+_SAMPLING_KEYS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+# gen_kwargs keys that HF's generate takes and that mean nothing different here.
+_IGNORED_KEYS = ("num_beams", "use_cache")
+
+
+def _byte_size(value: Any) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    from pydantic import ByteSize, TypeAdapter
+
+    return int(TypeAdapter(ByteSize).validate_python(value))
+
+
+@register_model("batchgen")
+class BatchgenLM(TemplateLM):
+    """lm-eval's LM interface over one :class:`batchgen.LLM` (see the module docstring)."""
+
+    def __init__(
+        self,
+        pretrained: str = "smollm2-135m-instruct",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        num_threads: int | str = "auto",
+        max_length: int | None = None,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        add_bos_token: bool | None = None,
+        seed: int = 0,
+        device: str | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        from batchgen.engine.llm import LLM
+
+        if device is not None and device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                logger.warning("device %r asked for, but CUDA is not available: running on the CPU", device)
+                device = None
+        self.llm = LLM(
+            pretrained, dtype=dtype, device=device or "auto", block_size=int(block_size),
+            kv_cache_memory=_byte_size(kv_cache_memory), num_threads=num_threads, seed=seed,
+            **engine_kwargs,
+        )
+        self.tokenizer = self.llm.tokenizer
+        self.pretrained = pretrained
+        self.add_bos_token = add_bos_token
+        self.seed = seed
+        self._max_gen_toks = int(max_gen_toks)
+        engine_len = int(self.llm.max_model_len)
+        if max_length is not None and int(max_length) > engine_len:
+            raise ValueError(f"max_length={max_length} is longer than the model's {engine_len} tokens")
+        self._max_length = int(max_length) if max_length is not None else engine_len
+
+    # ------------------------------------------------------------------ lm-eval's properties
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """The ``hf`` model's encoding: the tokenizer's default special tokens unless told, and
+        none when the string already starts with the prefix token's text."""
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            add_special_tokens = False
+        extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return self.tokenizer.encode(string, **extra)
+
+    def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str):
+            return chat_template
+        return self.tokenizer.chat_template
+
+    # ------------------------------------------------------------------ the three request types
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        """Score every ``(key, context ids, continuation ids)`` in one engine call."""
+        pairs = [self._truncate_pair(ctx, cont) for _, ctx, cont in requests]
+        results = [(float(lp), bool(greedy)) for lp, greedy in self.llm.loglikelihood(pairs)]
+        for (key, _, _), result in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
+        return results
+
+    def _truncate_pair(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """Drop tokens from the left past ``max_length + 1`` (the last token is only a target), as
+        the ``hf`` model does; the continuation itself is never cut."""
+        if not continuation:
+            raise ValueError("lm-eval sent an empty continuation")
+        if len(continuation) > self.max_length:
+            raise ValueError(f"a continuation of {len(continuation)} tokens is longer than max_length={self.max_length}")
+        keep = self.max_length + 1 - len(continuation)
+        if len(context) > keep:
+            logger.warning("context of %d and continuation of %d tokens exceed max_length=%d: keeping the "
+                           "last %d context tokens", len(context), len(continuation), self.max_length, keep)
+            context = context[len(context) - keep:]
+        return list(context), list(continuation)
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """lm-eval's rolling windows of every text, all scored in one engine call."""
+        windows: list[tuple[None, list[int], list[int]]] = []
+        counts: list[int] = []
+        for (text,) in (req.args for req in requests):
+            doc = [
+                _lm_utils.make_disjoint_window(w)
+                for w in _lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1,
+                )
+            ]
+            windows.extend((None, ctx, cont) for ctx, cont in doc)
+            counts.append(len(doc))
+        scores = self._loglikelihood_tokens(windows)
+        totals: list[float] = []
+        start = 0
+        for req, count in zip(requests, counts):
+            total = sum(lp for lp, _ in scores[start:start + count])
+            start += count
+            totals.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Generate for every ``(context, gen_kwargs)`` in one engine call."""
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        prompts: list[list[int]] = []
+        params = []
+        stops: list[list[str]] = []
+        for context, gen_kwargs in (req.args for req in requests):
+            sp, until = self._sampling_params(gen_kwargs, eos)
+            max_ctx = self.max_length - sp.max_tokens
+            if max_ctx <= 0:
+                raise ValueError(f"max_gen_toks={sp.max_tokens} leaves no room for a context in max_length={self.max_length}")
+            prompts.append(self.tok_encode(context)[-max_ctx:])
+            params.append(sp)
+            stops.append(until)
+        outputs = self.llm.generate(prompts, params) if prompts else []
+        texts: list[str] = []
+        for req, out, until in zip(requests, outputs, stops):
+            if out.error:
+                raise RuntimeError(f"generation failed for a request of task {req.task_name!r}: {out.error}")
+            text = postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
+            texts.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return texts
+
+    def _sampling_params(self, gen_kwargs: dict, eos: str) -> tuple[Any, list[str]]:
+        """lm-eval's gen_kwargs -> (SamplingParams, the stop strings)."""
+        from batchgen.sampling.params import SamplingParams
+
+        if not isinstance(gen_kwargs, dict):
+            raise TypeError(f"gen_kwargs must be a dict, got {type(gen_kwargs).__name__}")
+        kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_tokens = int(kwargs.pop("max_gen_toks"))
+        do_sample = bool(kwargs.pop("do_sample", False))
+        temperature = float(kwargs.pop("temperature", 0.0))
+        if not do_sample:
+            temperature = 0.0
+        fields = {key: kwargs.pop(key) for key in _SAMPLING_KEYS if key in kwargs}
+        for key in _IGNORED_KEYS:
+            kwargs.pop(key, None)
+        kwargs.pop("max_length", None)
+        if kwargs:
+            raise ValueError(f"gen_kwargs {sorted(kwargs)} have no batchgen equivalent "
+                             f"(known: until, max_gen_toks, do_sample, temperature, {', '.join(_SAMPLING_KEYS)})")
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=[s for s in until if s], **fields)
+        return sp, until
+
+    def get_model_info(self) -> dict:
+        return {"model": self.pretrained, "max_length": self.max_length}
