@@ -44,9 +44,9 @@ def batchgen_register_samplers() -> list[SamplerSpec]:
     tensor of the same shape. The factory may instead return a
     :class:`batchgen.plugins.StatefulLogitsProcessor`: per-sequence state made by ``new_state``,
     forked with its sequence, told each accepted token, and acting through ``fill_mask`` (a
-    shared token bitmask) and/or ``process`` (row edits); see its docstring. Sampler names are
-    global: two plugins registering the same name is an error. Return an empty list to
-    contribute nothing.
+    shared token bitmask) and/or ``process`` (row edits); see its docstring. A name that
+    another plugin also registers stays reachable as ``PLUGIN:NAME`` (docs/plugins.md, "Names").
+    Return an empty list to contribute nothing.
     """
 
 
@@ -57,8 +57,9 @@ def batchgen_register_metrics() -> list[MetricSpec]:
     Called once per registry, with no arguments. Each spec's ``factory`` turns a validated
     ``options_model`` instance into a :class:`batchgen.metrics.Metric`: ``score(record, row)`` gives
     one record's scores (a flat dict of float / int / bool / None) and ``aggregate(scores)`` folds
-    the per-record dicts into run-level floats. Metric names are global: two plugins registering
-    the same name is an error. Return an empty list to contribute nothing.
+    the per-record dicts into run-level floats. A name that another plugin also
+    registers stays reachable as ``PLUGIN:NAME`` (docs/plugins.md, "Names"). Return an empty
+    list to contribute nothing.
     """
 
 
