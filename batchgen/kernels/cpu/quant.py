@@ -22,13 +22,17 @@ to ``gguf.quants.dequantize`` (the tests check it on random and real tensors).
 
 from __future__ import annotations
 
+import ctypes
 import logging
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import loader
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,122 @@ def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN00
     return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(shape)
 
 
+# ---- the kernel's weight layout and library ----------------------------------------------
+
+PANEL = 16  # output columns per panel (quant.c's NR)
+
+# Each raw block's fields as (offset, length, unit): in a panel, unit i of column c of a field
+# lands at offset * 16 + (i * 16 + c) * unit (quant.c's header).
+FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
+    Q.Q4_0: ((0, 2, 2), (2, 16, 4)),
+    Q.Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
+    Q.Q8_0: ((0, 2, 2), (2, 32, 4)),
+    Q.Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 12), (16, 128, 4)),
+    Q.Q6_K: ((0, 128, 4), (128, 64, 4), (192, 16, 16), (208, 2, 2)),
+}
+
+
+def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
+    """``perm`` with ``panel_block[dst] = columns_block[perm[dst]]``, where ``columns_block`` is
+    16 columns' raw blocks one after the other (``c * type_size + byte``)."""
+    ts = GGML_QUANT_SIZES[qtype][1]
+    perm = torch.empty(PANEL * ts, dtype=torch.long)
+    for off, length, unit in FIELDS[qtype]:
+        i = torch.arange(length // unit).view(-1, 1, 1)
+        c = torch.arange(PANEL).view(1, -1, 1)
+        t = torch.arange(unit).view(1, 1, -1)
+        dst = PANEL * off + (i * PANEL + c) * unit + t
+        perm[dst.reshape(-1)] = (c * ts + off + i * unit + t).reshape(-1)
+    return perm
+
+
+def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The kernel's layout of ``raw_rows`` ([N, row_bytes] uint8): a byte permutation, padded
+    with zero rows to whole panels; 1-D uint8, ``ceil(N / 16) * 16 * row_bytes`` bytes."""
+    n, rb = raw_rows.shape
+    ts = GGML_QUANT_SIZES[qtype][1]
+    panels = -(-n // PANEL)
+    if panels * PANEL != n:
+        raw_rows = torch.cat([raw_rows, raw_rows.new_zeros(panels * PANEL - n, rb)])
+    blocks = raw_rows.view(panels, PANEL, rb // ts, ts).transpose(1, 2).reshape(panels, rb // ts, PANEL * ts)
+    return blocks[..., _panel_permutation(qtype)].reshape(-1)
+
+
+def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_panels`: [n, row_bytes] uint8 raw rows."""
+    ts = GGML_QUANT_SIZES[qtype][1]
+    nb = in_features // block_size(qtype)
+    panels = packed.numel() // (PANEL * nb * ts)
+    inverse = torch.empty_like(perm := _panel_permutation(qtype))
+    inverse[perm] = torch.arange(perm.numel())
+    blocks = packed.view(panels, nb, PANEL * ts)[..., inverse].view(panels, nb, PANEL, ts)
+    return blocks.transpose(1, 2).reshape(panels * PANEL, nb * ts)[:n]
+
+
+QUANT_SOURCE = Path(__file__).resolve().parent / "quant.c"
+# extra compiler flags of each build: all this CPU has; AVX2 alone (what a CPU without AVX-512
+# runs); plain C (no intrinsics at all; the compiler may still vectorise the loops)
+ISAS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-DBG_QUANT_PLAIN", "-mno-avx2")}
+ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "plain C"}
+
+
+def load_quant(isa: str = "native") -> Any:
+    """The compiled quantized-linear library for ``isa`` (``native``, ``avx2`` or ``plain``),
+    built on first use and cached on disk like the other kernels.
+
+    Raises:
+        ValueError: an unknown ``isa``.
+        loader.CpuKernelError: no compiler, or it would not build or run here.
+    """
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
+    return loader.load_library("the CPU quantized linear kernel", QUANT_SOURCE, _declare, ISAS[isa],
+                               accept=_runs_here, tag="" if isa == "native" else isa)
+
+
+def _runs_here(lib: Any) -> str | None:
+    lib.batchgen_quant_cpu_ok.restype = ctypes.c_int
+    return None if lib.batchgen_quant_cpu_ok() else "built for instructions this CPU lacks"
+
+
+def _declare(lib: Any) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.batchgen_quant_isa.restype = i32
+    lib.batchgen_quant_isa.argtypes = []
+    lib.batchgen_quant_linear.restype = i32
+    lib.batchgen_quant_linear.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, i64]
+    lib.batchgen_quant_rows.restype = None
+    lib.batchgen_quant_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
+
+
+def kernel_isa(isa: str = "native") -> str:
+    """What the ``isa`` build runs on here: ``avx512_vnni``, ``avx2`` or ``plain C``."""
+    return ISA_NAMES[load_quant(isa).batchgen_quant_isa()]
+
+
+def unsupported_reason() -> str | None:
+    """Why the quantized kernel cannot run here (then layers use the torch reference), or None."""
+    try:
+        load_quant()
+    except loader.CpuKernelError as exc:
+        return str(exc)
+    return None
+
+
+def quantize_activations(x: torch.Tensor, qtype, isa: str = "native") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """The kernel's int8 quantization of ``x`` [M, K] float32 for a weight of ``qtype``: ``(q
+    [M, K] int8, d [M, K / block] float32, s16 [M, K / 16] int32)`` (for the tests)."""
+    qtype = _check_qtype(qtype)
+    x = x.float().contiguous()
+    m, k = x.shape
+    bs = block_size(qtype)
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // bs)
+    s = torch.empty(m, k // 16, dtype=torch.int32)
+    load_quant(isa).batchgen_quant_rows(x.data_ptr(), k, m, k, bs, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
 # ---- the layer ----------------------------------------------------------------------------
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -197,16 +317,25 @@ class QuantizedLinear(torch.nn.Module):
         qtype: its ``gguf.GGMLQuantizationType`` (or the integer id).
         out_features, in_features: the weight's shape.
         bias: optional ``[out_features]`` tensor (kept in float32).
+        isa: ``"native"`` (the kernel, with everything this CPU has), ``"avx2"``, ``"plain"``
+            (the kernel's other builds, for tests and benchmarks), or ``"torch"`` (the
+            reference: de-quantize, then ``F.linear``). ``native`` falls back to ``torch``, with
+            one logged line, where the kernel cannot be built.
+
+    The bytes are kept rearranged for the kernel (:func:`pack_panels`, a permutation padded to
+    whole panels of 16 rows): no float copy of the weight stays resident.
 
     ``forward(x)`` takes ``[..., in_features]`` CPU input (float32, bfloat16 or float16) and
-    returns ``[..., out_features]`` in ``x``'s dtype. Inference only.
+    returns ``[..., out_features]`` in ``x``'s dtype (computed in float32, rounded once).
+    Inference only.
 
     Raises:
         ValueError: an unsupported type, a byte count or bias that does not match the shape.
+        loader.CpuKernelError: ``isa`` ``avx2`` or ``plain`` asked for where it cannot build.
     """
 
     def __init__(self, raw, qtype, out_features: int, in_features: int,  # noqa: ANN001
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, isa: str = "native") -> None:
         super().__init__()
         self.qtype = _check_qtype(qtype)
         self.out_features, self.in_features = int(out_features), int(in_features)
@@ -219,25 +348,43 @@ class QuantizedLinear(torch.nn.Module):
             bias = torch.as_tensor(bias).detach().float().reshape(-1).contiguous()
             if bias.numel() != self.out_features:
                 raise ValueError(f"bias has {bias.numel()} values; the layer has {self.out_features} outputs")
-        self.register_buffer("raw", data.reshape(self.out_features, self.row_bytes), persistent=False)
+        if isa not in (*ISAS, "torch"):
+            raise ValueError(f"isa must be one of {', '.join((*ISAS, 'torch'))}; got {isa!r}")
+        self._lib = None
+        if isa != "torch":
+            try:
+                self._lib = load_quant(isa)
+            except loader.CpuKernelError as exc:
+                if isa != "native":
+                    raise
+                _log_fallback_once(str(exc))
+        self.isa = isa if self._lib is not None else "torch"
+        packed = pack_panels(data.view(self.out_features, self.row_bytes), self.qtype)
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self._what = f"QuantizedLinear({self.in_features} -> {self.out_features}, {self.qtype.name})"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+                f"qtype={self.qtype.name}, bias={self.bias is not None}, isa={self.isa}")
 
     def raw_rows(self) -> torch.Tensor:
-        """The weight's GGUF bytes, ``[out_features, row_bytes]`` uint8 (as stored in the file)."""
-        return self.raw
+        """The weight's GGUF bytes, ``[out_features, row_bytes]`` uint8, as the file stores
+        them (a new tensor)."""
+        return unpack_panels(self.packed, self.qtype, self.out_features, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight de-quantized to float32 ``[out_features, in_features]`` (a new tensor)."""
         return dequantize(self.raw_rows(), self.qtype, (self.out_features, self.in_features))
 
+    def _like(self, raw: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> "QuantizedLinear":
+        return type(self)(raw, self.qtype, out_features, self.in_features, bias, isa=self.isa)
+
     @classmethod
     def concat(cls, layers: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
         """One layer whose output is the outputs of ``layers`` side by side (their weight rows
-        stacked in order: a packed q/k/v or gate/up GEMM). Biases: all or none.
+        stacked in order: a packed q/k/v or gate/up GEMM), on the first layer's ``isa``.
+        Biases: all or none.
 
         Raises:
             ValueError: no layers, or layers of different types, input widths or bias presence.
@@ -254,7 +401,7 @@ class QuantizedLinear(torch.nn.Module):
                 raise ValueError("concat needs a bias on every layer or on none")
         raw = torch.cat([layer.raw_rows() for layer in layers], dim=0)
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
-        return cls(raw, first.qtype, raw.shape[0], first.in_features, bias)
+        return first._like(raw, raw.shape[0], bias)
 
     def select_rows(self, index) -> "QuantizedLinear":  # noqa: ANN001 - a LongTensor or sequence
         """A layer whose output ``j`` is this layer's output ``index[j]`` (weight rows, and the
@@ -270,14 +417,46 @@ class QuantizedLinear(torch.nn.Module):
                                                            if index.numel() else ""))
         raw = self.raw_rows()[index]
         bias = None if self.bias is None else self.bias[index]
-        return type(self)(raw, self.qtype, index.numel(), self.in_features, bias)
+        return self._like(raw, index.numel(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features or not x.is_cpu:
-            raise ValueError(f"{self}: needs CPU input [..., {self.in_features}], got {tuple(x.shape)} on {x.device}")
-        return reference_linear(x, self.dequantized_weight(), self.bias)
+        k = self.in_features
+        if x.shape[-1] != k or not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{self._what} needs float32, bfloat16 or float16 CPU input [..., {k}], "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if self._lib is None:
+            return reference_linear(x, self.dequantized_weight(), self.bias)
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features)
+        if m:
+            rc = self._lib.batchgen_quant_linear(
+                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), int(self.qtype),
+                self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                self.out_features)
+            if rc == -1:
+                raise MemoryError(f"{self._what}: no memory for the int8 copy of {m} x {k} inputs")
+            if rc != 0:
+                raise RuntimeError(f"{self._what}: the kernel refused its arguments (code {rc})")
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
-        # The bytes must stay uint8 on the CPU (model.float()/.to(bfloat16) would otherwise be
-        # refused by nothing and corrupt them): casting applies to the bias only.
+        # The weight must stay uint8 bytes on the CPU, and the kernel reads the buffers by
+        # address: moving or casting is refused, as for PackedLinear.
         raise RuntimeError("a QuantizedLinear cannot be moved or cast (its weight is GGUF bytes on the CPU)")
+
+
+_fallback_logged = False
+
+
+def _log_fallback_once(why: str) -> None:
+    global _fallback_logged
+    if not _fallback_logged:
+        logger.warning("quantized layers run on the torch reference (de-quantize, then matmul): %s",
+                       why.splitlines()[0])
+        _fallback_logged = True
