@@ -469,21 +469,14 @@ def test_invalid_bodies(parser: LineParser, body: dict[str, Any], url: str, para
 
 
 def test_response_format_maps_onto_structured_outputs(parser: LineParser) -> None:
-    from batchgen.openai_batch import _structured_outputs_type
-
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     by_schema = parsed(parser, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     by_object = parsed(parser, COMPLETIONS, response_format={"type": "json_object"})
     assert parsed(parser, response_format={"type": "text"}).error is None
-    if _structured_outputs_type() is None:  # this batchgen has no structured outputs: refused, never ignored
-        for prompt in (by_schema, by_object):
-            assert (prompt.error_param, prompt.error_code) == ("response_format", "unsupported_value")
-            assert "needs structured outputs" in prompt.error and prompt.params is None
-    else:
-        assert by_schema.error is None and by_schema.params.structured_outputs.json == schema
-        assert by_object.error is None and by_object.params.structured_outputs.json_object is True
-        broken = parsed(parser, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
-        assert (broken.error_param, broken.error_code) == ("response_format.json_schema.schema", "invalid_value")
+    assert by_schema.error is None and by_schema.params.structured_outputs.json == schema
+    assert by_object.error is None and by_object.params.structured_outputs.json_object is True
+    broken = parsed(parser, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}})
+    assert (broken.error_param, broken.error_code) == ("response_format.json_schema.schema", "invalid_value")
 
 
 # --------------------------------------------------------------------------- kill and resume
