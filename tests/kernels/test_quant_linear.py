@@ -1,0 +1,168 @@
+"""The quantized linear kernel (``kernels/cpu/quant.c`` behind ``QuantizedLinear``).
+
+For every format and every instruction-set build (``native``: AVX512-VNNI where the CPU has it,
+``avx2`` forced, ``plain`` C), at 1, 7, 32 and 300 rows: the kernel equals its arithmetic
+written out in torch (``quant_arith.py``: the same int8 activations, exact integer dot products,
+the same float32 order) bit for bit, so the builds agree bit for bit; and it lies within the
+stated bound (``quant.activation_error_bound``) of the exact product with the weight as
+``gguf`` de-quantizes it. Batch invariance (a row alone or inside a batch, 1 or 2 threads),
+non-finite rows, 16-bit inputs, the embedded model's own tensors, and the torch fallback.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from batchgen.kernels.cpu import loader, quant
+from batchgen.kernels.cpu.quant import QuantizedLinear
+
+import quant_arith
+from test_quant_dequant import _embedded_reader, quantized
+
+_WHY = quant.unsupported_reason()
+needs_kernel = pytest.mark.skipif(_WHY is not None, reason=f"the quantized CPU kernel cannot run here: {_WHY}")
+ISAS = ("native", "avx2", "plain")
+
+
+def _isa_or_skip(isa: str) -> None:
+    try:
+        quant.load_quant(isa)
+    except loader.CpuKernelError as exc:
+        pytest.skip(f"the {isa} build cannot run here: {str(exc).splitlines()[0]}")
+
+
+@pytest.fixture
+def pool_threads():
+    before = loader.num_threads()
+    yield loader.set_num_threads
+    loader.set_num_threads(before)
+
+
+def _exact(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    """The exact product with the weight as gguf de-quantizes it (float64)."""
+    w = gguf.quants.dequantize(layer.raw_rows().numpy(), layer.qtype)
+    y = x.double() @ torch.from_numpy(w).double().T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
+    raw = layer.raw_rows()
+    assert torch.equal(y, quant_arith.quant_linear(x, raw, layer.qtype, layer.in_features, layer.bias))
+    bound = quant.activation_error_bound(x, layer.dequantized_weight(), layer.qtype)
+    err = (y.double() - _exact(x, layer)).abs()
+    assert bool((err <= bound).all()), f"max error {err.max():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", quant.QTYPES, ids=lambda t: t.name)
+def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa: str, rows: int) -> None:
+    _isa_or_skip(isa)
+    n, k = 40, 512  # two and a half panels; 16 blocks of 32 or 2 of 256
+    torch.manual_seed(rows)
+    bias = torch.randn(n) if rows % 2 else None
+    layer = QuantizedLinear(quantized(qtype, n, k, seed=int(qtype)), qtype, n, k, bias=bias, isa=isa)
+    assert layer.isa == isa
+    x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+    _check(layer(x), x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", quant.QTYPES, ids=lambda t: t.name)
+def test_the_builds_agree_bit_for_bit(qtype: Q) -> None:
+    n, k = 50, 768
+    raw = quantized(qtype, n, k, seed=7)
+    x, bias = torch.randn(70, k), torch.randn(n)
+    outs = {}
+    for isa in ISAS:
+        _isa_or_skip(isa)
+        outs[isa] = QuantizedLinear(raw, qtype, n, k, bias=bias, isa=isa)(x)
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["native"]), isa
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(qtype: Q, pool_threads) -> None:
+    n, k = 200, 512
+    layer = QuantizedLinear(quantized(qtype, n, k, seed=11), qtype, n, k)
+    torch.manual_seed(0)
+    batch = torch.randn(150, k)
+    pool_threads(1)
+    alone = torch.cat([layer(batch[i:i + 1]) for i in (0, 63, 64, 149)])
+    pool_threads(2)
+    full = layer(batch)
+    assert torch.equal(full[[0, 63, 64, 149]], alone)
+    assert torch.equal(layer(batch[60:70])[3:5], full[63:65])
+    pool_threads(1)
+    assert torch.equal(layer(batch), full)
+
+
+@needs_kernel
+def test_non_finite_inputs_poison_their_own_row_only() -> None:
+    n, k = 24, 64
+    layer = QuantizedLinear(quantized(Q.Q4_0, n, k, seed=1), Q.Q4_0, n, k)
+    x = torch.randn(4, k)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    y = layer(x)
+    assert bool(y[1].isnan().all()) and bool(y[2].isnan().all())
+    assert torch.equal(y[[0, 3]], layer(x[[0, 3]]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_round_the_float32_result_once(dtype: torch.dtype) -> None:
+    n, k = 32, 256
+    layer = QuantizedLinear(quantized(Q.Q6_K, n, k, seed=2), Q.Q6_K, n, k, bias=torch.randn(n))
+    x = torch.randn(2, 3, k).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (2, 3, n)
+    assert torch.equal(y, layer(x.float()).to(dtype))
+
+
+@needs_kernel
+def test_the_embedded_models_tensors() -> None:
+    """A Q4_1 layer of SmolLM2 and a slice of its Q8_0 embedding (its tied lm_head)."""
+    reader = _embedded_reader()
+    tensors = {t.name: t for t in reader.tensors}
+    torch.manual_seed(0)
+    for name, rows in (("blk.0.ffn_down.weight", None), ("blk.0.attn_q.weight", None), ("token_embd.weight", 1024)):
+        t = tensors[name]
+        data = np.asarray(t.data)[:rows] if rows else np.asarray(t.data)
+        n, k = data.shape[0], int(t.shape[0])
+        layer = QuantizedLinear(data, t.tensor_type, n, k)
+        x = torch.randn(9, k)
+        _check(layer(x), x, layer)
+
+
+@needs_kernel
+def test_concat_computes_each_part() -> None:
+    k = 256
+    parts = [QuantizedLinear(quantized(Q.Q4_K, n, k, seed=n), Q.Q4_K, n, k) for n in (24, 8, 40)]
+    fused = QuantizedLinear.concat(parts)
+    x = torch.randn(5, k)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=1))
+    perm = torch.randperm(72)
+    assert torch.equal(fused.select_rows(perm)(x), fused(x)[:, perm])
+
+
+def test_without_the_kernel_layers_run_the_torch_reference(monkeypatch, caplog) -> None:
+    def broken(isa="native"):  # noqa: ANN001, ANN202
+        raise loader.CpuKernelError("no C compiler found (set CC, or install gcc)")
+
+    monkeypatch.setattr(quant, "load_quant", broken)
+    monkeypatch.setattr(quant, "_fallback_logged", False)
+    n, k = 16, 64
+    raw = quantized(Q.Q4_1, n, k, seed=3)
+    with caplog.at_level("WARNING"):
+        layer = QuantizedLinear(raw, Q.Q4_1, n, k)
+    assert layer.isa == "torch" and "no C compiler found" in caplog.text
+    x = torch.randn(3, k)
+    assert torch.equal(layer(x), quant.reference_linear(x, layer.dequantized_weight(), None))
+    with pytest.raises(loader.CpuKernelError):
+        QuantizedLinear(raw, Q.Q4_1, n, k, isa="avx2")
