@@ -139,53 +139,27 @@ def _note(message: str) -> None:
     print(f"batchgen: {message}", file=sys.stderr)
 
 
-class _StopOnSignal:
-    """SIGINT and SIGTERM stop the run cleanly: the first raises
-    :class:`~batchgen.run.execute.Interrupted` (a ``KeyboardInterrupt``) so that the run writes its
-    summary and releases its lock; later ones are ignored while that happens, so that a second
-    Ctrl-C cannot cut the summary short or print a traceback from a finaliser."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-            from batchgen.run.execute import Interrupted
-
-            raise Interrupted(signum)
-        # os.write, not print: the handler may run in the middle of another write to stderr.
-        os.write(2, b"batchgen: stopping; the summary is being written\n")
-
-    def __enter__(self) -> _StopOnSignal:
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            # After a signal, ignore the rest: at shutdown Python would put back the default
-            # action, and one more Ctrl-C would then kill the process (exit -2, not 130).
-            signal.signal(sig, previous if self.received is None else signal.SIG_IGN)
-
-
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Build the plugin registry and the validated config (raises SETUP_ERRORS)."""
-    from batchgen.config import load_config, plugin_modules
+    """Read the YAML once, build the plugin registry from its ``plugins:`` and validate it
+    (raises SETUP_ERRORS)."""
+    from batchgen.config import apply_overrides, read_yaml
+
+    return _validated(apply_overrides(read_yaml(args.config), args.overrides), str(args.config))
+
+
+def _validated(data: dict[str, Any], source: str) -> tuple[Any, Any]:
+    """The registry of ``data``'s plugin modules, and ``data`` validated against it."""
+    from batchgen.config import validate_config
     from batchgen.plugins import load_registry
 
-    registry = load_registry(plugin_modules(args.config, args.overrides))
-    config = load_config(args.config, args.overrides, registry=registry)
-    return registry, config
+    modules = data.get("plugins") if isinstance(data.get("plugins"), list) else []
+    registry = load_registry([m for m in modules if isinstance(m, str)])
+    return registry, validate_config(data, registry=registry, source=source)
 
 
 def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job of ``batchgen batch``: a config built from its flags, then ``--set`` applied."""
-    from batchgen.config import ConfigError, ConfigIssue, apply_overrides, validate_config
-    from batchgen.plugins import load_registry
+    from batchgen.config import ConfigError, ConfigIssue, apply_overrides
 
     output: dict[str, Any] = {"path": args.output, "format": "openai_batch"}
     if args.error_file:
@@ -202,35 +176,40 @@ def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ConfigError([ConfigIssue("--model", f"one job runs one model; got {', '.join(sorted(set(targets)))}")])
     if targets:
         raw["model"] = {"name": targets[0], "aliases": aliases}
-    data = apply_overrides(raw, args.overrides)
-    modules = data.get("plugins") if isinstance(data.get("plugins"), list) else []
-    registry = load_registry([m for m in modules if isinstance(m, str)])
-    return registry, validate_config(data, registry=registry, source="batchgen batch")
+    return _validated(apply_overrides(raw, args.overrides), "batchgen batch")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    with _StopOnSignal() as signals:
-        try:
-            return _run(args)
-        except KeyboardInterrupt as exc:
-            signum = getattr(exc, "signum", None) or signals.received or signal.SIGINT
-            _error(f"interrupted by {signal.Signals(signum).name}; nothing was started")
-            return 128 + signum
+    from batchgen.run.signals import STOP
+
+    STOP.install()
+    try:
+        return _run(args, STOP)
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", None) or STOP.received or signal.SIGINT
+        _error(f"interrupted by {signal.Signals(signum).name}; nothing was started")
+        return 128 + signum
+    finally:
+        # On the command line the exit status is settled now: later signals are ignored.
+        STOP.uninstall(ignore=args.console)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, stop: Any) -> int:
     from batchgen.models import quiet_libraries
-    from batchgen.run.execute import SETUP_ERRORS, RunFailed, TooManyErrors, error_example, execute, plan
+    from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
+    from batchgen.run.execute import execute
+    from batchgen.run.plan import plan
 
     if args.quiet or not sys.stderr.isatty():
         quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
-        registry, config = _batch_config(args) if args.command == "batch" else _load(args)
-        if args.resume or args.force_resume:
-            config.output.if_exists = "resume"
-        elif args.overwrite:
-            config.output.if_exists = "overwrite"
-        job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
+        with stop.interruptible():
+            registry, config = _batch_config(args) if args.command == "batch" else _load(args)
+            if args.resume or args.force_resume:
+                config.output.if_exists = "resume"
+            elif args.overwrite:
+                config.output.if_exists = "overwrite"
+            job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -238,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
         summary = execute(job, quiet=args.quiet, max_error_rate=args.max_error_rate)
     except TooManyErrors as exc:
         _error(f"run stopped: {exc}")
-        _note(f"the records written so far are kept in {config.output.path}")
+        _note(f"the records written so far are kept in {_files(config)}")
         return EXIT_RECORDS_FAILED
     except RunFailed as exc:
         _error(f"run failed: {exc}")
@@ -251,27 +230,41 @@ def _run(args: argparse.Namespace) -> int:
             f"rerun with --resume to continue ({config.output.path})"
         )
         return 128 + signum
+    if stop.received is not None:
+        _note(f"{signal.Signals(stop.received).name} arrived once every record was written: the run is "
+              "complete, and the summary says 'completed'")
     if not args.quiet:
         _report(summary, config)
     records = summary["records"]
     if records["total"] and not records["ok"]:
         example = records.get("first_error") or {}
         _error(
-            f"no record succeeded: all {records['total']} records in {config.output.path} are errors, "
-            f"e.g. {error_example(example)}"
+            f"no record succeeded: all {records['total']} records in {_files(config)} are errors, "
+            f"e.g. {job.records.example(example)}"
         )
         return EXIT_RECORDS_FAILED
     return EXIT_OK
 
 
+def _files(config: Any) -> str:
+    """The record file(s) of a run, for messages."""
+    if config.output.error_path:
+        return f"{config.output.path} and {config.output.error_path}"
+    return str(config.output.path)
+
+
 def _report(summary: dict[str, Any], config: Any) -> None:
     records = summary["records"]
     speed = summary["throughput"]
-    print(
-        f"wrote {records['this_run']} record(s) to {config.output.path} "
-        f"({records['this_run_ok']} ok, {records['this_run_error']} error; "
-        f"{records['resumed']} already there) in {summary['timings']['total_s']:.1f}s"
-    )
+    ok, errors = records["this_run_ok"], records["this_run_error"]
+    if config.output.error_path:
+        # Each file gets its own count: the ok records in one, the failed ones in the other.
+        wrote = (f"wrote {ok} record(s) to {config.output.path}, {errors} error{'' if errors == 1 else 's'} to "
+                 f"{config.output.error_path} ({records['resumed']} already there)")
+    else:
+        wrote = (f"wrote {records['this_run']} record(s) to {config.output.path} "
+                 f"({ok} ok, {errors} error; {records['resumed']} already there)")
+    print(f"{wrote} in {summary['timings']['total_s']:.1f}s")
     print(
         f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
         f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
@@ -298,35 +291,23 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from batchgen.config import ConfigError, ConfigIssue
-    from batchgen.run.dataset import PromptBuilder
-    from batchgen.run.execute import SETUP_ERRORS, plan
+    from batchgen.config import ConfigError, ConfigIssue, apply_overrides, read_yaml
+    from batchgen.run.errors import SETUP_ERRORS
+    from batchgen.run.executors.cluster import check_address
+    from batchgen.run.plan import plan
 
     try:
-        registry, config = _load(args)
+        data = apply_overrides(read_yaml(args.config), args.overrides)
+        try:
+            registry, config = _validated(data, str(args.config))
+        except ConfigError as exc:
+            raise _with_model_issue(exc, data) from None
         job = plan(config, registry, prepare=False, config_path=str(args.config))
         tokenizer, note = _tokenizer_for(config.model.name)
-        if config.data.format == "openai_batch":
-            # A bad line only fails itself: the first lines' problems are notes, not errors.
-            notes = job.data.preview(tokenizer, [config.model.name, *config.model.aliases], VALIDATE_ROWS)
-            checked = f"{len(job.data)} lines in {config.data.source}, the first {VALIDATE_ROWS} checked"
-        else:
-            builder = PromptBuilder(config.prompt, tokenizer, None, config.generation.max_tokens)
-            issues = []
-            shown = 0
-            for position, row in enumerate(job.data.dataset):
-                if shown >= VALIDATE_ROWS:
-                    break
-                shown += 1
-                record = builder.build(job.data.ids[position], job.data.indices[position], dict(row))
-                if record.error is not None:
-                    issues.append(ConfigIssue("prompt", f"row id {record.id!r}: {record.error}"))
-            if issues:
-                raise ConfigError(issues, str(args.config))
-            notes = []
-            checked = f"{len(job.data)} rows from {config.data.source}, template renders on the first {shown}"
-        from batchgen.run.executors.ray import check_address
-
+        preview = job.source.preview(tokenizer, VALIDATE_ROWS)
+        if preview.issues:
+            raise ConfigError([ConfigIssue(path, message) for path, message in preview.issues], str(args.config))
+        notes, checked = preview.notes, preview.checked
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
         _error(str(exc))
@@ -337,7 +318,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
-    from batchgen.run.writer import OutputLock
+    from batchgen.run.lock import OutputLock
 
     holder = OutputLock(config.output.path).holder()
     if holder is not None:
@@ -348,8 +329,27 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
-    print(f"{args.config}: ok ({checked}, output {config.output.path} is writable)")
+    print(f"{args.config}: ok ({checked}, model '{config.model.name}' found, output {config.output.path} is writable)")
     return EXIT_OK
+
+
+def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
+    """``error`` (a ConfigError) with the model name's problem added, so that one ``validate``
+    lists it beside the others (the model is otherwise checked only once the config is valid)."""
+    from batchgen.config import ConfigError, ConfigIssue
+    from batchgen.run.plan import check_model_name
+
+    model = data.get("model") if isinstance(data, dict) else None
+    name = model.get("name") if isinstance(model, dict) else None
+    if not isinstance(name, str) or any(issue.path.startswith("model.name") for issue in error.issues):
+        return error
+    try:
+        check_model_name(name)
+    except ConfigError as exc:
+        return ConfigError([*error.issues, *exc.issues], error.source)
+    except Exception:  # noqa: BLE001 - only a hint beside the real errors
+        return error
+    return error
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -387,13 +387,20 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (the console script exits with it)."""
+    """Run the command line; returns the exit status (the console script exits with it).
+
+    Called without ``argv`` (the process's own command line), a run leaves SIGINT and SIGTERM
+    ignored once its exit status is settled; with ``argv`` (a library call) it puts back the
+    caller's handlers.
+    """
+    console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lm-eval"]:  # lm-eval's own CLI parses the rest (batchgen.integrations.lm_eval_command)
         from batchgen.integrations.lm_eval_command import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
+    args.console = console
     handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
     try:
         return handler(args)

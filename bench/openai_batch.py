@@ -189,7 +189,8 @@ def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dic
 
     from batchgen.config import validate_config
     from batchgen.models import resolve_model
-    from batchgen.run.execute import execute, plan
+    from batchgen.run.execute import execute
+    from batchgen.run.plan import plan
 
     def job(path: str, out: str) -> Any:
         return plan(validate_config({"model": {"name": "smollm2-135m-instruct"},
@@ -264,7 +265,8 @@ def w32_worker(kind: str, source: str, output: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     from batchgen import LLM
     from batchgen.config import validate_config
-    from batchgen.run.execute import execute, plan
+    from batchgen.run.execute import execute
+    from batchgen.run.plan import plan
 
     engine = {"kv_cache_memory": 256 * 2**20, "max_num_seqs": 256, "max_num_batched_tokens": 2048}
     if kind == "batch":

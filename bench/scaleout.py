@@ -218,7 +218,8 @@ def driver_ceiling(rows: int, replicas: int, folder: Path) -> dict:
     """Records/s through the driver with ``replicas`` instant engines (the writer's fsync included)."""
     from batchgen.config import validate_config
     from batchgen.run.executors.ray import RayExecutor
-    from batchgen.run.execute import execute, plan
+    from batchgen.run.execute import execute
+    from batchgen.run.plan import plan
     from batchgen.plugins import load_registry
 
     data = folder / "rows.jsonl"

@@ -2,7 +2,8 @@
 
 ``--resume`` appends to the records of an earlier run. That is only sound when both runs would
 write the same record for the same row, so a resume compares the fingerprint of its config with
-the one in the earlier run's summary and refuses on a difference (``--force-resume`` overrides).
+the one kept beside the records (:func:`sidecar_path`, written before the first record) and
+refuses on a difference, or when there is none (``--force-resume`` overrides either).
 
 In the fingerprint: the model, its dtype and the other names an OpenAI batch line may give it;
 which dataset and how rows are identified (source, subset, split, id column); the whole
@@ -20,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FINGERPRINT_KEYS", "config_differences", "fingerprint", "fingerprint_hash"]
+__all__ = ["FINGERPRINT_KEYS", "config_differences", "fingerprint", "fingerprint_hash", "read_sidecar", "sidecar",
+           "sidecar_path"]
 
 #: Dotted keys of the resolved config (a whole section, or one key of one) in the fingerprint.
 FINGERPRINT_KEYS: tuple[str, ...] = (
@@ -79,3 +82,26 @@ def config_differences(before: Mapping[str, Any], now: Mapping[str, Any]) -> lis
         for key in sorted(old.keys() & new.keys())
         if old[key] != new[key]
     ]
+
+
+def sidecar_path(output: str | Path) -> Path:
+    """Where the config of an output's records is kept: ``results.jsonl`` ->
+    ``results.jsonl.resume.json`` (beside the records, whatever ``output.summary_path`` says)."""
+    output = Path(output)
+    return output.with_name(output.name + ".resume.json")
+
+
+def read_sidecar(output: str | Path) -> dict[str, Any] | None:
+    """The resolved config the records of ``output`` were written with, or None (no sidecar,
+    or one that is not a JSON object with a ``config`` object)."""
+    try:
+        data = json.loads(sidecar_path(output).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = data.get("config") if isinstance(data, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def sidecar(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The sidecar's content for a run of ``resolved`` (written by the plan, atomically)."""
+    return {"fingerprint": fingerprint_hash(resolved), "config": dict(resolved)}

@@ -209,7 +209,8 @@ def test_interleaved_prefixes_are_each_computed_once(smollm2_tokenizer, engines)
 def test_the_few_shot_qa_config_computes_its_examples_once(engines, tmp_path):
     """configs/qa_exact_match.yaml says its rows share the few-shot examples' KV blocks."""
     from batchgen.config import load_config
-    from batchgen.run.execute import execute, plan
+    from batchgen.run.execute import execute
+    from batchgen.run.plan import plan
     from batchgen.plugins import load_registry
 
     root = Path(__file__).resolve().parents[2]

@@ -190,13 +190,13 @@ def test_check_functions_agree_with_the_cpu_kernel_on_random_tables() -> None:
 
 def test_engine_option_reaches_the_cuda_ops() -> None:
     from batchgen.config import RunConfig
-    from batchgen.run.executors.ray import engine_kwargs
+    from batchgen.run.executors import engine_config
     from batchgen.kernels import get_ops
 
     base = {"data": {"source": "rows.jsonl"}, "output": {"path": "out.jsonl"}}
-    assert engine_kwargs(RunConfig.model_validate(base))["index_checks"] is True
+    assert engine_config(RunConfig.model_validate(base)).index_checks is True
     off = RunConfig.model_validate(base | {"engine": {"index_checks": False}})
-    assert engine_kwargs(off)["index_checks"] is False
+    assert engine_config(off).index_checks is False
     with pytest.raises(ValueError, match="index_checks"):
         RunConfig.model_validate(base | {"engine": {"index_checks": "sometimes"}})
     from batchgen.kernels.cuda import attention as kcuda

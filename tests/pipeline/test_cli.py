@@ -24,6 +24,7 @@ def test_validate_accepts_a_good_config(job_config, capsys) -> None:
     code, out, err = _cli(capsys, "validate", str(job_config()))
     assert (code, err) == (0, "")
     assert "ok (12 rows from" in out and "template renders on the first 5" in out and "is writable" in out
+    assert "model '" in out and "' found" in out  # the ok line says that the model was checked
 
 
 def test_unknown_key(job_config, capsys) -> None:
@@ -237,7 +238,7 @@ def test_plugins_lists_options(capsys) -> None:
 
 
 def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
-    from batchgen.run.writer import OutputLock
+    from batchgen.run.lock import OutputLock
 
     out = tmp_path / "out" / "results.jsonl"
     out.parent.mkdir()

@@ -24,7 +24,8 @@ from openai.types.chat import ChatCompletion
 from batchgen.cli import main
 from batchgen.config import ConfigError, validate_config
 from batchgen.openai_batch import LineParser
-from batchgen.run.execute import execute, plan
+from batchgen.run.execute import execute
+from batchgen.run.plan import plan
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -280,7 +281,8 @@ def test_cli_maps_model_names_and_splits_errors(tmp_path: Path, tiny_llama: str,
     assert main(argv) == 0
     assert [e["custom_id"] for e in read_lines(out)] == ["a"]
     assert [(e["custom_id"], error_of(e)["code"]) for e in read_lines(errors)] == [("b", "model_not_found")]
-    assert "wrote 2 record(s)" in capsys.readouterr().out
+    # Each file named with its own count: the ok line in OUTPUT, the failed one in the error file.
+    assert f"wrote 1 record(s) to {out}, 1 error to {errors} (0 already there)" in capsys.readouterr().out
     # Two models for one job, and a key a batch file makes meaningless, are usage errors.
     assert main(["batch", str(source), "-o", str(out), "--model", "a=x", "--model", "y", "--overwrite"]) == 2
     assert "one job runs one model" in capsys.readouterr().err
@@ -327,7 +329,7 @@ def batch_cli(capsys: pytest.CaptureFixture[str], source: Path, out: Path, tiny_
 
 def test_batch_holds_the_lock_and_checks_the_job_on_resume(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from batchgen.run.writer import OutputLock
+    from batchgen.run.lock import OutputLock
 
     source = write_lines(tmp_path / "in.jsonl", [chat("a", max_tokens=2, temperature=0), chat("b", max_tokens=2, temperature=0)])
     out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"

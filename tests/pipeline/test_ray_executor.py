@@ -22,7 +22,8 @@ import yaml
 
 from batchgen.cli import main as cli_main
 from batchgen.config import ConfigError, validate_config
-from batchgen.run.execute import execute, plan
+from batchgen.run.execute import execute
+from batchgen.run.plan import plan
 from batchgen.plugins import load_registry
 
 PROMPTS = [
@@ -93,14 +94,14 @@ def local_records(smollm2_path: str, prompts_file: Path, tmp_path_factory: pytes
     import torch
 
     from batchgen import LLM
-    from batchgen.run.executors.ray import engine_kwargs
+    from batchgen.run.executors import engine_config
 
     tmp = tmp_path_factory.mktemp("local")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         greedy = _config(tmp, prompts_file, GREEDY, "greedy", backend="local", replicas=1)
-        llm = LLM(**engine_kwargs(greedy))
+        llm = LLM(config=engine_config(greedy))
         out = {}
         for name, generation in (("greedy", GREEDY), ("seeded", SEEDED)):
             config = _config(tmp, prompts_file, generation, name, backend="local", replicas=1)
@@ -269,7 +270,7 @@ class CrashingEngine:
 
     max_model_len = 1024
 
-    def __init__(self, engine: dict[str, Any]) -> None:
+    def __init__(self, engine: Any) -> None:
         self.pending: list[Any] = []
 
     def add_request(self, request: Any) -> None:
@@ -292,7 +293,7 @@ class CrashingEngine:
         return {"num_blocks": 1, "block_size": 16}
 
 
-def crashing_engine(engine: dict[str, Any]) -> CrashingEngine:
+def crashing_engine(engine: Any) -> CrashingEngine:
     return CrashingEngine(engine)
 
 
@@ -334,7 +335,8 @@ def test_a_row_that_keeps_crashing_its_replica_becomes_an_error_record(ray_addre
 
 
 def test_replicas_and_resources_follow_the_cluster() -> None:
-    from batchgen.run.executors.ray import ExecutorError, RayExecutor
+    from batchgen.run.executors import ExecutorError
+    from batchgen.run.executors.ray import RayExecutor
 
     def plan(cluster: dict[str, float], device: str = "auto", **executor: Any) -> tuple[int, float, float, int]:
         config = validate_config({"model": {"device": device}, "data": {"source": "x"},

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from batchgen.config import load_config, plugin_modules
-from batchgen.run.execute import RunFailed, execute, plan
+from batchgen.run.errors import RunFailed
+from batchgen.run.execute import execute
+from batchgen.run.plan import plan
 from batchgen.plugins import load_registry
 
 
@@ -414,7 +416,7 @@ def test_nan_or_inf_logits_from_a_sampler_plugin_fail_the_run(job_config, tiny_l
 
 
 def test_resume_refuses_a_changed_config_unless_forced(job_config, tiny_llm, tmp_path: Path) -> None:
-    from batchgen.run.execute import ResumeMismatchError
+    from batchgen.run.errors import ResumeMismatchError
 
     path = job_config()
     _run(path, tiny_llm, "data.limit=4")
@@ -446,7 +448,7 @@ def test_interrupt_counts_what_is_in_the_file(job_config, tiny_llama: str, tmp_p
     still counts that record (it is read back from the file)."""
     from batchgen import LLM
     from batchgen.run.writer import JsonlWriter
-    from batchgen.run.execute import Interrupted
+    from batchgen.run.errors import Interrupted
 
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory=8 * 2**20, max_num_seqs=4)
     real_write = JsonlWriter.write

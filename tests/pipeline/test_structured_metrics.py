@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("xgrammar", reason="structured outputs need: pip install 'batchgen[structured]'")
 
 from batchgen.config import load_config  # noqa: E402
-from batchgen.run.execute import execute, plan  # noqa: E402
+from batchgen.run.execute import execute  # noqa: E402
+from batchgen.run.plan import plan  # noqa: E402
 from batchgen.plugins import load_registry  # noqa: E402
 
 #: Short enough that the tiny random model finishes it even one character a token, within 32

@@ -14,7 +14,8 @@ pytest.importorskip("xgrammar", reason="structured outputs need: pip install 'ba
 
 from batchgen.cli import main  # noqa: E402
 from batchgen.config import load_config, plugin_modules  # noqa: E402
-from batchgen.run.execute import execute, plan  # noqa: E402
+from batchgen.run.execute import execute  # noqa: E402
+from batchgen.run.plan import plan  # noqa: E402
 from batchgen.plugins import load_registry  # noqa: E402
 
 

@@ -96,7 +96,7 @@ def test_a_schema_file_is_read_and_recorded_as_the_schema(tmp_path: Path, monkey
     Path("schema.json").write_text(json.dumps(SCHEMA))
     for mode in ("greedy", "sample", "beam"):
         config = validate_config({**BASE, "generation": {"mode": mode, "structured_outputs": {"json": "schema.json"}}})
-        from batchgen.run.execute import build_params
+        from batchgen.run.rows import build_params
 
         assert build_params(config.generation).structured_outputs == StructuredOutputsParams(json=SCHEMA)
     dumped = resolved_dict(config)["generation"]

@@ -1,358 +1,42 @@
-"""Executors: where the engine runs. The pipeline streams requests through one, whatever it is.
-
-* :class:`LocalExecutor`: one :class:`~batchgen.LLM` in this process (the default).
-* :class:`RayExecutor`: N engine replicas, each a Ray actor holding its own ``LLM`` on its own
-  GPU or cores, fed by this process (the *driver*). See docs/scale-out.md.
-
-Contract of both (what :func:`batchgen.run.execute.execute` relies on):
-
-* :meth:`start` loads the engine(s); then ``tokenizer`` and ``max_model_len`` are set.
-* :meth:`stream` takes an iterable of :class:`~batchgen.engine.outputs.Request` and yields one
-  :class:`~batchgen.engine.outputs.RequestOutput` per request, as each finishes (finish order),
-  each request exactly once: a request the engine cannot run, or that crashed its replica
-  :data:`MAX_ROW_CRASHES` times, comes back with ``error`` set. The iterable is read lazily, at
-  most :meth:`RayExecutor.in_flight_limit` requests per replica ahead, so memory stays bounded
-  whatever the dataset size. ``on_tokens(n)`` is called as tokens are generated.
-* :meth:`stats` is the engine statistics (``EngineStats.to_dict()``; summed over replicas),
-  :meth:`describe` what the run summary records under ``executor`` (per-replica figures).
-* :meth:`close` stops every replica (also after Ctrl-C); it is idempotent.
+"""The Ray executor's driver: engine replicas on a Ray cluster, fed by this process.
 
 The driver-fed design (rather than Ray Data's ``map_batches``): rows stream from the driver to
 the replicas in small calls, each call returning the records that finished meanwhile, so the
-single writer (the pipeline) appends records in finish order as they come, a replica's
+single writer (the run loop) appends records in finish order as they come, a replica's
 in-flight rows are known exactly (re-run after a crash, never lost or written twice), and the
-work in flight per replica is bounded. Ray is imported lazily, only here.
+work in flight per replica is bounded. See :mod:`batchgen.run.executors` for the contract and
+docs/scale-out.md for the user's view. Ray comes from :func:`~batchgen.run.executors.cluster.import_ray`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import dataclasses
 import logging
-import os
-import signal
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.config import ConfigError, ConfigIssue, ExecutorSection, RunConfig
+from batchgen.config import RunConfig
+from batchgen.engine.config import EngineConfig
+from batchgen.plugins import PluginError
+from batchgen.run.executors import ExecutorError, engine_config, replica_figures
+from batchgen.run.executors.cluster import caller_signal_handlers, import_ray
+from batchgen.run.executors.replica import CALL_MAX_SECONDS, COUNTERS, EngineReplica, aggregate_stats
 
-__all__ = [
-    "ExecutorError",
-    "LocalExecutor",
-    "MAX_ROW_CRASHES",
-    "RayExecutor",
-    "RAY_INSTALL_HINT",
-    "check_address",
-    "check_executor",
-    "engine_kwargs",
-    "make_executor",
-]
+__all__ = ["MAX_ROW_CRASHES", "RayExecutor"]
 
 logger = logging.getLogger(__name__)
 
-RAY_INSTALL_HINT = 'pip install "batchgen[ray]"'
 #: A row in flight on a replica that crashed this many times becomes an error record. From
 #: its second crash on, the row runs alone on a replica, so that the crash is its own.
 MAX_ROW_CRASHES = 3
 #: Calls queued per replica: the next call waits in the actor while the driver handles the last
 #: one's records, so the replica never idles on the round trip.
 CALLS_PER_REPLICA = 2
-#: A replica call returns as soon as a request finishes, or after this long (progress ticks).
-CALL_MAX_SECONDS = 0.5
 #: Restarts of one replica in a row that fail to start before the run gives up.
 MAX_START_FAILURES = 3
-
-
-class ExecutorError(RuntimeError):
-    """The executor cannot go on (replicas that cannot start, a cluster too small...).
-
-    A runtime failure: the pipeline turns it into a failed run (exit status 1)."""
-
-
-def engine_kwargs(config: RunConfig) -> dict[str, Any]:
-    """The :class:`~batchgen.LLM` arguments of a run's ``model`` and ``engine`` sections."""
-    engine = config.engine
-    return dict(
-        model=config.model.name,
-        dtype=config.model.dtype,
-        device=config.model.device,
-        block_size=engine.block_size,
-        kv_cache_memory=int(engine.kv_cache_memory) if engine.kv_cache_memory is not None else None,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        enable_prefix_caching=engine.enable_prefix_caching,
-        scheduling_policy=engine.scheduling_policy,
-        attention_backend=engine.attention_backend,
-        linear_backend=engine.linear_backend,
-        num_threads=engine.num_threads,
-        index_checks=engine.index_checks,
-        seed=engine.seed,
-    )
-
-
-def make_executor(config: RunConfig, llm: Any = None) -> LocalExecutor | RayExecutor:
-    """The executor ``config.executor`` asks for (not started); ``llm`` reuses a loaded engine."""
-    if llm is not None or config.executor.backend == "local":
-        return LocalExecutor(config, llm)
-    return RayExecutor(config)
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    return stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
-
-
-# --------------------------------------------------------------------------- local
-
-
-class LocalExecutor:
-    """One engine in this process: :meth:`stream` is ``LLM.stream``."""
-
-    backend = "local"
-
-    def __init__(self, config: RunConfig, llm: Any = None) -> None:
-        self.config = config
-        self.llm = llm
-        self.tokenizer: Any = getattr(llm, "tokenizer", None)
-        self.max_model_len: int | None = getattr(llm, "max_model_len", None)
-        self._records = self._tokens = 0
-        self._seconds = 0.0
-        self._before: dict[str, Any] = {}
-
-    def start(self) -> None:
-        if self.llm is None:
-            from batchgen import LLM
-
-            self.llm = LLM(**engine_kwargs(self.config))
-        self.tokenizer, self.max_model_len = self.llm.tokenizer, self.llm.max_model_len
-
-    def stream(self, requests: Iterable[Any], on_tokens: Callable[[int], None] | None = None) -> Iterator[Any]:
-        self._records = self._tokens = 0
-        self._before = self.stats() or {}
-        t0 = time.perf_counter()
-        try:
-            for output in self.llm.stream(requests, on_tokens=on_tokens):
-                self._records += 1
-                self._tokens += output.stats.num_generated_tokens
-                yield output
-        finally:
-            self._seconds = time.perf_counter() - t0
-
-    def stats(self) -> dict[str, Any] | None:
-        """The engine's counters since it was built (``LLM.stats()``), or None before start."""
-        return _stats_dict(self.llm.stats()) if self.llm is not None else None
-
-    def describe(self) -> dict[str, Any]:
-        per_replica = []
-        if self.llm is not None:
-            import torch
-
-            line = _replica_figures(self._records, self._tokens, self._seconds, self.stats() or {}, self._before)
-            line.update(replica=0, node=socket.gethostname(), pid=os.getpid(), threads=torch.get_num_threads(),
-                        restarts=0)
-            per_replica.append(line)
-        return {"backend": "local", "replicas": 1, "per_replica": per_replica}
-
-    def close(self) -> None:
-        """Nothing to stop: the engine lives as long as this process (or its owner) keeps it."""
-
-
-def _replica_figures(records: int, tokens: int, seconds: float, stats: dict[str, Any],
-                     before: dict[str, Any]) -> dict[str, Any]:
-    """One replica's line of the summary: this run's records, tokens, speed, preemptions, KV peak."""
-    num_blocks = stats.get("num_blocks") or 0
-    peak = stats.get("peak_blocks_used", 0)
-    return {
-        "records": records,
-        "generated_tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "preemptions": int(stats.get("num_preemptions", 0)) - int(before.get("num_preemptions", 0)),
-        "kv_peak_blocks": peak,
-        "kv_num_blocks": num_blocks,
-        "kv_peak_fraction": peak / num_blocks if num_blocks else 0.0,
-    }
-
-
-# --------------------------------------------------------------------------- Ray: checks
-
-
-def _import_ray() -> Any:
-    """``import ray``, or :class:`ConfigError` naming the extra to install."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ConfigError([ConfigIssue(
-            "executor.backend",
-            f"backend 'ray' needs Ray, which is not installed ({exc}); install it with: {RAY_INSTALL_HINT}",
-        )]) from None
-    return ray
-
-
-def check_executor(config: RunConfig) -> None:
-    """Checks that need no cluster: with ``backend: ray``, that Ray can be imported.
-
-    Raises:
-        ConfigError: naming ``executor.backend`` and the extra to install.
-    """
-    if config.executor.backend == "ray":
-        _import_ray()
-
-
-def _host_port(address: str) -> tuple[str, int] | None:
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
-    host, sep, port = rest.rpartition(":")
-    return (host, int(port)) if sep and port.isdigit() else None
-
-
-def check_address(section: ExecutorSection, timeout: float = 5.0) -> str | None:
-    """``batchgen validate``: connect to ``section.address`` and disconnect.
-
-    Returns a one-line description of the cluster, or None when there is nothing to check
-    (local backend, or ``address: null``, which starts a local Ray at run time).
-
-    Raises:
-        ConfigError: on ``executor.address``, saying what failed and how to start a cluster.
-    """
-    if section.backend != "ray" or section.address is None:
-        return None
-    ray = _import_ray()
-    address = section.address
-
-    def fail(why: str) -> ConfigError:
-        return ConfigError([ConfigIssue(
-            "executor.address",
-            f"cannot reach the Ray cluster at {address!r}: {why}; start one with 'ray start --head' "
-            "(then 'ray start --address=HEAD:6379' on the other machines), or set executor.address: null "
-            "to start a local Ray",
-        )])
-
-    target = _host_port(address)
-    if target is not None:
-        try:
-            socket.create_connection(target, timeout=timeout).close()
-        except OSError as exc:
-            raise fail(f"{target[0]}:{target[1]} does not answer ({exc.strerror or exc})") from None
-    if ray.is_initialized():  # this process is already connected (a library user, the tests)
-        return f"already connected to {ray.get_runtime_context().gcs_address}"
-    found: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-            try:
-                found["resources"] = ray.cluster_resources()
-            finally:
-                ray.shutdown()
-        except Exception as exc:  # noqa: BLE001 - any failure to connect is the user's to fix
-            found["error"] = exc
-
-    # Ray's own connection timeouts run to minutes (and some networks accept any TCP connection),
-    # so the connection gets its own deadline.
-    thread = threading.Thread(target=connect, name="ray-address-check", daemon=True)
-    thread.start()
-    thread.join(timeout * 4)
-    if thread.is_alive():
-        raise fail(f"no answer within {timeout * 4:.0f} s")
-    if "error" in found:
-        exc = found["error"]
-        raise fail(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
-    resources = found["resources"]
-    gpus = int(resources.get("GPU", 0))
-    return f"Ray cluster at {address}: {int(resources.get('CPU', 0))} CPUs, {gpus} GPUs"
-
-
-@contextlib.contextmanager
-def _caller_signal_handlers() -> Iterator[None]:
-    """Keep the process's own SIGINT and SIGTERM handlers across ``ray.init``.
-
-    ``ray.init`` installs a SIGTERM handler that exits at once (with a local Ray it first kills
-    Ray's processes), which would skip the run's clean stop: summary, lock, exit status 143 (see
-    ``batchgen.cli``). A handler the caller installed is put back; a caller that left the
-    default keeps Ray's. The clean stop ends the replicas itself (:meth:`RayExecutor.close`).
-    """
-    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's
-        yield
-        return
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            if handler not in (signal.SIG_DFL, None) and signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-
-
-# --------------------------------------------------------------------------- Ray: the replica
-
-
-def build_engine(engine: dict[str, Any]) -> Any:
-    """The default engine factory of a replica: an ``LLM``."""
-    from batchgen import LLM
-
-    return LLM(**engine)
-
-
-class EngineReplica:
-    """One engine replica: the body of a Ray actor (``ray.remote`` is applied by the driver).
-
-    The driver queues requests with :meth:`step`, which adds them to the engine and runs engine
-    steps until a request finishes (or :data:`CALL_MAX_SECONDS` pass), then returns the finished
-    outputs, the tokens generated meanwhile and the engine's counters.
-    """
-
-    def __init__(self, engine: dict[str, Any], threads: int | None,
-                 factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        t0 = time.perf_counter()
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from batchgen.models import quiet_libraries
-
-        quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
-        import torch
-
-        if threads:
-            torch.set_num_threads(threads)
-            if engine.get("num_threads", "auto") == "auto":  # the replica's CPUs, not the host's
-                engine = {**engine, "num_threads": threads}
-        self.engine = (factory or build_engine)(engine)
-        self.load_seconds = time.perf_counter() - t0
-
-    def ready(self) -> dict[str, Any]:
-        """Where this replica runs and what it holds (called once, after loading)."""
-        import torch
-
-        try:
-            import ray
-
-            node = ray.get_runtime_context().get_node_id()
-            gpus = [str(g) for g in ray.get_gpu_ids()]
-        except Exception:  # noqa: BLE001 - informational only
-            node, gpus = None, []
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node_id": node, "gpu_ids": gpus,
-                "threads": torch.get_num_threads(), "max_model_len": self.engine.max_model_len,
-                "load_seconds": self.load_seconds}
-
-    def step(self, requests: list[Any], max_seconds: float = CALL_MAX_SECONDS) -> tuple[list[Any], int, dict]:
-        finished = []
-        for request in requests:
-            rejected = self.engine.add_request(request)
-            if rejected is not None:
-                finished.append(rejected)
-        tokens = 0
-        t0 = time.perf_counter()
-        while self.engine.has_unfinished_requests():
-            done, num_new = self.engine.step()
-            tokens += num_new
-            finished.extend(done)
-            if finished or time.perf_counter() - t0 >= max_seconds:
-                break
-        return finished, tokens, _stats_dict(self.engine.stats())
-
-
-# --------------------------------------------------------------------------- Ray: the driver
 
 
 @dataclass
@@ -380,41 +64,20 @@ class _Replica:
     before: dict[str, Any] = field(default_factory=dict)
 
 
-_SUMMED = ("num_blocks", "kv_cache_bytes", "peak_blocks_used", "prefix_cache_queries", "prefix_cache_hits",
-           "num_preemptions", "num_cow_copies", "num_prompt_tokens", "num_generated_tokens",
-           "num_prefill_tokens", "num_steps", "physical_blocks", "logical_blocks",
-           "prefix_cache_hit_blocks", "num_evictions")
-# Counters that restart at zero with a new incarnation and add up over its life.
-_COUNTERS = tuple(k for k in _SUMMED if k not in ("num_blocks", "kv_cache_bytes", "peak_blocks_used"))
-
-
-def _aggregate_stats(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Engine stats over replicas: counters and sizes summed (``peak_blocks_used`` is the sum of
-    the replicas' peaks), the ratios recomputed."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    total: dict[str, Any] = {k: sum(int(p.get(k, 0)) for p in parts) for k in _SUMMED}
-    total["block_size"] = parts[0].get("block_size")
-    logical, queries = total["logical_blocks"], total["prefix_cache_queries"]
-    total["saving"] = 1.0 - total["physical_blocks"] / logical if logical else 0.0
-    total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
-    return total
-
-
 class RayExecutor:
     """Engine replicas on a Ray cluster, fed by this process.
 
     Args:
         config: the run's config (``model``, ``engine`` and ``executor`` are read).
-        engine_factory: builds a replica's engine from :func:`engine_kwargs` (default: an
+        engine_factory: builds a replica's engine from :func:`~batchgen.run.executors.engine_config`'s object (default: an
             ``LLM``); a module-level function, so Ray can ship it by reference. The benchmark
             passes an instant fake engine to measure the driver alone.
     """
 
     backend = "ray"
+    thread_split: str | None = None  # each replica's own (see describe())
 
-    def __init__(self, config: RunConfig, engine_factory: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def __init__(self, config: RunConfig, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
         self.config = config
         self.section = config.executor
         self.engine_factory = engine_factory
@@ -433,7 +96,7 @@ class RayExecutor:
     # ---------------------------------------------------------------- start
     def start(self) -> None:
         """Connect to (or start) Ray, place the replicas and wait until every one has loaded."""
-        ray = self._ray = _import_ray()
+        ray = self._ray = import_ray()
         t0 = time.perf_counter()
         if not ray.is_initialized():
             address = self.section.address or "local"
@@ -441,7 +104,7 @@ class RayExecutor:
             if address == "local":
                 kwargs["include_dashboard"] = False
             try:
-                with _caller_signal_handlers():
+                with caller_signal_handlers():
                     ray.init(**kwargs)
             except Exception as exc:  # noqa: BLE001 - reported with the address
                 raise ExecutorError(f"cannot start or join Ray at {address!r}: {type(exc).__name__}: {exc}") from None
@@ -499,9 +162,9 @@ class RayExecutor:
         return count
 
     def _launch(self, replica: _Replica) -> None:
-        engine = engine_kwargs(self.config)
-        if self.num_gpus and str(engine["device"]).startswith("cuda:"):
-            engine["device"] = "cuda"  # Ray hands the replica its GPUs as cuda:0...
+        engine = engine_config(self.config)
+        if self.num_gpus and str(engine.device).startswith("cuda:"):
+            engine = dataclasses.replace(engine, device="cuda")  # Ray hands the replica its GPUs as cuda:0...
         replica.actor = self._actor_class.options(
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_task_retries=0,
         ).remote(engine, self.threads if not self.num_gpus else None, self.engine_factory)
@@ -686,23 +349,24 @@ class RayExecutor:
     def _replica_stats(self, replica: _Replica) -> dict[str, Any]:
         """The engine counters of ``replica`` since the executor started, restarts included."""
         stats = {**replica.retired, **replica.stats}
-        for key in _COUNTERS:
+        for key in COUNTERS:
             stats[key] = int(replica.stats.get(key, 0)) + int(replica.retired.get(key, 0))
         stats["peak_blocks_used"] = max(int(replica.stats.get("peak_blocks_used", 0)),
                                         int(replica.retired.get("peak_blocks_used", 0)))
         return stats
 
     def stats(self) -> dict[str, Any] | None:
-        """Engine counters since start, summed over the replicas (see :func:`_aggregate_stats`)."""
-        return _aggregate_stats([self._replica_stats(r) for r in self.replicas])
+        """Engine counters since start, summed over the replicas (see :func:`aggregate_stats`)."""
+        return aggregate_stats([self._replica_stats(r) for r in self.replicas])
 
     def describe(self) -> dict[str, Any]:
         per_replica = []
         for r in self.replicas:
             seconds = (r.last_result - r.first_call) if r.first_call is not None and r.last_result is not None else 0.0
-            line = _replica_figures(r.records, r.tokens, seconds, self._replica_stats(r), r.before)
+            line = replica_figures(r.records, r.tokens, seconds, self._replica_stats(r), r.before)
             line.update(replica=r.index, node=r.info.get("host"), node_id=r.info.get("node_id"),
-                        pid=r.info.get("pid"), threads=r.info.get("threads"), gpu_ids=r.info.get("gpu_ids"),
+                        pid=r.info.get("pid"), threads=r.info.get("threads"),
+                        torch_threads=r.info.get("torch_threads"), gpu_ids=r.info.get("gpu_ids"),
                         restarts=r.restarts)
             per_replica.append(line)
         return {"backend": "ray", "address": self.section.address, "replicas": len(self.replicas),
@@ -736,8 +400,6 @@ def _cause_exception(exc: BaseException) -> BaseException:
 
 
 def _is_plugin_error(exc: BaseException) -> bool:
-    from batchgen.plugins import PluginError
-
     return isinstance(_cause_exception(exc), PluginError)
 
 

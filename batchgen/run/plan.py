@@ -1,0 +1,257 @@
+"""The plan of a run: every check that needs no model, then a ready :class:`Job`.
+
+:func:`plan` builds the plugins with their options, picks the job's prompt source and record
+format (:func:`pick`, the only place that reads ``data.format`` and ``output.format``), loads
+or opens the data, checks the output, and, unless only validating, takes the outputs' locks and
+creates, truncates or repairs the files. Problems the user must fix raise one of
+:data:`~batchgen.run.errors.SETUP_ERRORS` (exit status 2); config problems found by different
+checks are reported together in one :class:`~batchgen.config.ConfigError`.
+
+Resume: the config a file's records were written with is kept beside them
+(:func:`batchgen.run.fingerprint.sidecar_path`, written before the first record). A resume
+whose fingerprinted config differs from it is refused, and so is a resume of records without
+one (unless the earlier run's summary still holds its config), both unless ``force_resume``.
+
+This module imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, resolved_dict
+from batchgen.plugins import PluginError
+from batchgen.run.errors import ResumeMismatchError
+from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
+from batchgen.run.lock import OutputLock
+from batchgen.run.protocols import PromptSource, RecordFormat, ResumeIndex
+from batchgen.run.writer import check_writable, prepare_output, read_records, read_summary, write_json_atomic
+
+__all__ = ["Job", "output_paths", "pick", "plan"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    """Everything :func:`batchgen.run.execute.execute` needs, checked and ready (see :func:`plan`)."""
+
+    config: RunConfig
+    registry: Any
+    #: Where the rows come from, and what the records look like (see :mod:`batchgen.run.protocols`).
+    source: PromptSource
+    records: RecordFormat
+    metrics: list[tuple[MetricRef, Any]]
+    #: What the output files already answer (empty for a fresh run).
+    answered: ResumeIndex
+    config_path: str | None = None
+    #: The resolved config (what the summary and the sidecar record).
+    resolved: dict[str, Any] = field(default_factory=dict)
+    #: The locks of the output files (the output, and the error file if any), held from
+    #: :func:`plan` to the end of the run.
+    locks: list[OutputLock] = field(default_factory=list)
+    #: The summary of the run this one resumes (None for a fresh run).
+    previous: dict[str, Any] | None = None
+
+    def release(self) -> None:
+        """Release the outputs' locks (idempotent; ``execute`` does it when it ends)."""
+        for lock in self.locks:
+            lock.release()
+
+    @property
+    def todo(self) -> int:
+        """Rows this run still has to write."""
+        return self.source.todo(self.answered)
+
+    @property
+    def outputs(self) -> list[str]:
+        return output_paths(self.config)
+
+
+def output_paths(config: RunConfig) -> list[str]:
+    """The record files of a run: ``output.path``, then ``output.error_path`` when set."""
+    return [p for p in (config.output.path, config.output.error_path) if p]
+
+
+def pick(config: RunConfig, processors: Sequence[Any] = (),
+         metric_columns: dict[str, Iterable[str]] | None = None,
+         metrics: Sequence[tuple[MetricRef, Any]] = ()) -> tuple[PromptSource, RecordFormat]:
+    """The job's prompt source (``data.format``) and record format (``output.format``).
+
+    The only place that looks at either key. Building the source loads or opens the data
+    (raises DataError / ConfigError).
+    """
+    source: PromptSource
+    records: RecordFormat
+    if config.data.format == "openai_batch":
+        from batchgen.run.batch_lines import BatchLines
+
+        source = BatchLines(config, processors, metric_columns)
+    else:
+        from batchgen.run.rows import DatasetRows
+
+        source = DatasetRows(config, processors, metric_columns)
+    if config.output.format == "openai_batch":
+        from batchgen.run.batch_lines import ResponseLines
+
+        records = ResponseLines(config)
+    else:
+        from batchgen.run.records import BatchgenRecords
+
+        records = BatchgenRecords(metrics)
+    return source, records
+
+
+class _Issues:
+    """Collects the config issues of several checks, to raise them together."""
+
+    def __init__(self) -> None:
+        self.issues: list[ConfigIssue] = []
+
+    def run(self, check: Callable[[], T]) -> T | None:
+        try:
+            return check()
+        except ConfigError as exc:
+            self.issues += exc.issues
+            return None
+
+    def raise_any(self) -> None:
+        if self.issues:
+            raise ConfigError(self.issues)
+
+
+def _configure_metrics(config: RunConfig, registry: Any, metrics: Sequence[tuple[MetricRef, Any]]) -> None:
+    """Hand the resolved config to every metric that has ``configure`` (see
+    :class:`batchgen.metrics.Metric`); its ValueError becomes a config error at ``metrics.<i>``."""
+    resolved: dict[str, Any] | None = None
+    issues = []
+    for i, (ref, metric) in enumerate(metrics):
+        configure = getattr(getattr(metric, "inner", metric), "configure", None)
+        if not callable(configure):
+            continue
+        if resolved is None:
+            resolved = resolved_dict(config, registry)
+        try:
+            configure(resolved)
+        except ValueError as exc:
+            issues.append(ConfigIssue(f"metrics.{i}", f"metric '{ref.name}': {exc}"))
+        except Exception as exc:
+            label = getattr(metric, "label", ref.name)
+            raise PluginError(
+                f"metric '{ref.name}' ({label}) could not be configured: {type(exc).__name__}: {exc}",
+                plugin=getattr(metric, "plugin", None),
+            ) from exc
+    if issues:
+        raise ConfigError(issues)
+
+
+def check_model_name(name: str) -> None:
+    """Raise a ConfigError at ``model.name`` for a model that cannot be found or loaded.
+
+    Cheap for folders and cached hub ids; converts the embedded GGUF the first time only.
+    """
+    from batchgen.models import ModelNotFoundError, check_model
+
+    try:
+        check_model(name)
+    except ModelNotFoundError as exc:
+        raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
+
+
+def plan(
+    config: RunConfig,
+    registry: Any = None,
+    *,
+    prepare: bool = True,
+    config_path: str | None = None,
+    force_resume: bool = False,
+) -> Job:
+    """Check everything that needs no model and return a ready :class:`Job`.
+
+    With ``prepare=False`` (``batchgen validate``) the output is only checked for writability and
+    left untouched; otherwise the output's lock is taken, and the file is created, truncated
+    (overwrite) or repaired (resume) per ``config.output.if_exists``, and the rows already in it
+    are skipped. A resume whose fingerprinted config differs from the one its records were
+    written with raises :class:`~batchgen.run.errors.ResumeMismatchError` unless ``force_resume``.
+
+    Raises:
+        one of :data:`~batchgen.run.errors.SETUP_ERRORS`.
+    """
+    if registry is None:
+        from batchgen.plugins import load_registry
+
+        registry = load_registry(config.plugins)
+    found = _Issues()
+    metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in config.metrics]
+    found.run(lambda: _configure_metrics(config, registry, metrics))
+    processors = []
+    if config.generation.sampler is not None:
+        sampler = config.generation.sampler
+        processors.append(registry.build_sampler(sampler.name, sampler.options))
+    found.run(lambda: check_model_name(config.model.name))
+    from batchgen.run.executors import check_executor
+
+    found.run(lambda: check_executor(config))  # backend 'ray' without Ray installed: say what to install
+    required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
+    picked = found.run(lambda: pick(config, processors, required, metrics))
+    found.raise_any()
+    assert picked is not None
+    source, records = picked
+    outputs = output_paths(config)
+    for path in (*outputs, config.output.summary_file):
+        check_writable(path)
+    resolved = resolved_dict(config, registry)
+    job = Job(config, registry, source, records, metrics, records.resume_index(()), config_path, resolved)
+    if prepare:
+        _prepare(job, force_resume)
+    return job
+
+
+def _prepare(job: Job, force_resume: bool) -> None:
+    """Take the locks, check a resume against the records' config, prepare the files."""
+    config = job.config
+    outputs = job.outputs
+    try:
+        for path in outputs:  # the error file too: a second job must not write into it either
+            job.locks.append(OutputLock(path).acquire())
+        previous = read_summary(config.output.summary_file)
+        resuming = config.output.if_exists == "resume" and any(
+            Path(p).is_file() and Path(p).stat().st_size > 0 for p in outputs
+        )
+        if resuming and not force_resume:
+            _check_same_config(config, previous, job.resolved)
+        for path in outputs:
+            prepare_output(path, config.output.if_exists, key=None)
+        written = (r for path in outputs if Path(path).exists() for r in read_records(path))
+        job.answered = job.records.resume_index(written)
+        job.previous = previous if len(job.answered) else None
+        # Before the first record: the config these records are written with.
+        write_json_atomic(sidecar_path(config.output.path), sidecar(job.resolved))
+    except BaseException:
+        job.release()
+        raise
+
+
+def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resolved: dict[str, Any]) -> None:
+    """Raise :class:`ResumeMismatchError` when the records were written with a config that
+    differs in a way that changes what a record holds, or when nothing says what it was."""
+    before = read_sidecar(config.output.path)
+    where = str(sidecar_path(config.output.path))
+    if before is None and previous is not None and isinstance(previous.get("config"), dict):
+        before, where = previous["config"], str(config.output.summary_file)  # written by an older batchgen
+    if before is None:
+        raise ResumeMismatchError(
+            f"cannot resume {config.output.path}: nothing says which config its records were written with "
+            f"({where} is missing); pass --force-resume to append anyway, or --overwrite to start over"
+        )
+    changes = config_differences(before, resolved)
+    if changes:
+        lines = "\n".join(f"  - {change}" for change in changes)
+        raise ResumeMismatchError(
+            f"cannot resume {config.output.path}: its records were written with a different config "
+            f"(from {where}); resuming would mix records of both:\n{lines}\n"
+            "restore those settings, pass --force-resume to append anyway, or --overwrite to start over"
+        )
