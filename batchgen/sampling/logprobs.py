@@ -1,0 +1,96 @@
+"""Token logprobs from hidden states, reduced chunk by chunk (prompt logprobs, scoring).
+
+Scoring a prompt needs, at each scored position, the logprob of the next prompt token, its
+rank and the top k alternatives: a handful of numbers per position. The full distribution is
+``vocab`` floats per position, so a whole prompt's logits (``[prompt length x vocab]`` float32)
+would dwarf the model on long prompts. :func:`reduce_logprobs` never builds it: it takes the
+final hidden states of the scored positions, runs the output layer over at most ``chunk_rows``
+of them at a time, and keeps only the reduced numbers. Peak memory is one chunk of logits,
+whatever the number of positions.
+
+Per position, with ``logits`` the float32 output of the model (after any final scaling the
+model applies) and ``lse`` their logsumexp:
+
+* ``logprob = logits[target] - lse`` (log-softmax of the raw logits, as vLLM reports prompt
+  logprobs and as lm-eval's ``hf`` model gathers them);
+* ``rank = 1 + #{v : logits[v] > logits[target]}`` (vLLM's rank: 1 is the most likely token;
+  tokens tied with the target share its rank);
+* the ``num_top`` best tokens and their logprobs, best first (``torch.topk``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TokenLogprobs", "reduce_logprobs", "chunk_rows_for"]
+
+#: Logits elements held at once by :func:`reduce_logprobs` by default (16 MiB of float32).
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_rows_for(vocab_size: int, max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Positions per chunk so that one chunk of logits holds at most ``max_elements`` floats."""
+    return max(1, max_elements // max(1, vocab_size))
+
+
+@dataclass
+class TokenLogprobs:
+    """The reduced numbers of ``n`` scored positions, in input order (plain Python lists).
+
+    ``top_ids[i]`` / ``top_logprobs[i]`` hold ``num_top`` entries, best first (empty lists when
+    ``num_top`` is 0).
+    """
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
+def reduce_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    num_top: int = 0,
+    chunk_rows: int = 64,
+) -> TokenLogprobs:
+    """Reduce ``compute_logits(hidden)`` to each row's target logprob, rank and top ``num_top``.
+
+    Args:
+        hidden: ``[n, hidden_size]`` final hidden states of the scored positions.
+        targets: ``[n]`` token ids whose logprob each row reports.
+        compute_logits: the model's output layer: ``[m, hidden_size] -> [m, vocab]`` logits.
+        num_top: alternatives reported per row besides the target (0: none).
+        chunk_rows: rows sent through ``compute_logits`` at once (>= 1); the caller sizes
+            it with :func:`chunk_rows_for` from the vocabulary.
+    """
+    n = hidden.shape[0]
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if targets.shape != (n,):
+        raise ValueError(f"targets must have shape [{n}], got {tuple(targets.shape)}")
+    out = TokenLogprobs([], [], [], [])
+    start = 0
+    while start < n:
+        logits = compute_logits(hidden[start:start + chunk_rows]).float()
+        tgt = targets[start:start + logits.shape[0]].to(logits.device)
+        lse = torch.logsumexp(logits, dim=-1)
+        target_logits = logits.gather(1, tgt.unsqueeze(1))
+        out.logprobs.extend((target_logits.squeeze(1) - lse).tolist())
+        out.ranks.extend(((logits > target_logits).sum(dim=-1) + 1).tolist())
+        if num_top > 0:
+            values, ids = torch.topk(logits, min(num_top, logits.shape[-1]), dim=-1)
+            out.top_ids.extend(ids.tolist())
+            out.top_logprobs.extend((values - lse.unsqueeze(1)).tolist())
+        else:
+            out.top_ids.extend([] for _ in range(logits.shape[0]))
+            out.top_logprobs.extend([] for _ in range(logits.shape[0]))
+        start += logits.shape[0]
+        del logits
+    return out

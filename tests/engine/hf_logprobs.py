@@ -1,0 +1,41 @@
+"""HF forward passes reduced to token logprobs: the oracles of the scoring tests.
+
+Each helper runs one unpadded HF forward pass over a token list and takes ``log_softmax`` of
+its float32 logits, as lm-eval's ``hf`` model does for ``loglikelihood``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_prompt_logprobs(model, token_ids: list[int], num_top: int) -> list[dict]:
+    """Per position ``p >= 1``: ``{"logprob", "rank", "top_ids", "top_logprobs"}`` of token
+    ``p`` given tokens ``0 .. p-1`` (rank as vLLM counts it: 1 + tokens with a larger logit)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(token_ids[1:])
+    target_lp = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = ((logprobs > target_lp).sum(-1) + 1).tolist()
+    top_lp, top_ids = torch.topk(logprobs, num_top, dim=-1) if num_top else (None, None)
+    out = []
+    for i in range(len(token_ids) - 1):
+        out.append({"logprob": float(target_lp[i, 0]), "rank": int(ranks[i]),
+                    "top_ids": top_ids[i].tolist() if num_top else [],
+                    "top_logprobs": top_lp[i].tolist() if num_top else []})
+    return out
+
+
+def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """lm-eval's ``hf`` reduction of one pair: the model reads ``(context + continuation)[:-1]``;
+    the continuation's logprobs are gathered from the last ``len(continuation)`` positions;
+    greedy when each of them is the argmax."""
+    whole = context + continuation
+    with torch.inference_mode():
+        logits = model(torch.tensor([whole[:-1]])).logits[0, -len(continuation):].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    cont = torch.tensor(continuation)
+    total = float(logprobs.gather(1, cont.unsqueeze(1)).sum())
+    greedy = bool((logprobs.argmax(-1) == cont).all())
+    return total, greedy
