@@ -373,6 +373,21 @@ class QuantizedLinear(torch.nn.Module):
         them (a new tensor)."""
         return unpack_panels(self.packed, self.qtype, self.out_features, self.in_features)
 
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The GGUF bytes of the weight rows ``index`` (``[len(index), row_bytes]`` uint8, as the
+        file stores them), read from the panels without unpacking the others: a token embedding
+        tied to this layer looks its rows up here, so the two share one copy of the bytes."""
+        ts = GGML_QUANT_SIZES[self.qtype][1]
+        nb = self.in_features // block_size(self.qtype)
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        perm = _panel_permutation(self.qtype)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        cols = inverse.view(PANEL, ts)[index % PANEL]                            # [n, ts]
+        got = self.packed.view(-1, nb, PANEL * ts)[
+            (index // PANEL).view(-1, 1, 1), torch.arange(nb).view(1, -1, 1), cols.view(-1, 1, ts)]
+        return got.reshape(index.numel(), nb * ts)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The weight de-quantized to float32 ``[out_features, in_features]`` (a new tensor)."""
         return dequantize(self.raw_rows(), self.qtype, (self.out_features, self.in_features))
