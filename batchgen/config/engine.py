@@ -1,0 +1,108 @@
+"""``engine:`` the engine's settings (the YAML schema of
+:class:`~batchgen.engine.config.EngineConfig`, which :meth:`EngineSection.to_engine_config`
+builds), and ``executor:`` where the engine runs.
+
+This module imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ByteSize, Field, PositiveInt, field_validator, model_validator
+
+from batchgen.config.sections import _Section
+
+
+class EngineSection(_Section):
+    """``engine:`` the paged KV cache and scheduler knobs, passed to :class:`batchgen.LLM`."""
+
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (1..256)")
+    kv_cache_memory: ByteSize | None = Field(
+        None, gt=0, description="bytes, or a string like '512MiB'; null = the engine's default"
+    )
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["prefix", "fcfs"] = Field(
+        "prefix", description="order of waiting rows: 'prefix' runs rows that share a prompt prefix "
+        "together (computed once); 'fcfs' keeps dataset order"
+    )
+    attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
+    linear_backend: Literal["auto", "torch", "cpu"] = Field(
+        "auto", description="'cpu': the model's linear layers through batchgen's C GEMM; "
+        "'auto' = 'cpu' on the CPU wherever it builds, else 'torch'"
+    )
+    num_threads: Literal["auto"] | PositiveInt = Field(
+        "auto", description="CPU threads: 'auto' = OMP_NUM_THREADS if set, else the CPUs "
+        "this process may use (affinity, cgroup quota)"
+    )
+    seed: int = Field(
+        0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
+    )
+    index_checks: bool = Field(
+        True, description="the cuda attention backend checks context lengths, block ids and slots "
+        "against the KV cache before launching (one host sync per step); false skips it"
+    )
+
+
+class ResourcesSection(_Section):
+    """``executor.resources_per_replica:`` what Ray reserves for each engine replica."""
+
+    num_cpus: float | None = Field(
+        None, gt=0, description="CPU cores per replica, also its torch threads on the CPU; null = 1"
+    )
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per replica; null = 1 on a cluster with GPUs, else 0"
+    )
+
+
+class ExecutorSection(_Section):
+    """``executor:`` where the engine runs: in this process, or as replicas on a Ray cluster.
+
+    See docs/scale-out.md. The Ray backend needs the ``ray`` extra (checked by
+    :func:`batchgen.executor.check_executor`, not here: this module imports no optional package).
+    """
+
+    backend: Literal["local", "ray"] = "local"
+    replicas: PositiveInt | Literal["auto"] = Field(
+        1, description="engine replicas; 'auto' = one per GPU on a GPU cluster, else one per num_cpus cores"
+    )
+    address: str | None = Field(
+        None, description="null = start a local Ray; 'auto' = join the cluster of this machine; "
+        "'ray://host:port' (Ray Client) or 'host:port' (the head's GCS) = join that cluster"
+    )
+    resources_per_replica: ResourcesSection = Field(default_factory=ResourcesSection)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replicas(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two (int parsing + literal) for the union.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected a positive integer or 'auto', got {value!r}")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        rest = value[len("ray://"):] if value.startswith("ray://") else value
+        host, sep, port = rest.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"invalid Ray address {value!r}; use null (start a local Ray), 'auto', "
+                "'ray://host:port' (Ray Client, port 10001 by default) or 'host:port' (the head's GCS, port 6379)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _local_is_one(self) -> ExecutorSection:
+        if self.backend == "local":
+            extra = [k for k in ("replicas", "address") if k in self.model_fields_set and getattr(self, k) not in (1, None)]
+            if extra:
+                keys = " and ".join(f"'{k}'" for k in extra)
+                verb = "needs" if len(extra) == 1 else "need"
+                raise ValueError(f"{keys} {verb} backend 'ray' (the local backend runs one engine in this process); "
+                                 "set executor.backend: ray")
+        return self
