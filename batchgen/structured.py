@@ -100,6 +100,23 @@ def grammar(params: StructuredOutputsParams) -> Any:
     return xgr.Grammar.from_ebnf(params.grammar)
 
 
+def describe(params: StructuredOutputsParams, limit: int = 120) -> str:
+    """``regex '[a-z]+'``, ``JSON schema '{...}'``: the kind and the constraint, shortened."""
+    kind = params.kind
+    if kind == "json":
+        value = _schema_text(params)
+    elif kind == "choice":
+        value = json.dumps(params.choice or [], ensure_ascii=False)
+    elif kind == "json_object":
+        return "json_object"
+    else:
+        value = params.regex if kind == "regex" else params.grammar
+    text = str(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{_WHAT[kind]} {text!r}"
+
+
 _checked: dict[str, str | None] = {}  # constraint key -> error message (None: compiles)
 
 
@@ -129,12 +146,14 @@ class GrammarState:
     compiles in the background; until then a fork shares the pending grammar and nothing else.
     """
 
-    __slots__ = ("_owner", "_grammar", "_matcher")
+    __slots__ = ("_owner", "_grammar", "_matcher", "constraint")
 
-    def __init__(self, owner: StructuredOutputsProcessor, grammar: Future, matcher: Any = None) -> None:
+    def __init__(self, owner: StructuredOutputsProcessor, grammar: Future, matcher: Any = None,
+                 constraint: StructuredOutputsParams | None = None) -> None:
         self._owner = owner
         self._grammar = grammar
         self._matcher = matcher
+        self.constraint = constraint
 
     @property
     def matcher(self) -> Any:
@@ -145,7 +164,7 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         matcher = None if self._matcher is None else self._matcher.fork()
-        return GrammarState(self._owner, self._grammar, matcher)
+        return GrammarState(self._owner, self._grammar, matcher, self.constraint)
 
     def accept_token(self, token_id: int) -> None:
         if not self.matcher.accept_token(int(token_id)):
@@ -219,7 +238,14 @@ class StructuredOutputsProcessor(StatefulLogitsProcessor):
         constraint = getattr(params, "structured_outputs", None)
         if constraint is None:
             raise ValueError("these params have no structured_outputs")
-        return GrammarState(self, self.compile(constraint))
+        return GrammarState(self, self.compile(constraint), constraint=constraint)
+
+    def describe(self, state: GrammarState | None = None) -> str:
+        """``structured_outputs regex '...'``: the constraint ``state`` enforces, for errors."""
+        constraint = getattr(state, "constraint", None)
+        if constraint is None:
+            return "structured_outputs"
+        return f"structured_outputs {describe(constraint)}"
 
     def fill_mask(self, states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """All constrained rows in one batched call (xgrammar's threads fill them)."""

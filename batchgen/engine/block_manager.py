@@ -21,7 +21,7 @@ Model
 * Blocks filled in the current step are *pending*: ``allocate_slots`` registers every full
   block that the step's write completes, and a lookup later in the same step hits them as if
   they were cached. This is sound because a step writes all of its K/V into the cache before
-  any attention reads it (see ``engine/attention.py``), so a sequence scheduled in the same
+  any attention reads it (see ``engine/paged_attention.py``), so a sequence scheduled in the same
   step reads the prefix that another one computes. ``cache_full_blocks`` turns them into
   cached blocks after the step; ``begin_step`` drops whatever a step did not compute.
   A pending block must be written: the scheduler never frees a sequence in the step it

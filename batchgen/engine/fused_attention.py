@@ -21,7 +21,7 @@ partial or interleaved rotary, another attention variant) fails the probe and st
 Numerics: the q/k/v GEMM gives each output column exactly what the separate packed q, k and v
 layers give (one chain of multiply-adds per column, :mod:`batchgen.kernels.cpu.linear`), RoPE
 equals torch's bit for bit (:func:`batchgen.kernels.cpu.fused.rope_and_cache`), and the
-attention is the runner's own backend (:func:`batchgen.engine.attention.attend`): a fused model
+attention is the runner's own backend (:func:`batchgen.engine.paged_attention.attend`): a fused model
 computes what the unfused one does on the CPU path, bit for bit.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine import attention
+from batchgen.engine import paged_attention
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu.linear import PackedLinear
 
@@ -54,7 +54,7 @@ PROBE_TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 class FusedAttention(torch.nn.Module):
     """An HF rotate-half attention layer: one packed GEMM for q, k and v, RoPE and the K/V
     cache write in one C pass (:func:`~batchgen.kernels.cpu.fused.rope_and_cache`), the
-    paged attention of the runner's backend (:func:`~batchgen.engine.attention.attend`), then
+    paged attention of the runner's backend (:func:`~batchgen.engine.paged_attention.attend`), then
     ``o_proj``.
 
     Built from the layer it replaces (which it no longer needs): its q/k/v weights (and
@@ -88,7 +88,7 @@ class FusedAttention(torch.nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        batchgen_metadata: attention.AttentionMetadata | None = None,
+        batchgen_metadata: paged_attention.AttentionMetadata | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """HF's attention call (``position_ids``, ``cache``, ``use_cache``, ``sliding_window``
@@ -98,7 +98,7 @@ class FusedAttention(torch.nn.Module):
         Args:
             hidden_states: ``[1, num_tokens, hidden]``, the packed row.
             position_embeddings: ``(cos, sin)``, each ``[1, num_tokens, head_dim]``.
-            batchgen_metadata: the step's :class:`~batchgen.engine.attention.AttentionMetadata`.
+            batchgen_metadata: the step's :class:`~batchgen.engine.paged_attention.AttentionMetadata`.
 
         Returns:
             ``([1, num_tokens, hidden], None)``.
@@ -115,7 +115,7 @@ class FusedAttention(torch.nn.Module):
                                  meta.slot_mapping, self.num_heads)
         width = self.num_heads * self.head_dim
         query = qkv.view(num_tokens, -1)[:, :width].view(num_tokens, self.num_heads, self.head_dim)
-        out = attention.attend(query, layer, self.scaling, meta)
+        out = paged_attention.attend(query, layer, self.scaling, meta)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], width)), None
 
 
@@ -175,7 +175,7 @@ class _Probe:
         self.position_ids = positions
         shape = (num_layers, 2, PROBE_NUM_BLOCKS, PROBE_BLOCK_SIZE, num_kv_heads, head_dim)
         self.initial = torch.randn(shape, generator=gen).to(dtype)
-        self.meta = attention.AttentionMetadata(
+        self.meta = paged_attention.AttentionMetadata(
             kv_cache=self.initial.clone(),
             slot_mapping=torch.tensor(PROBE_SLOTS, dtype=torch.int64),
             num_decode_tokens=1,

@@ -1,34 +1,27 @@
-"""LLM: the public engine. Owns the one step loop.
+"""LLM: the public Python API (vLLM's names): ``generate``, ``chat``, ``stream``.
 
-Each step: the scheduler plans (allocation, copy-on-write, preemption), the model runner runs
-one packed forward, then every sequence that reached its last token gets a new token (sampler
-or beam search), and finished requests leave at once, freeing their blocks.
+It loads the model and the tokenizer and drives an :class:`~batchgen.engine.core.EngineCore`
+(the step loop) until every request has finished; outputs are built by the core's
+:class:`~batchgen.engine.output_processor.OutputProcessor`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
-import torch
-
-from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.detokenizer import IncrementalDetokenizer
+from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import CompletionOutput, EngineStats, Prompt, Request, RequestOutput
-from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.sampling.beam import BeamSearchState
-from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
-from batchgen.sampling.sampler import Sampler, SamplingRow, apply_stateful
+from batchgen.engine.outputs import EngineStats, Prompt, Request, RequestOutput
+from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_SEED_MASK = (1 << 63) - 1
+Params = SamplingParams | BeamSearchParams
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -37,6 +30,9 @@ class LLM:
     ``LLM(config=EngineConfig(...))``, or the convenience ``LLM(model, dtype=..., ...)``: the
     keyword arguments are :class:`~batchgen.engine.config.EngineConfig`'s fields (see it for
     each setting) and build one; given both, the keywords override the config's fields.
+
+    The engine's parts stay reachable for tools and tests: ``runner`` (model and KV cache),
+    ``tokenizer``, ``block_manager``, ``scheduler``, ``sampler`` and ``engine`` (the core).
 
     Raises:
         ValueError: a setting out of range (see :class:`EngineConfig`).
@@ -52,24 +48,17 @@ class LLM:
             config = EngineConfig.from_kwargs(**{**config.to_dict(), **kwargs, **({"model": model} if model else {})})
         self.config = config
         self.model_name = config.model
-        self.runner = ModelRunner(config)
+        with _no_progress_bars():  # transformers' "Loading weights" bar is no output of ours
+            self.runner = ModelRunner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_path,
                                                        trust_remote_code=config.trust_remote_code)
-        self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy)
-        self.sampler = Sampler(fused_greedy=self.runner.linear_backend == "cpu")
-        self.eos_token_ids: list[int] = self.runner.eos_token_ids()
+        self.engine = EngineCore(config, self.runner, self.tokenizer)
+        self.block_manager = self.engine.block_manager
+        self.scheduler = self.engine.scheduler
+        self.sampler = self.engine.sampler
+        self.eos_token_ids = self.engine.eos_token_ids
+        self.max_model_len = self.engine.max_model_len
         self.seed = config.seed
-        self._structured: Any = None  # the StructuredOutputsProcessor, made on first use
-        self._arrivals = 0
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
-        self._num_prefill_tokens = 0
-        self._num_steps = 0
-        self._physical_blocks = 0
-        self._logical_blocks = 0
         logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend %s, "
                     "linear backend %s", config.model, self.runner.num_blocks, config.block_size,
                     self.runner.kv_cache.num_bytes / 2**20, self.runner.attention_backend,
@@ -79,7 +68,7 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | BeamSearchParams | Seq[SamplingParams | BeamSearchParams] | None = None,
+        params: Params | Seq[Params] | None = None,
         on_tokens: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order.
@@ -90,19 +79,58 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, (SamplingParams, BeamSearchParams)):
-            params_list = [params] * len(prompts)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} params for {len(prompts)} prompts; give one, or one per prompt")
+        params_list = _params_per_prompt(params, len(prompts))
         requests = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params_list))]
         results: dict[str, RequestOutput] = {}
         for out in self.stream(requests, on_tokens=on_tokens):
             results[out.request_id] = out
         return [results[r.request_id] for r in requests]
+
+    def chat(
+        self,
+        messages: Conversation | Seq[Conversation],
+        sampling_params: Params | Seq[Params] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's ``LLM.chat``.
+
+        ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}`` dicts) or
+        a list of them. Each is rendered with the tokenizer's chat template (or
+        ``chat_template``), with the assistant's header when ``add_generation_prompt`` (or the
+        last message left open when ``continue_final_message``); its token ids are exactly
+        ``tokenizer.apply_chat_template(..., tokenize=True)``'s. Each output's ``prompt`` is the
+        rendered text. One RequestOutput per conversation, in input order.
+
+        Raises:
+            ValueError: the tokenizer has no chat template and none is given, or a
+                conversation is malformed (naming its index).
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.model_name!r} has no chat template; "
+                             "pass chat_template=... or use generate() on plain prompts")
+        texts: list[str] = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and "role" in m for m in conversation):
+                raise ValueError(f"conversation {i} must be a list of {{'role': ..., 'content': ...}} dicts")
+            texts.append(self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs))
+        # The template writes the special tokens itself: tokenise the text without adding any.
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        outputs = self.generate(ids, sampling_params, on_tokens=on_tokens)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def stream(
         self,
@@ -113,8 +141,8 @@ class LLM:
 
         ``requests`` is consumed lazily: only enough to keep the batch full is read ahead.
         ``on_tokens(n)`` is called once per step with the number of tokens generated in it.
-        A request that fails (e.g. a prompt that can never fit) yields an output with
-        ``error`` set; the others go on.
+        A request that fails (e.g. a prompt that can never fit, or a constraint that no token
+        can satisfy) yields an output with ``error`` set; the others go on.
         """
         source = iter(requests)
         try:
@@ -124,22 +152,10 @@ class LLM:
             # what this stream left behind so that the next stream starts clean.
             self.abort_all()
 
-    def abort_all(self) -> int:
-        """Drop every queued and running request, freeing their blocks; returns how many."""
-        groups = list(self.scheduler.waiting) + list(self.scheduler.running)
-        for group in groups:
-            self.scheduler.finish_group(group)
-        self.scheduler.waiting.clear()
-        return len(groups)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (as vLLM's method of the same name); False, changing
-        nothing, while requests hold blocks."""
-        return self.block_manager.reset_prefix_cache()
-
     def _run(self, source: Iterator[Request], lookahead: int,
              on_tokens: Callable[[int], None] | None) -> Iterator[RequestOutput]:
         exhausted = False
+        engine = self.engine
         while True:
             while not exhausted and len(self.scheduler.waiting) < lookahead:
                 try:
@@ -147,10 +163,10 @@ class LLM:
                 except StopIteration:
                     exhausted = True
                     break
-                rejected = self.add_request(request)
+                rejected = engine.add_request(request)
                 if rejected is not None:
                     yield rejected
-            if not self.scheduler.has_unfinished:
+            if not engine.has_unfinished:
                 if exhausted:
                     return
                 continue
@@ -159,393 +175,60 @@ class LLM:
                 on_tokens(num_new)
             yield from finished
 
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """Run one engine step; returns the requests that finished in it and the tokens
+        generated (for callers that drive the loop themselves, with :meth:`add_request`)."""
+        return self.engine.step()
+
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue one request for the next :meth:`step`; for callers that drive the step loop
         themselves (an executor's replica). Returns the request's error output at once when it
         can never run (e.g. its prompt cannot fit), else None."""
-        group = self._make_group(request)
-        error = group.error or self.scheduler.add(group)
-        if error is None:
-            return None
-        group.error = error
-        return self._make_output(group)
+        return self.engine.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a queued or running request is left for :meth:`step`."""
-        return self.scheduler.has_unfinished
+        return self.engine.has_unfinished
+
+    def abort_all(self) -> int:
+        """Drop every queued and running request, freeing their blocks; returns how many."""
+        return self.engine.abort_all()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (as vLLM's method of the same name); False, changing
+        nothing, while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
+    def structured_processor(self) -> Any:
+        """The engine's shared :class:`batchgen.structured.StructuredOutputsProcessor` (made on
+        first use; ImportError when xgrammar is missing)."""
+        return self.engine.structured_processor()
 
     def stats(self) -> EngineStats:
         """Run-level counters since this LLM was created."""
-        bm = self.block_manager
-        return EngineStats(
-            num_blocks=bm.num_blocks, block_size=bm.block_size,
-            kv_cache_bytes=self.runner.kv_cache.num_bytes, peak_blocks_used=bm.peak_blocks_used,
-            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
-            prefix_cache_hit_blocks=bm.prefix_cache_hit_blocks, num_evictions=bm.num_evictions,
-            num_preemptions=self.scheduler.num_preemptions, num_cow_copies=bm.num_cow_copies,
-            num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
-            num_prefill_tokens=self._num_prefill_tokens, num_steps=self._num_steps,
-            physical_blocks=self._physical_blocks, logical_blocks=self._logical_blocks,
-        )
+        return self.engine.stats()
 
-    # ------------------------------------------------------------------ requests
-    def _make_group(self, request: Request) -> SequenceGroup:
-        params = request.params
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise TypeError(f"request {request.request_id!r}: params must be SamplingParams or "
-                            f"BeamSearchParams, got {type(params).__name__}")
-        if isinstance(request.prompt, str):
-            prompt_text: str | None = request.prompt
-            token_ids = self.tokenizer(request.prompt)["input_ids"]
-        else:
-            prompt_text = None
-            token_ids = [int(t) for t in request.prompt]
-        self._arrivals += 1
-        group = SequenceGroup(request.request_id, prompt_text, list(token_ids), params, self._arrivals)
-        group.stats.num_prompt_tokens = len(token_ids)
-        bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            group.error = f"prompt token ids out of the vocabulary (0..{self.runner.vocab_size - 1}): {bad[:5]}"
-            return group
-        seq = Sequence(token_ids, index=0)
-        self._init_seq(group, seq)
-        group.seqs.append(seq)
-        group.processors = [p for p in params.logits_processors if is_stateful(p)]
-        try:
-            if params.structured_outputs is not None:
-                group.processors.append(self.structured_processor())
-            # Made now so that a grammar compiles while other requests' steps run.
-            seq.processor_states = [p.new_state(list(token_ids), params) for p in group.processors]
-        except (ValueError, ImportError) as exc:  # a constraint that does not compile, no xgrammar
-            group.error = str(exc)
-            return group
-        if isinstance(params, BeamSearchParams):
-            checker = self._stop_string_checker(params) if params.stop else None
-            group.beam_state = BeamSearchState(params, self.eos_token_ids, stop_checker=checker)
-        self._num_prompt_tokens += len(token_ids)
-        return group
 
-    def structured_processor(self) -> Any:
-        """The engine's :class:`batchgen.structured.StructuredOutputsProcessor`, shared by every
-        constrained request (so its grammar cache and its batched mask fill are too); made on
-        first use. Raises ImportError when xgrammar is missing."""
-        if self._structured is None:
-            from batchgen.structured import StructuredOutputsProcessor
+def _params_per_prompt(params: Params | Seq[Params] | None, num_prompts: int) -> list[Params]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, (SamplingParams, BeamSearchParams)):
+        return [params] * num_prompts
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"got {len(params_list)} params for {num_prompts} prompts; give one, or one per prompt")
+    return params_list
 
-            self._structured = StructuredOutputsProcessor(
-                self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
-                max_threads=max(1, min(8, torch.get_num_threads())))
-        return self._structured
 
-    def _states(self, group: SequenceGroup, seq: Sequence) -> list[Any]:
-        """``seq``'s processor states; built again from its tokens when it has none (after a
-        preemption by recompute): fresh states that accept every generated token."""
-        if seq.processor_states is None:
-            states = [p.new_state(seq.prompt_token_ids, group.params) for p in group.processors]
-            for token in seq.output_token_ids:
-                for state in states:
-                    state.accept_token(token)
-            seq.processor_states = states
-        return seq.processor_states
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while the model loads, as they were afterwards."""
+    from transformers.utils import logging as hf_logging
 
-    def _stop_string_checker(self, params: BeamSearchParams) -> Callable[[Seq[int]], bool]:
-        """For beams: does the decoded text of these tokens contain a stop string?"""
-        def check(token_ids: Seq[int]) -> bool:
-            text = self.tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens)
-            return any(s in text for s in params.stop)
-        return check
-
-    def _stop_ids(self, params: SamplingParams | BeamSearchParams) -> list[int]:
-        ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids += [t for t in self.eos_token_ids if t not in ids]
-        return ids
-
-    def _base_seed(self, group: SequenceGroup) -> int | None:
-        seed = getattr(group.params, "seed", None)
-        if seed is not None:
-            return int(seed)
-        if self.seed is None:
-            return None
-        return (self.seed * 1_000_003 + zlib.crc32(group.request_id.encode())) & _SEED_MASK
-
-    def _init_seq(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Per-sequence generator (seeded from the request seed and the sample index) and
-        detokenizer."""
-        params = group.params
-        if isinstance(params, SamplingParams) and not params.is_greedy:
-            base = self._base_seed(group)
-            if base is not None:
-                seed = base if seq.index == 0 else (base * 6_364_136_223_846_793_005 + seq.index) & _SEED_MASK
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-
-    # ------------------------------------------------------------------ the step
-    def step(self) -> tuple[list[RequestOutput], int]:
-        """Run one step; returns the requests that finished in it and the tokens generated."""
-        plan = self.scheduler.schedule()
-        finished = [self._make_output(g) for g in plan.errored]
-        if plan.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs and the head of the queue cannot be admitted: fail it rather
-                # than spin (add() already rejects what can never fit, so this is a guard).
-                group = self.scheduler.waiting.popleft()
-                group.error = "the request could not be scheduled with the whole KV cache free"
-                finished.append(self._make_output(group))
-            return finished, 0
-        self._num_steps += 1
-        sample = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in plan.scheduled]
-        logits = self.runner.execute(plan.scheduled, sample, plan.copies)
-        for seq, n in plan.scheduled:
-            if n > 1 or seq.num_output_tokens == 0 or seq.num_computed_tokens + 1 < seq.num_tokens:
-                self._num_prefill_tokens += n  # all but decodes: prompts, and recomputes
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        # Group the sampling sequences by request, keeping their logits rows.
-        rows_by_group: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
-        seq_to_group = {id(s): g for g in self.scheduler.running for s in g.seqs}
-        row = 0
-        for (seq, _), samples in zip(plan.scheduled, sample):
-            if samples:
-                group = seq_to_group[id(seq)]
-                rows_by_group.setdefault(id(group), (group, []))[1].append((seq, row))
-                row += 1
-        num_new = 0
-        sampling_rows: list[SamplingRow] = []
-        sampling_seqs: list[tuple[SequenceGroup, Sequence]] = []
-        sampling_logit_rows: list[int] = []
-        for group, entries in rows_by_group.values():
-            if group.beam_state is not None:
-                num_new += self._beam_step(group, entries, logits)
-                continue
-            if not group.forked:
-                entries = self._fork_samples(group, entries)
-            for seq, r in entries:
-                sampling_rows.append(self._sampling_row(group, seq))
-                sampling_seqs.append((group, seq))
-                sampling_logit_rows.append(r)
-        if sampling_rows:
-            idx = torch.tensor(sampling_logit_rows, dtype=torch.long)
-            result = self.sampler(logits.index_select(0, idx), sampling_rows)
-            for i, (group, seq) in enumerate(sampling_seqs):
-                top = result.top_logprobs[i] if result.top_logprobs else None
-                self._append(group, seq, result.token_ids[i], result.logprobs[i], top)
-                num_new += 1
-        self._num_generated_tokens += num_new
-        for group in list(self.scheduler.running):
-            self._account_blocks(group)
-            if group.is_finished:
-                self.scheduler.finish_group(group)
-                finished.append(self._make_output(group))
-        return finished, num_new
-
-    def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
-        params: SamplingParams = group.params
-        suppress: Seq[int] = ()
-        if seq.num_output_tokens < params.min_tokens:
-            suppress = self._stop_ids(params)
-        if not group.processors:
-            return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
-                               output_token_ids=seq.output_token_ids, generator=seq.generator,
-                               suppress_token_ids=suppress)
-        return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=seq.generator,
-                           suppress_token_ids=suppress, processors=group.processors,
-                           states=self._states(group, seq))
-
-    def _fork_samples(self, group: SequenceGroup, entries: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """After the prompt's prefill: fork it into best_of (or n) samples sharing its blocks.
-
-        Every child shares all blocks of the prompt, the partial last one included; the first
-        write into a shared block copies only that block.
-        """
-        group.forked = True
-        params: SamplingParams = group.params
-        total = params.best_of or params.n
-        (parent, r), = entries
-        for i in range(1, total):
-            child = parent.fork(index=i)
-            self.block_manager.fork(parent, child)
-            self._init_seq(group, child)
-            group.seqs.append(child)
-        return [(s, r) for s in group.seqs]
-
-    def _append(self, group: SequenceGroup, seq: Sequence, token: int, logprob: float,
-                top: dict[int, float] | None) -> None:
-        """Append a sampled token and apply the stop rules of SamplingParams.
-
-        A stop token (EOS unless ``ignore_eos``, or one of ``stop_token_ids``) ends the
-        sequence without being emitted; the sampler never picks one before ``min_tokens``.
-        """
-        params: SamplingParams = group.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            self._finish_seq(seq, "stop", token if token in params.stop_token_ids else None)
-            return
-        seq.append_token(token, logprob)
-        if seq.processor_states:
-            for state in seq.processor_states:
-                state.accept_token(token)
-        if params.logprobs is not None and top is not None:
-            seq.output_logprobs.append(top)
-        new_text = seq.detokenizer.step(token)
-        if params.stop and new_text and self._check_stop_strings(seq, params.stop, len(new_text)):
-            return
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish_seq(seq, "length", None)
-
-    def _check_stop_strings(self, seq: Sequence, stops: list[str], num_new_chars: int) -> bool:
-        text = seq.detokenizer.text
-        longest = max(len(s) for s in stops)
-        search_from = max(0, len(text) - num_new_chars - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in stops:
-            pos = text.find(s, search_from)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
-            return False
-        seq.text = text[: best[0]]
-        self._finish_seq(seq, "stop", best[1], text_fixed=True)
-        return True
-
-    def _finish_seq(self, seq: Sequence, reason: str, stop_reason: str | int | None,
-                    text_fixed: bool = False) -> None:
-        """Mark ``seq`` finished, settle its text, and free its blocks at once."""
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        if not text_fixed:
-            # The incremental text equals a full decode (tested); decoding once more at the
-            # end is cheap and makes the returned text exact whatever the tokenizer.
-            seq.text = self._full_text(seq)
-        self.scheduler.free_seq(seq)
-
-    def _full_text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.detokenizer.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
-    # ------------------------------------------------------------------ beams
-    def _beam_step(self, group: SequenceGroup, entries: list[tuple[Sequence, int]], logits: torch.Tensor) -> int:
-        """One beam-search step: score all live beams with one top-k, keep the best
-        ``beam_width``, fork survivors that have several children (sharing their blocks; only
-        the partial last block is copied, on the next write), and free dead beams at once."""
-        params: BeamSearchParams = group.params
-        state: BeamSearchState = group.beam_state
-        beams = [s for s, _ in entries]
-        rows = torch.tensor([r for _, r in entries], dtype=torch.long)
-        logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-        processed = bool(params.logits_processors)
-        if processed:
-            # As HF applies its processors in beam search: on the log-softmax scores, so that a
-            # masked token drops out and the others keep their logprobs.
-            outputs = [b.output_token_ids for b in beams]
-            for proc in params.logits_processors:
-                if not is_stateful(proc):
-                    logprobs = proc(logprobs, outputs).float()
-        if group.processors:
-            processed = True
-            apply_stateful(logprobs, [group.processors] * len(beams), [self._states(group, b) for b in beams])
-        top_lp, top_ids = torch.topk(logprobs, min(state.num_candidates, logprobs.shape[-1]), dim=-1)
-        candidates = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
-        if processed:  # only the continuations the processors allow are ranked
-            candidates = [[(t, lp) for t, lp in c if lp != -math.inf] for c in candidates]
-        chosen = state.step([b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], candidates)
-        group.forked = True
-        remaining: dict[int, int] = {}
-        for parent_idx, _, _ in chosen:
-            remaining[parent_idx] = remaining.get(parent_idx, 0) + 1
-        new_seqs: list[Sequence] = []
-        for parent_idx, token, cum in chosen:
-            parent = beams[parent_idx]
-            remaining[parent_idx] -= 1
-            if remaining[parent_idx] > 0:
-                # More children follow: fork now, while the parent still has its old tokens.
-                seq = parent.fork(index=len(new_seqs))
-                self.block_manager.fork(parent, seq)
-            else:
-                seq = parent  # the last child takes the parent itself
-            seq.token_ids.append(token)
-            seq.cumulative_logprob = cum
-            if seq.processor_states:
-                for pstate in seq.processor_states:
-                    pstate.accept_token(token)
-            new_seqs.append(seq)
-        alive = {id(s) for s in new_seqs}
-        for b in beams:
-            if id(b) not in alive:
-                self.scheduler.free_seq(b)  # a dead beam: its blocks go back at once
-        group.seqs = new_seqs
-        if new_seqs and new_seqs[0].num_tokens < self.max_model_len:
-            return len(new_seqs)
-        # The search is over (or the context is full): settle the hypotheses.
-        hyps = state.finalize([s.output_token_ids for s in new_seqs], [s.cumulative_logprob for s in new_seqs])
-        for s in new_seqs:
-            self.scheduler.free_seq(s)
-        group.seqs = []
-        for i, h in enumerate(hyps):
-            ids = list(h.token_ids)
-            if h.finish_token_id is not None:
-                ids = ids[:-1]  # the stop token is not emitted
-            done = Sequence(group.prompt_token_ids, index=i)
-            done.token_ids.extend(ids)
-            done.text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
-                                              clean_up_tokenization_spaces=False)
-            done.cumulative_logprob = h.cumulative_logprob
-            done.finish_reason = "length"
-            if h.finish_token_id is not None:
-                done.finish_reason = "stop"
-                done.stop_reason = h.finish_token_id if h.finish_token_id in params.stop_token_ids else None
-            hits = [(done.text.find(stop), stop) for stop in params.stop if stop in done.text]
-            if hits:  # ended by a stop string: the string is not emitted
-                pos, stop = min(hits)
-                done.text = done.text[:pos]
-                done.finish_reason, done.stop_reason = "stop", stop
-            done.score = h.score
-            done.status = SequenceStatus.FINISHED
-            group.finished_seqs.append(done)
-        return len(new_seqs)
-
-    # ------------------------------------------------------------------ accounting & output
-    def _account_blocks(self, group: SequenceGroup) -> None:
-        live = [s for s in group.seqs if s.block_table]
-        if not live:
-            return
-        logical = sum(len(s.block_table) for s in live)
-        physical = len({b for s in live for b in s.block_table}) if len(live) > 1 else logical
-        st = group.stats
-        if logical > st.num_logical_blocks:
-            st.num_logical_blocks = logical
-            st.num_physical_blocks = max(st.num_physical_blocks, physical)
-        elif physical > st.num_physical_blocks:
-            st.num_physical_blocks = physical
-
-    def _make_output(self, group: SequenceGroup) -> RequestOutput:
-        out = RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                            prompt_token_ids=group.prompt_token_ids, error=group.error, stats=group.stats)
-        if group.error is not None:
-            self.scheduler.finish_group(group)
-            return out
-        params = group.params
-        if isinstance(params, BeamSearchParams):
-            for s in group.finished_seqs:
-                out.outputs.append(CompletionOutput(
-                    index=s.index, text=s.text, token_ids=s.output_token_ids,
-                    cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
-                    score=s.score))
-        else:
-            seqs = sorted(group.seqs, key=lambda s: s.index)
-            if params.best_of and params.best_of > params.n:
-                def rank(s: Sequence) -> float:
-                    if params.best_of_ranking == "mean":
-                        return s.cumulative_logprob / max(1, s.num_output_tokens)
-                    return s.cumulative_logprob
-                seqs = sorted(seqs, key=rank, reverse=True)[: params.n]
-            for i, s in enumerate(seqs):
-                out.outputs.append(CompletionOutput(
-                    index=i, text=s.text, token_ids=s.output_token_ids,
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        group.stats.num_generated_tokens = sum(len(o.token_ids) for o in out.outputs)
-        self._physical_blocks += group.stats.num_physical_blocks
-        self._logical_blocks += group.stats.num_logical_blocks
-        return out
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine import attention
+from batchgen.engine import paged_attention
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
 from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
 from batchgen.engine.sequence import Sequence
@@ -88,7 +88,7 @@ class StepInput:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     logits_indices: torch.Tensor
-    metadata: attention.AttentionMetadata
+    metadata: paged_attention.AttentionMetadata
 
 
 class ModelRunner:
@@ -117,7 +117,9 @@ class ModelRunner:
         dtype, device, block_size = config.dtype, config.device, config.block_size
         attention_backend, index_checks = config.attention_backend, config.index_checks
         num_threads, trust_remote_code = config.num_threads, config.trust_remote_code
-        self.model_path = model_path = resolve_model(config.model).path
+        # a GGUF's weights load through batchgen.gguf, as config.quantization says
+        self.source = resolve_model(config.model, config.quantization, device)
+        self.model_path = model_path = self.source.path
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -126,10 +128,17 @@ class ModelRunner:
         model_cls = _causal_lm_class(hf_config)
         window = check_supported(hf_config, model_cls)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, attn_implementation=attention.register(),
-            trust_remote_code=trust_remote_code,
-        ).to(self.device).eval()
+        if self.source.gguf_file:
+            from batchgen.gguf.loader import load_gguf_model
+
+            self.model = load_gguf_model(self.source.gguf_file, model_path, dtype=self.dtype, device=self.device,
+                                         attn_implementation=paged_attention.register(),
+                                         quantization=self.source.quantization)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=self.dtype, attn_implementation=paged_attention.register(),
+                trust_remote_code=trust_remote_code,
+            ).to(self.device).eval()
         self.config = self.model.config
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -145,7 +154,7 @@ class ModelRunner:
         )
         num_blocks = num_blocks_for_budget(self.cache_shape, self.device, config.kv_cache_memory)
         self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.model.get_output_embeddings().out_features  # nn.Linear or QuantizedLinear
         from batchgen import kernels
 
         backend = kernels.resolve_backend(attention_backend, self.device)
@@ -260,7 +269,7 @@ class ModelRunner:
             if samples:
                 logits_indices.append(len(input_ids) - 1)
         dev = self.device
-        meta = attention.AttentionMetadata(
+        meta = paged_attention.AttentionMetadata(
             kv_cache=self.kv_cache.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode_tokens=num_decode,

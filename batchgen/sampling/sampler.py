@@ -40,9 +40,25 @@ from typing import Any
 import torch
 
 from batchgen.sampling.params import SamplingParams, is_stateful
+from batchgen.sampling.processors import describe_processor
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_filters", "apply_stateful",
-           "unpack_bitmask", "top_candidates"]
+__all__ = ["MaskedRowsError", "Sampler", "SamplerOutput", "SamplingRow", "apply_filters", "apply_stateful",
+           "explain_masked", "unpack_bitmask", "top_candidates"]
+
+
+class MaskedRowsError(ValueError):
+    """Rows of a batch have every token masked to ``-inf``: nothing can be sampled from them.
+
+    ``rows`` are their indices; the other rows of the batch are sound, and sampling them alone
+    gives what they would have got in the batch (a row never depends on the others). The engine
+    fails only these rows' requests, naming the cause (:func:`explain_masked`).
+    """
+
+    def __init__(self, rows: list[int]) -> None:
+        self.rows = rows
+        super().__init__(
+            f"rows {rows} have every token masked to -inf (suppress ids, logits processors "
+            "or filters removed the whole vocabulary); nothing can be sampled")
 
 
 @dataclass
@@ -152,10 +168,9 @@ class Sampler:
         broken = ~torch.isfinite(top)
         if bool(broken.any()):
             bad = broken.nonzero().flatten().tolist()
-            if bool(torch.isneginf(top[broken]).all()):
-                raise ValueError(
-                    f"rows {bad} have every token masked to -inf (suppress ids, logits processors "
-                    "or filters removed the whole vocabulary); nothing can be sampled")
+            masked = torch.isneginf(top).nonzero().flatten().tolist()
+            if masked and bool(torch.isneginf(top[broken]).all()):
+                raise MaskedRowsError(masked)
             what = "NaN" if bool(top[broken].isnan().any()) else "+inf"
             raise ValueError(
                 f"rows {bad} hold {what} logits (from the model or a logits processor); "
@@ -349,6 +364,32 @@ class Sampler:
             positions = torch.arange(probs.shape[1], device=device)
             chosen[rows] = torch.where(probs[rows] > 0, positions, 0).amax(dim=-1)
         return chosen
+
+
+def explain_masked(logits: torch.Tensor, row: SamplingRow) -> str:
+    """Say what masks every token of ``row``: the first of its logits processors that does so
+    alone (a constraint, a plugin's sampler, named by :func:`describe_processor`), else all of
+    them together. ``logits`` is the row's raw ``[vocab]`` logits; runs only on that error."""
+    base = logits.float().reshape(1, -1)
+    after = f"after {len(row.output_token_ids)} generated token(s)"
+    parts: list[str] = []
+    for proc in row.params.logits_processors:
+        if is_stateful(proc):
+            continue  # in row.processors
+        name = describe_processor(proc)
+        if bool(torch.isneginf(proc(base.clone(), [list(row.output_token_ids)])).all()):
+            return f"{name} masks every token {after}; nothing can be sampled"
+        parts.append(name)
+    for proc, state in zip(row.processors, row.states):
+        name = describe_processor(proc, state)
+        x = base.clone()
+        apply_stateful(x, [[proc]], [[state]])
+        if bool(torch.isneginf(x).all()):
+            return f"{name} allows no token {after}: it can never match"
+        parts.append(name)
+    if row.suppress_token_ids:
+        parts.append("min_tokens (the stop tokens are suppressed)")
+    return f"{' and '.join(parts) or 'the filters'} together mask every token {after}; nothing can be sampled"
 
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)

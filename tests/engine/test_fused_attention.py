@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import attention, fused_attention
+from batchgen.engine import fused_attention, paged_attention
 from batchgen.engine.fused_attention import FusedAttention, fuse_attention
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu import linear as cpu_linear
@@ -64,7 +64,7 @@ def test_fused_attention_gives_the_unfused_tokens_and_logprobs_bit_for_bit(smoll
 def _load(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention.register()).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=paged_attention.register()).eval()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,124 @@
+"""The beam step: one beam-search request's turn in an engine step.
+
+The ranking (which candidates live on, which hypotheses finish, when the search ends) is
+:class:`batchgen.sampling.beam.BeamSearchState`, pure Python and pinned against HF. This
+module is the engine side of it: the log-softmax and top-k over the beams' logits rows, the
+logits processors, and the paged cache: a survivor with several children is forked (sharing
+its blocks; only the partial last block is copied, on its next write), a dead beam's blocks are
+freed at once, and the final hypotheses become the group's finished sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.sampling.beam import BeamSearchState
+from batchgen.sampling.params import BeamSearchParams, is_stateful
+from batchgen.sampling.processors import describe_processor
+from batchgen.sampling.sampler import apply_stateful
+
+if TYPE_CHECKING:
+    from batchgen.engine.core import EngineCore
+
+
+def beam_step(core: EngineCore, group: SequenceGroup, entries: list[tuple[Sequence, int]],
+              logits: torch.Tensor) -> int:
+    """Advance ``group``'s search by one token; returns the number of live beams after it.
+
+    ``entries`` are the group's live beams with their row in ``logits``. Sets ``group.error``
+    (and returns 0) when the logits processors leave no beam any allowed token before any
+    hypothesis finished: the request fails alone, naming the processor.
+    """
+    params: BeamSearchParams = group.params
+    state: BeamSearchState = group.beam_state
+    beams = [s for s, _ in entries]
+    rows = torch.tensor([r for _, r in entries], dtype=torch.long)
+    logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    processed = bool(params.logits_processors)
+    if processed:
+        # As HF applies its processors in beam search: on the log-softmax scores, so that a
+        # masked token drops out and the others keep their logprobs.
+        outputs = [b.output_token_ids for b in beams]
+        for proc in params.logits_processors:
+            if not is_stateful(proc):
+                logprobs = proc(logprobs, outputs).float()
+    states = None
+    if group.processors:
+        processed = True
+        states = [core.states(group, b) for b in beams]
+        apply_stateful(logprobs, [group.processors] * len(beams), states)
+    top_lp, top_ids = torch.topk(logprobs, min(state.num_candidates, logprobs.shape[-1]), dim=-1)
+    candidates = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+    if processed:  # only the continuations the processors allow are ranked
+        candidates = [[(t, lp) for t, lp in c if lp != -math.inf] for c in candidates]
+        if not any(candidates) and not state.num_finished:
+            group.error = _masked_error(group, beams, states)
+            return 0
+    chosen = state.step([b.output_token_ids for b in beams], [b.cumulative_logprob for b in beams], candidates)
+    group.forked = True
+    remaining: dict[int, int] = {}
+    for parent_idx, _, _ in chosen:
+        remaining[parent_idx] = remaining.get(parent_idx, 0) + 1
+    new_seqs: list[Sequence] = []
+    for parent_idx, token, cum in chosen:
+        parent = beams[parent_idx]
+        remaining[parent_idx] -= 1
+        if remaining[parent_idx] > 0:
+            # More children follow: fork now, while the parent still has its old tokens.
+            seq = parent.fork(index=len(new_seqs))
+            core.block_manager.fork(parent, seq)
+        else:
+            seq = parent  # the last child takes the parent itself
+        seq.token_ids.append(token)
+        seq.cumulative_logprob = cum
+        if seq.processor_states:
+            for pstate in seq.processor_states:
+                pstate.accept_token(token)
+        new_seqs.append(seq)
+    alive = {id(s) for s in new_seqs}
+    for b in beams:
+        if id(b) not in alive:
+            core.scheduler.free_seq(b)  # a dead beam: its blocks go back at once
+    group.seqs = new_seqs
+    if new_seqs and new_seqs[0].num_tokens < core.max_model_len:
+        return len(new_seqs)
+    # The search is over (or the context is full): settle the hypotheses.
+    hyps = state.finalize([s.output_token_ids for s in new_seqs], [s.cumulative_logprob for s in new_seqs])
+    for s in new_seqs:
+        core.scheduler.free_seq(s)
+    group.seqs = []
+    for i, h in enumerate(hyps):
+        ids = list(h.token_ids)
+        if h.finish_token_id is not None:
+            ids = ids[:-1]  # the stop token is not emitted
+        done = Sequence(group.prompt_token_ids, index=i)
+        done.token_ids.extend(ids)
+        done.text = core.output.decode(ids, params.skip_special_tokens)
+        done.cumulative_logprob = h.cumulative_logprob
+        done.finish_reason = "length"
+        if h.finish_token_id is not None:
+            done.finish_reason = "stop"
+            done.stop_reason = h.finish_token_id if h.finish_token_id in params.stop_token_ids else None
+        hits = [(done.text.find(stop), stop) for stop in params.stop if stop in done.text]
+        if hits:  # ended by a stop string: the string is not emitted
+            pos, stop = min(hits)
+            done.text = done.text[:pos]
+            done.finish_reason, done.stop_reason = "stop", stop
+        done.score = h.score
+        done.status = SequenceStatus.FINISHED
+        group.finished_seqs.append(done)
+    return len(new_seqs)
+
+
+def _masked_error(group: SequenceGroup, beams: list[Sequence], states: list[list[object]] | None) -> str:
+    params: BeamSearchParams = group.params
+    names = [describe_processor(p) for p in params.logits_processors if not is_stateful(p)]
+    if group.processors:
+        first = states[0] if states else [None] * len(group.processors)
+        names += [describe_processor(p, s) for p, s in zip(group.processors, first)]
+    return (f"{' and '.join(names) or 'the logits processors'} allowed no token for any beam after "
+            f"{beams[0].num_output_tokens} generated token(s); nothing can be generated")
