@@ -318,7 +318,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
-    from batchgen.run.lock import OutputLock
+    from batchgen.io.lock import OutputLock
 
     holder = OutputLock(config.output.path).holder()
     if holder is not None:

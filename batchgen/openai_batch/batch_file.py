@@ -17,7 +17,7 @@ from typing import Any
 from batchgen.config import ConfigError, ConfigIssue, RunConfig
 from batchgen.openai_batch.errors import DUPLICATE_CUSTOM_ID, LINE_FIELDS, LineError
 from batchgen.openai_batch.requests import BatchPrompt, LineParser
-from batchgen.run.dataset import DataError, resolve_source
+from batchgen.io.dataset import DataError, resolve_source
 
 
 class ResumeIndex:

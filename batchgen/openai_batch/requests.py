@@ -25,8 +25,8 @@ from batchgen.openai_batch.errors import (
     MODEL_NOT_FOUND,
     LineError,
 )
-from batchgen.run.prompts import PromptBuilder
-from batchgen.run.protocols import PromptRecord
+from batchgen.io.prompts import PromptBuilder
+from batchgen.io.protocols import PromptRecord
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchgen.openai_batch.errors import DUPLICATE_CUSTOM_ID, MIN_LOGPROB, MODEL_NOT_FOUND
 from batchgen.openai_batch.requests import BatchPrompt
-from batchgen.run.protocols import PromptRecord
+from batchgen.io.protocols import PromptRecord
 
 
 def _new_id(prefix: str) -> str:

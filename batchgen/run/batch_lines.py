@@ -1,6 +1,6 @@
 """OpenAI Batch files in the run layer: the batch file as a
-:class:`~batchgen.run.protocols.PromptSource` and OpenAI response lines as a
-:class:`~batchgen.run.protocols.RecordFormat`, over :mod:`batchgen.openai_batch` (which parses
+:class:`~batchgen.io.protocols.PromptSource` and OpenAI response lines as a
+:class:`~batchgen.io.protocols.RecordFormat`, over :mod:`batchgen.openai_batch` (which parses
 the lines and builds the response bodies).
 
 This module imports neither torch nor the engine.
@@ -13,7 +13,7 @@ from typing import Any
 
 from batchgen import openai_batch as oa
 from batchgen.config import RunConfig
-from batchgen.run.protocols import EngineView, Preview, PromptRecord, ResumeIndex
+from batchgen.io.protocols import EngineView, Preview, PromptRecord, ResumeIndex
 
 __all__ = ["BatchLines", "ResponseLines"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from batchgen.config import ConfigError
 from batchgen.plugins import PluginError
-from batchgen.run.dataset import DataError
-from batchgen.run.writer import OutputError
+from batchgen.io.dataset import DataError
+from batchgen.io.writer import OutputError
 
 __all__ = ["Interrupted", "ResumeMismatchError", "RunFailed", "SETUP_ERRORS", "TooManyErrors"]
 

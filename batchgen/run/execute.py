@@ -24,10 +24,10 @@ from batchgen.run.errors import RunFailed, TooManyErrors
 from batchgen.run.executors import ExecutorError, make_executor
 from batchgen.run.plan import Job
 from batchgen.run.progress import Progress, announce
-from batchgen.run.protocols import PromptRecord
+from batchgen.io.protocols import PromptRecord
 from batchgen.run.signals import STOP
 from batchgen.run.summary import Summary, signal_name, tally
-from batchgen.run.writer import JsonlWriter, OutputWriteError
+from batchgen.io.writer import JsonlWriter, OutputWriteError
 
 __all__ = ["MIN_RECORDS_FOR_ERROR_RATE", "execute"]
 

@@ -26,9 +26,9 @@ from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, reso
 from batchgen.plugins import PluginError
 from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
-from batchgen.run.lock import OutputLock
-from batchgen.run.protocols import PromptSource, RecordFormat, ResumeIndex
-from batchgen.run.writer import check_writable, prepare_output, read_records, read_summary, write_json_atomic
+from batchgen.io.lock import OutputLock
+from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
+from batchgen.io.writer import check_writable, prepare_output, read_records, read_summary, write_json_atomic
 
 __all__ = ["Job", "output_paths", "pick", "plan"]
 
@@ -41,7 +41,7 @@ class Job:
 
     config: RunConfig
     registry: Any
-    #: Where the rows come from, and what the records look like (see :mod:`batchgen.run.protocols`).
+    #: Where the rows come from, and what the records look like (see :mod:`batchgen.io.protocols`).
     source: PromptSource
     records: RecordFormat
     metrics: list[tuple[MetricRef, Any]]

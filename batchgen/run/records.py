@@ -1,4 +1,4 @@
-"""``output.format: jsonl``: batchgen's own records (a :class:`~batchgen.run.protocols.RecordFormat`).
+"""``output.format: jsonl``: batchgen's own records (a :class:`~batchgen.io.protocols.RecordFormat`).
 
 A record is ``{"id", "index", "prompt", "generations", "metrics", "error", "usage"}`` (see
 docs/config.md, "Output records"). Generations are listed best first: by rank for beam search,
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from batchgen.plugins import PluginError
-from batchgen.run.protocols import AnsweredKeys, EngineView, PromptRecord
+from batchgen.io.protocols import AnsweredKeys, EngineView, PromptRecord
 
 __all__ = ["BatchgenRecords", "make_record"]
 

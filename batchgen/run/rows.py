@@ -1,4 +1,4 @@
-"""Dataset rows as a :class:`~batchgen.run.protocols.PromptSource` (``data.format`` other than
+"""Dataset rows as a :class:`~batchgen.io.protocols.PromptSource` (``data.format`` other than
 ``openai_batch``): every row is rendered by the ``prompt`` section and generated with the
 ``generation`` section's parameters (:func:`build_params`).
 
@@ -11,9 +11,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, GenerationSection, RunConfig
-from batchgen.run.dataset import check_columns, load_rows
-from batchgen.run.prompts import PromptBuilder, iter_prompts
-from batchgen.run.protocols import EngineView, Preview, PromptRecord, ResumeIndex
+from batchgen.io.dataset import check_columns, load_rows
+from batchgen.io.prompts import PromptBuilder, iter_prompts
+from batchgen.io.protocols import EngineView, Preview, PromptRecord, ResumeIndex
 
 __all__ = ["DatasetRows", "build_params"]
 

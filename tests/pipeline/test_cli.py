@@ -238,7 +238,7 @@ def test_plugins_lists_options(capsys) -> None:
 
 
 def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
-    from batchgen.run.lock import OutputLock
+    from batchgen.io.lock import OutputLock
 
     out = tmp_path / "out" / "results.jsonl"
     out.parent.mkdir()
@@ -256,7 +256,7 @@ def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
 
 def test_resume_with_another_config_is_refused(job_config, capsys, tmp_path: Path) -> None:
     from batchgen.config import load_config, resolved_dict
-    from batchgen.run.writer import write_json_atomic
+    from batchgen.io.writer import write_json_atomic
     from batchgen.plugins import load_registry
 
     path = job_config()

@@ -329,7 +329,7 @@ def batch_cli(capsys: pytest.CaptureFixture[str], source: Path, out: Path, tiny_
 
 def test_batch_holds_the_lock_and_checks_the_job_on_resume(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from batchgen.run.lock import OutputLock
+    from batchgen.io.lock import OutputLock
 
     source = write_lines(tmp_path / "in.jsonl", [chat("a", max_tokens=2, temperature=0), chat("b", max_tokens=2, temperature=0)])
     out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from batchgen.config import ConfigError, validate_config
-from batchgen.run.dataset import DataError, check_columns, load_rows, resolve_source
-from batchgen.run.prompts import PromptBuilder, iter_prompts
+from batchgen.io.dataset import DataError, check_columns, load_rows, resolve_source
+from batchgen.io.prompts import PromptBuilder, iter_prompts
 
 ROWS = [{"qid": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
 

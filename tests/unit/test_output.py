@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.run.lock import OutputLock, lock_path
-from batchgen.run.writer import (
+from batchgen.io.lock import OutputLock, lock_path
+from batchgen.io.writer import (
     JsonlWriter,
     OutputError,
     OutputExistsError,
@@ -276,7 +276,7 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     code = (
         "import sys, time\n"
-        "from batchgen.run.lock import OutputLock\n"
+        "from batchgen.io.lock import OutputLock\n"
         "lock = OutputLock(sys.argv[1]).acquire()\n"
         "print('locked', flush=True)\n"
         "time.sleep(120)\n"

@@ -9,7 +9,7 @@
 Contract of both (what :func:`batchgen.run.execute.execute` relies on):
 
 * ``start()`` loads the engine(s); then ``tokenizer`` and ``max_model_len`` are set (an
-  executor is the :class:`~batchgen.run.protocols.EngineView` of a run).
+  executor is the :class:`~batchgen.io.protocols.EngineView` of a run).
 * ``stream(requests, on_tokens)`` takes an iterable of :class:`~batchgen.engine.outputs.Request`
   and yields one :class:`~batchgen.engine.outputs.RequestOutput` per request, as each finishes
   (finish order), each request exactly once: a request the engine cannot run, or that crashed

@@ -3,7 +3,7 @@
 Contract:
 
 * Problems with one row (its template fails, its prompt is empty or too long, a chat message
-  with an unknown role) never raise: the row's :class:`~batchgen.run.protocols.PromptRecord`
+  with an unknown role) never raise: the row's :class:`~batchgen.io.protocols.PromptRecord`
   carries ``error`` and becomes an error record in the output. A prompt is empty when the
   user's text is blank, before any chat template wraps it.
 * Templates render in Jinja's sandbox with ``StrictUndefined``: the row's columns are top-level
@@ -19,8 +19,8 @@ import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
 from batchgen.config import PromptSection
-from batchgen.run.dataset import DataError, LoadedData
-from batchgen.run.protocols import PromptRecord
+from batchgen.io.dataset import DataError, LoadedData
+from batchgen.io.protocols import PromptRecord
 
 __all__ = ["CHAT_ROLES", "PromptBuilder", "iter_prompts"]
 

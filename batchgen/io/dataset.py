@@ -11,7 +11,7 @@ Contract:
   :class:`~batchgen.config.ConfigError`, naming the file and line where it can: the run cannot
   start, and ``batchgen validate`` reports the same error.
 * A CSV file's id column is read as text, so ids such as ``007`` keep their leading zeros.
-* Problems with one row are not this module's: :mod:`batchgen.run.prompts` turns them into
+* Problems with one row are not this module's: :mod:`batchgen.io.prompts` turns them into
   error records.
 """
 

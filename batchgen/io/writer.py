@@ -16,7 +16,7 @@ Invariants:
   naming the path and the cause; a record line that was cut by the failure is truncated away
   first, so the file still ends with a complete line. A background fsync that fails raises the
   same error at the next write or at ``close``, after truncating the lines it did not cover.
-* One run at a time per output: see :mod:`batchgen.run.lock`.
+* One run at a time per output: see :mod:`batchgen.io.lock`.
 
 This module imports neither torch nor the engine.
 """
