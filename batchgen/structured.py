@@ -139,6 +139,48 @@ def check(params: StructuredOutputsParams) -> None:
         raise ValueError(_checked[key])
 
 
+_matchable: dict[str, bool | None] = {}  # constraint key -> satisfiable()'s answer
+
+
+def satisfiable(params: StructuredOutputsParams, budget: int = 4096, depth: int = 64) -> bool | None:
+    """Whether some output can match a constraint that compiles (cached per constraint).
+
+    A bounded search over one-byte tokens: True when it finds a complete output, False when
+    it proves that none exists (e.g. the regex ``[^\\s\\S]``, whose every token is masked from
+    the first step), None when it gave up within ``budget`` steps of ``depth`` bytes.
+    """
+    key = params.key
+    if key not in _matchable:
+        xgr = require()
+        stop = 256
+        info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], vocab_type=xgr.VocabType.RAW,
+                                 vocab_size=257, stop_token_ids=[stop])
+        matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar(params)))
+        steps = 0
+
+        def search(level: int) -> bool | None:
+            nonlocal steps
+            if matcher.accept_token(stop):
+                return True
+            if level >= depth:
+                return None
+            answer: bool | None = False
+            for byte in range(256):
+                steps += 1
+                if steps > budget:
+                    return None
+                if matcher.accept_token(byte):
+                    found = search(level + 1)
+                    matcher.rollback(1)
+                    if found or steps > budget:
+                        return found if found else None
+                    answer = None if found is None else answer
+            return answer
+
+        _matchable[key] = search(0)
+    return _matchable[key]
+
+
 class GrammarState:
     """One sequence's grammar matcher (see :class:`batchgen.plugins.ProcessorState`).
 

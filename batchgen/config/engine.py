@@ -45,6 +45,46 @@ class EngineSection(_Section):
         "against the KV cache before launching (one host sync per step); false skips it"
     )
 
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        # pydantic's ByteSize says "could not parse value and unit" for all of these.
+        if isinstance(value, bool):
+            raise ValueError(f"expected a size such as '512MiB' or a number of bytes, got {str(value).lower()}; "
+                             "a boolean is not a size")
+        negative = value < 0 if isinstance(value, (int, float)) else isinstance(value, str) and value.strip().startswith("-")
+        if negative:
+            raise ValueError(f"must be > 0 (got {value!r})")
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"expected a whole number of bytes or a size such as '512MiB', got {value}")
+        return value
+
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        # One message instead of pydantic's two (literal + constrained int) for the union.
+        if value == "auto" and isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        hint = "; a boolean is not a count" if isinstance(value, bool) else ""
+        raise ValueError(f"expected a positive integer or 'auto', got {shown}{hint}")
+
+    def to_engine_config(self, model: Any) -> Any:
+        """The :class:`~batchgen.engine.config.EngineConfig` of this section and the ``model``
+        section: every field of this section that EngineConfig has, so a new engine setting is
+        a field there plus its schema here."""
+        import dataclasses
+
+        from batchgen.engine.config import EngineConfig
+
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        values = {key: getattr(self, key) for key in type(self).model_fields if key in names}
+        if values.get("kv_cache_memory") is not None:
+            values["kv_cache_memory"] = int(values["kv_cache_memory"])
+        return EngineConfig(model=model.name, dtype=model.dtype, device=model.device, **values)
+
 
 class ResourcesSection(_Section):
     """``executor.resources_per_replica:`` what Ray reserves for each engine replica."""

@@ -89,14 +89,19 @@ class StructuredOutputsSection(_Section):
 
 
 def _check_constraint(kind: str, value: Any) -> None:
-    """Raise ValueError unless the constraint compiles (or when xgrammar is missing)."""
+    """Raise ValueError unless the constraint compiles and some output can match it (as far
+    as a cheap bounded search can tell), or when xgrammar is missing."""
     from batchgen.sampling.params import StructuredOutputsParams
-    from batchgen.structured import check
+    from batchgen.structured import check, satisfiable
 
+    params = StructuredOutputsParams(**{kind: value})
     try:
-        check(StructuredOutputsParams(**{kind: value}))
+        check(params)
     except ImportError as exc:
         raise ValueError(str(exc)) from None
+    if satisfiable(params) is False:
+        raise ValueError(f"no output can match this {'JSON schema' if kind == 'json' else kind}: it compiles, but "
+                         "it allows no text at all, so every row would fail")
 
 
 _SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from batchgen.openai_batch.errors import LineError
 from batchgen.sampling.params import StructuredOutputsParams
-from batchgen.structured import check
+from batchgen.structured import check, satisfiable
 from batchgen.suggest import did_you_mean
 
 
@@ -117,7 +117,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_MESSAGE_FIELDS = {"role", "content", "name", "refusal"}
+MESSAGE_FIELDS = {"role", "content", "name", "refusal"}
 
 
 def structured_outputs_of(response_format: dict[str, Any] | None) -> Any:
@@ -154,24 +154,35 @@ def _constraint_of(text: str) -> Any:
         return LineError(str(exc), "response_format", "unsupported_value")
     except ValueError as exc:
         return LineError(str(exc), where, "invalid_value")
+    if satisfiable(params) is False:
+        return LineError(f"'{where}' can never be matched: it compiles, but it allows no text at all.", where,
+                         "invalid_value")
     return params
 
 
 def validation_error(exc: ValidationError, fields: Iterable[str]) -> LineError:
-    """The first problem pydantic found, worded as OpenAI words it."""
-    err = exc.errors()[0]
+    """The problem pydantic found, worded as OpenAI words it: every unknown field at once, else
+    the first other problem."""
+    errors = exc.errors()
+    unknown = [[str(p) for p in e["loc"]] for e in errors if e["type"] == "extra_forbidden" and e["loc"]]
+    if unknown:
+        return unrecognized([u[-1] for u in unknown], fields, ".".join(unknown[0]), "request argument")
+    err = errors[0]
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
     param = ".".join(loc) or None
-    if err["type"] == "extra_forbidden" and loc:
-        return LineError(
-            f"Unrecognized request argument supplied: {loc[-1]}{did_you_mean(loc[-1], fields)}",
-            param, "unknown_parameter",
-        )
     if err["type"] == "missing":
         return LineError(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     value = err.get("input")
     shown = json.dumps(value)[:80] if not isinstance(value, (dict, list)) else type(value).__name__
     return LineError(f"Invalid value for '{param}': {err['msg'].lower()} (got {shown}).", param, "invalid_type")
+
+
+def unrecognized(names: list[str], fields: Iterable[str], param: str | None, noun: str, where: str = "") -> LineError:
+    """``Unrecognized request arguments supplied: a (did you mean 'b'?), c``: every unknown name."""
+    fields = list(fields)
+    listed = ", ".join(f"{name}{did_you_mean(name, fields)}" for name in names)
+    plural = "s" if len(names) > 1 else ""
+    return LineError(f"Unrecognized {noun}{plural}{where} supplied: {listed}", param, "unknown_parameter")
 
 
 def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
@@ -183,12 +194,11 @@ def chat_messages(raw: list[Any]) -> list[dict[str, str]]:
         where = f"messages.{i}"
         if not isinstance(message, dict):
             raise LineError(f"Invalid value for '{where}': expected an object.", where, "invalid_type")
-        unknown = sorted(set(message) - _MESSAGE_FIELDS)
+        unknown = sorted(set(message) - MESSAGE_FIELDS)
         if "tool_calls" in unknown or message.get("role") in ("tool", "function"):
             raise LineError("tool calling is not supported", where, "unsupported_value")
         if unknown:
-            raise LineError(f"Unrecognized argument in '{where}': {unknown[0]}", f"{where}.{unknown[0]}",
-                            "unknown_parameter")
+            raise unrecognized(unknown, MESSAGE_FIELDS, f"{where}.{unknown[0]}", "argument", f" in '{where}'")
         role = message.get("role")
         if role not in _ROLES:
             raise LineError(f"Invalid value for '{where}.role': {json.dumps(role)}; expected one of "

@@ -7,6 +7,7 @@ This module imports neither torch nor the engine (their parameter classes are to
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +29,8 @@ from batchgen.openai_batch.errors import (
 from batchgen.io.prompts import PromptBuilder
 from batchgen.io.protocols import PromptRecord
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,8 +57,9 @@ class LineParser:
     Args:
         tokenizer: the model's HF tokenizer (chat template, tokens, prompt lengths).
         max_model_len: the model's context length.
-        model_names: what a line's ``model`` may say (the job's model and its aliases); a line
-            without ``model`` is accepted.
+        model_names: the job's model and its aliases. With no aliases every line's ``model`` is
+            answered (one warning for a name that differs); with aliases, only these names (a
+            404 line for another). A line without ``model`` is accepted.
         logits_processors: the job's sampler plugin processors, added to every sampled line.
     """
 
@@ -73,6 +77,7 @@ class LineParser:
         # The builders render and tokenize; the length check is this class's (it knows max_tokens).
         self._chat = PromptBuilder(PromptSection(), tokenizer)
         self._plain = PromptBuilder(PromptSection(chat_template=False), tokenizer)
+        self._warned_model = False
 
     def parse(self, line: dict[str, Any], custom_id: str, index: int) -> BatchPrompt:
         """The request of a line whose ``custom_id`` is known; problems land in ``error``."""
@@ -87,8 +92,9 @@ class LineParser:
     def _fill(self, prompt: BatchPrompt, line: dict[str, Any]) -> None:
         unknown = sorted(set(line) - set(LINE_FIELDS))
         if unknown:
-            raise LineError(f"Unrecognized field in the request line: {unknown[0]}; a line holds "
-                            "'custom_id', 'method', 'url' and 'body'.", unknown[0], "unknown_parameter")
+            fields = ", ".join(unknown)
+            raise LineError(f"Unrecognized field{'s' if len(unknown) > 1 else ''} in the request line: {fields}; a "
+                            "line holds 'custom_id', 'method', 'url' and 'body'.", unknown[0], "unknown_parameter")
         if line.get("method") != "POST":
             raise LineError(f"Invalid 'method': {json.dumps(line.get('method'))}; only 'POST' is supported.",
                             "method", "invalid_value")
@@ -128,9 +134,18 @@ class LineParser:
         prompt.top_logprobs = self._top_logprobs(parsed)
 
     def _check_model(self, model: str | None) -> None:
+        """A job serving one name (no aliases) answers every line's ``model``, with one warning
+        per run; a job that maps names (aliases) answers those only, else 404."""
         if model is None or model in self.model_names:
             return
         served = self.model_names[0]
+        if len(self.model_names) == 1:
+            if not self._warned_model:
+                self._warned_model = True
+                logger.warning("batchgen: warning: lines ask for model '%s'; this job serves one model, '%s', which "
+                               "answers every line (map names with --model NAME=%s to answer only those)",
+                               model, served, served)
+            return
         raise LineError(
             f"The model '{model}' is not served by this job, which runs '{served}'; map it with "
             f"--model {model}={served} (or list it in model.aliases).",

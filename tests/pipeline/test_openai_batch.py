@@ -48,10 +48,10 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(text) for text in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_batch(tiny_llm: Any, source: Path, out: Path, **output: Any) -> dict[str, Any]:
+def run_batch(tiny_llm: Any, source: Path, out: Path, aliases: tuple[str, ...] = (), **output: Any) -> dict[str, Any]:
     """Run a batch file on the shared tiny engine (the config's engine section is not used)."""
     config = validate_config({
-        "model": {"name": tiny_llm.model_name, "device": "cpu", "dtype": "float32"},
+        "model": {"name": tiny_llm.model_name, "device": "cpu", "dtype": "float32", "aliases": list(aliases)},
         "data": {"source": str(source), "format": "openai_batch"},
         "output": {"path": str(out), **output},
     })
@@ -97,7 +97,8 @@ def mixed(tmp_path_factory: pytest.TempPathFactory, tiny_llm: Any) -> dict[str, 
     ]
     source = write_lines(tmp / "in.jsonl", lines)
     out, errors = tmp / "out.jsonl", tmp / "errors.jsonl"
-    summary = run_batch(tiny_llm, source, out, error_path=str(errors))
+    # A job that maps a name answers the names it serves only: "other-model" gets a 404.
+    summary = run_batch(tiny_llm, source, out, aliases=("mapped",), error_path=str(errors))
     return {"out": read_lines(out), "errors": read_lines(errors), "summary": summary, "lines": lines}
 
 
@@ -521,3 +522,79 @@ def test_sigkill_then_resume_answers_every_line_once(tmp_path: Path, tiny_llama:
     assert summary["request_counts"] == {"total": len(lines), "completed": 18, "failed": 6}
     assert summary["records"]["resumed"] == before
     assert len(texts) == 18
+
+
+# --------------------------------------------------------------------------- names and models
+
+
+def test_every_unknown_field_is_named(parser: LineParser) -> None:
+    prompt = parsed(parser, max_token=3, temprature=0.5, frobnicate=1)
+    assert prompt.error == ("Unrecognized request arguments supplied: max_token (did you mean 'max_tokens'?), "
+                            "temprature (did you mean 'temperature'?), frobnicate")
+    assert (prompt.error_param, prompt.error_code) == ("max_token", "unknown_parameter")
+    line = parser.parse({"custom_id": "x", "method": "POST", "url": CHAT, "body": {"messages": []}, "extra": 1, "more": 2},
+                        "x", 0)
+    assert line.error.startswith("Unrecognized fields in the request line: extra, more; ")
+    message = parsed(parser, messages=[{"role": "user", "content": "Hi", "nmae": "a", "mood": "b"}])
+    assert message.error == "Unrecognized arguments in 'messages.0' supplied: mood, nmae (did you mean 'name'?)"
+    assert message.error_param == "messages.0.mood"
+
+
+def test_one_served_model_answers_any_model_with_one_warning(smollm2_tokenizer: Any,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    single = LineParser(smollm2_tokenizer, 2048, ["smollm2-135m-instruct"])
+    with caplog.at_level("WARNING", logger="batchgen.openai_batch"):
+        prompts = [parsed(single, model=name) for name in ("gpt-4o-mini", "gpt-4o", "smollm2-135m-instruct")]
+    assert [p.error for p in prompts] == [None, None, None] and all(p.params is not None for p in prompts)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert warnings == ["batchgen: warning: lines ask for model 'gpt-4o-mini'; this job serves one model, "
+                        "'smollm2-135m-instruct', which answers every line (map names with "
+                        "--model NAME=smollm2-135m-instruct to answer only those)"]
+    # A job that maps names (several served names) answers those only: another name is a 404 line.
+    mapped = LineParser(smollm2_tokenizer, 2048, ["smollm2-135m-instruct", "gpt-4o-mini"])
+    assert parsed(mapped, model="gpt-4o-mini").error is None
+    other = parsed(mapped, model="gpt-4o")
+    assert (other.error_param, other.error_code) == ("model", "model_not_found")
+
+
+def docs_input_lines() -> list[dict[str, Any]]:
+    """The input lines docs/openai-batch.md shows first, as written there."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "openai-batch.md").read_text(encoding="utf-8")
+    block = text.split("## Input lines", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+    decoder, lines, at = json.JSONDecoder(), [], 0
+    while block[at:].strip():
+        while block[at].isspace():
+            at += 1
+        value, at = decoder.raw_decode(block, at)
+        lines.append(value)
+    return lines
+
+
+def test_the_docs_example_runs_as_written(tmp_path: Path, tiny_llama: str, tiny_engine: Any,
+                                          capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    lines = docs_input_lines()
+    assert lines[0]["body"]["model"] == "gpt-4o-mini"  # the model the example names, which this job does not run
+    source, out = write_lines(tmp_path / "requests.jsonl", lines), tmp_path / "responses.jsonl"
+    with caplog.at_level("WARNING", logger="batchgen.openai_batch"):
+        code, err = batch_cli(capsys, source, out, tiny_llama, tiny_engine)
+    assert code == 0, err
+    answers = {a["custom_id"]: a for a in read_lines(out)}  # in finish order
+    assert {k: a["response"]["status_code"] for k, a in answers.items()} == {"req-1": 200, "req-2": 200}
+    assert ChatCompletion.model_validate(answers["req-1"]["response"]["body"]).choices[0].message.content is not None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30 and "gpt-4o-mini" in r.getMessage()]
+    assert len(warnings) == 1 and "serves one model" in warnings[0]
+
+
+def test_a_schema_nothing_can_match_fails_its_line_alone(parser: LineParser, tmp_path: Path, tiny_llm: Any) -> None:
+    pytest.importorskip("xgrammar", reason="structured outputs need the 'structured' extra")
+    never = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": r"[^\s\S]"}}}
+    prompt = parsed(parser, response_format=never)
+    assert (prompt.error_param, prompt.error_code) == ("response_format.json_schema.schema", "invalid_value")
+    assert "can never be matched" in prompt.error and prompt.params is None
+    # The issue's 3-line file: line 2 gets its own 400 line, lines 1 and 3 are answered.
+    source = write_lines(tmp_path / "in.jsonl", [chat("one", max_tokens=2, temperature=0),
+                                                 chat("two", max_tokens=2, response_format=never),
+                                                 chat("three", max_tokens=2, temperature=0)])
+    run_batch(tiny_llm, source, tmp_path / "out.jsonl")
+    status = {line["custom_id"]: line["response"]["status_code"] for line in read_lines(tmp_path / "out.jsonl")}
+    assert status == {"one": 200, "two": 400, "three": 200}

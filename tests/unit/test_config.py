@@ -264,3 +264,61 @@ def test_resolved_config_round_trips() -> None:
     config = validate_config(_with(engine={"kv_cache_memory": "1MiB"}))
     dumped = config.model_dump(mode="json")
     assert RunConfig.model_validate(dumped) == config
+
+
+# ----------------------------------------------------------------------------- engine settings
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("engine.kv_cache_memory=-1", "engine.kv_cache_memory: must be > 0 (got -1)"),
+    ("engine.kv_cache_memory=-5MiB", "engine.kv_cache_memory: must be > 0 (got '-5MiB')"),
+    ("engine.kv_cache_memory=true", "engine.kv_cache_memory: expected a size such as '512MiB' or a number of bytes, "
+     "got true; a boolean is not a size"),
+    ("engine.kv_cache_memory=1.5", "engine.kv_cache_memory: expected a whole number of bytes or a size such as '512MiB', got 1.5"),
+    ("engine.num_threads=true", "engine.num_threads: expected a positive integer or 'auto', got true; a boolean is not a count"),
+    ("engine.num_threads=0", "engine.num_threads: expected a positive integer or 'auto', got 0"),
+    ("engine.num_threads=many", "engine.num_threads: expected a positive integer or 'auto', got 'many'"),
+])
+def test_bad_engine_sizes_and_counts_say_what_they_take(override: str, expected: str) -> None:
+    # One issue each, at the key --set names (no internal path such as '.constrained-int').
+    assert _errors(apply_overrides(MINIMAL, [override])) == [expected]
+
+
+def test_engine_section_builds_the_engine_config() -> None:
+    import dataclasses
+
+    from batchgen.engine.config import EngineConfig
+
+    config = validate_config(apply_overrides(MINIMAL, [
+        "engine.kv_cache_memory=64MiB", "engine.num_threads=3", "engine.block_size=32", "engine.scheduling_policy=fcfs",
+        "engine.seed=7", "model.dtype=bfloat16", "model.device=cpu"]))
+    built = config.engine.to_engine_config(config.model)
+    assert isinstance(built, EngineConfig)
+    assert (built.kv_cache_memory, built.num_threads, built.block_size, built.scheduling_policy, built.seed) == (
+        64 * 2**20, 3, 32, "fcfs", 7)
+    assert (built.model, built.dtype, built.device) == (config.model.name, "bfloat16", "cpu")
+    # Every engine key of the YAML reaches the engine: none is dropped on the way.
+    assert set(type(config.engine).model_fields) <= {f.name for f in dataclasses.fields(EngineConfig)}
+    for key in type(config.engine).model_fields:
+        value = getattr(config.engine, key)
+        assert getattr(built, key) == (int(value) if key == "kv_cache_memory" else value), key
+
+
+# ----------------------------------------------------------------------------- structured outputs
+
+
+@pytest.mark.parametrize("key,value", [("regex", r"[^\s\S]"), ("regex", r"(ab|cd)[^\s\S]"),
+                                       ("json", {"type": "string", "pattern": r"[^\s\S]"})])
+def test_a_constraint_nothing_can_match_is_named_at_validation(key: str, value: Any) -> None:
+    pytest.importorskip("xgrammar", reason="structured outputs need the 'structured' extra")
+    (error,) = _errors(_with(generation={"structured_outputs": {key: value}}))
+    what = "JSON schema" if key == "json" else key
+    assert error == (f"generation.structured_outputs.{key}: no output can match this {what}: it compiles, but it "
+                     "allows no text at all, so every row would fail")
+
+
+@pytest.mark.parametrize("value", [r"[a-z]+", r"\d{3}-\d{4}", "x{100}"])
+def test_constraints_that_can_match_pass(value: str) -> None:
+    # The search is bounded: an output longer than it looks (x{100}) is left to the run, never refused.
+    pytest.importorskip("xgrammar", reason="structured outputs need the 'structured' extra")
+    assert validate_config(_with(generation={"structured_outputs": {"regex": value}})).generation.structured_outputs.regex == value
