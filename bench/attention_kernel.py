@@ -10,7 +10,7 @@ one layer call of each kind a run makes:
 * ``prefill-2k``: one 2,048-token prompt in one chunk;
 * ``chunk-512``: a 512-token chunk after 1,536 cached tokens.
 
-Variants: the torch path (``reference.py``: gather the blocks, then SDPA) and the C kernel,
+Variants: the torch path (``torch_attention.py``: gather the blocks, then SDPA) and the C kernel,
 each in float32 and in bfloat16 (bfloat16 query and cache; the kernel computes in float32),
 each at 1 thread and at ``--threads``. Threads are set as the engine sets them: the torch path
 gets torch's intra-op threads; the kernel gets the pool's threads, with torch on one (torch's
@@ -88,7 +88,7 @@ def cases() -> dict[str, tuple[list[int], list[int] | None]]:
 
 
 def main() -> None:
-    from batchgen.kernels import get_ops, reference
+    from batchgen.kernels import get_ops, torch_attention
     from batchgen.kernels.cpu import loader, unsupported_reason
 
     ap = argparse.ArgumentParser()
@@ -106,8 +106,8 @@ def main() -> None:
     why = unsupported_reason(torch.float32, HEAD_SIZE, HEADS, KV_HEADS)
     if why is not None:
         raise SystemExit(f"the CPU attention kernel cannot run here: {why}")
-    cpu, ref = get_ops("cpu"), reference
-    workspace = reference.Workspace()
+    cpu, ref = get_ops("cpu"), torch_attention
+    workspace = torch_attention.Workspace()
     paths = {"torch": ref, "cpu": cpu}
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     thread_counts = sorted({1, args.threads})

@@ -7,7 +7,7 @@ CUDA context in one stage never stops the others), each recorded in the JSON eve
 or runs out of time (a stage writes its partial results as it goes):
 
 ``environment``  GPU, its peak HBM bandwidth, torch, cupy, NVRTC version and header directory.
-``correctness``  ``paged_decode_attention`` against the torch reference: head sizes 64, 80, 96,
+``correctness``  ``paged_decode_attention`` against the torch backend (the spec): head sizes 64, 80, 96,
                  128, 256; GQA groups 1, 2, 3, 4, 8; float32, float16, bfloat16; ragged lengths;
                  a 9,217-token context; ``reshape_and_cache`` and ``copy_blocks``; and the index
                  checks (a bad block id raises, and the GPU still works after).
@@ -503,7 +503,7 @@ def stage_environment(stage: Stage, args: argparse.Namespace, env: dict[str, Any
 
 # What the stages import (the environment stage fails without them), and what the carried wheels
 # add (bench/gpu_models/wheels.txt: recorded, needed by no stage).
-NEEDED_IMPORTS = ("batchgen.engine.llm", "batchgen.kernels.cuda.attention", "bench.gpu_models", "transformers",
+NEEDED_IMPORTS = ("batchgen.engine.llm", "batchgen.kernels.cuda.cuda_attention", "bench.gpu_models", "transformers",
                   "pytest")
 CARRIED_IMPORTS = ("batchgen.config", "batchgen.plugins", "gguf")
 
@@ -565,8 +565,8 @@ def _decode_case(batch_lens: list[int], num_heads: int, num_kv_heads: int, head_
 def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
     import torch
 
-    from batchgen.kernels import reference
-    from batchgen.kernels.cuda.attention import KernelInputError, get_cuda_ops
+    from batchgen.kernels import torch_attention as reference
+    from batchgen.kernels.cuda.cuda_attention import KernelInputError, get_cuda_ops
 
     dev = torch.device(DEVICE)
     cases = []
@@ -769,8 +769,8 @@ def _sweep(stage: Stage, env: dict[str, Any], measure: Callable[[dict[str, Any],
 def stage_bandwidth(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
-    from batchgen.kernels.cuda.attention import get_cuda_ops
-    from batchgen.kernels.reference import gather_kv
+    from batchgen.kernels.cuda.cuda_attention import get_cuda_ops
+    from batchgen.kernels.torch_attention import gather_kv
 
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -831,7 +831,7 @@ def stage_bandwidth(stage: Stage, args: argparse.Namespace, env: dict[str, Any])
 def stage_flashinfer(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
     import torch
 
-    from batchgen.kernels.cuda.attention import get_cuda_ops
+    from batchgen.kernels.cuda.cuda_attention import get_cuda_ops
 
     try:
         import flashinfer

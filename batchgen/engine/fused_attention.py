@@ -164,7 +164,7 @@ class _Probe:
 
     def __init__(self, rotary: torch.nn.Module, hidden: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
-        from batchgen.kernels import reference
+        from batchgen.kernels import torch_attention
 
         gen = torch.Generator().manual_seed(0)
         tokens = len(PROBE_POSITIONS)
@@ -184,8 +184,8 @@ class _Probe:
             prefill_block_tables=torch.tensor([[2, 3]], dtype=torch.int32),
             prefill_query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
             prefill_context_lens=torch.tensor([6], dtype=torch.int32),
-            ops=reference,
-            workspace=reference.Workspace(),
+            ops=torch_attention.get_torch_ops(),
+            workspace=torch_attention.Workspace(),
         )
 
     def run(self, module: torch.nn.Module, layer: int) -> tuple[Any, torch.Tensor]:

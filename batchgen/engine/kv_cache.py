@@ -1,7 +1,7 @@
 """KVCache: the K/V pools of every layer, sized from a memory budget.
 
 Layout: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` in the
-model's dtype (see ``batchgen.kernels.reference``). One tensor keeps copy-on-write a single
+model's dtype (see ``batchgen.kernels.ops``). One tensor keeps copy-on-write a single
 batched copy over all layers.
 """
 

@@ -173,7 +173,7 @@ class ModelRunner:
             backend = "torch"
         self.attention_backend = backend
         self.ops = kernels.get_ops(backend, check_indices=index_checks)
-        from batchgen.kernels.reference import Workspace
+        from batchgen.kernels.torch_attention import Workspace
 
         self.workspace = Workspace()
         self.linear_backend = self._setup_linears(config.linear_backend)

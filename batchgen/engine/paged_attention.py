@@ -42,7 +42,7 @@ class AttentionMetadata:
         prefill_context_lens: ``[num_prefills]``, tokens in context after this step.
         ops: the attention backend (``batchgen.kernels.get_ops``).
         workspace: scratch buffers the torch backend gathers K/V into, kept by the runner
-            across steps (``batchgen.kernels.reference.Workspace``).
+            across steps (``batchgen.kernels.torch_attention.Workspace``).
     """
 
     kv_cache: torch.Tensor

@@ -1,8 +1,10 @@
-"""Attention backends: ``torch`` (``reference.py``), ``cpu`` (C kernels compiled at run time,
-``cpu/``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda/``).
+"""Attention backends: ``torch`` (``torch_attention.py``), ``cpu`` (C kernels compiled at run
+time, ``cpu/``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda/``).
 
-``reference.py`` is the torch spec of the attention ops that both kernel folders implement, and
-the ``torch`` backend. ``cpu/`` and ``cuda/`` each hold their sources beside their loader.
+Each backend implements :class:`~batchgen.kernels.ops.AttentionOps` (``ops.py``, with the cache
+layout); :func:`resolve_backend` decides which one runs and :func:`get_ops` hands it out.
+``torch_attention.py`` is also the spec the kernels are tested against. ``cpu/`` and ``cuda/``
+each hold their sources beside their loader.
 
 Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, lazily, when the
 ``cuda`` backend is first used.
@@ -11,10 +13,10 @@ Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, la
 from __future__ import annotations
 
 import importlib.util
-from types import ModuleType
-from typing import Any
 
 import torch
+
+from .ops import AttentionOps
 
 BACKENDS = ("auto", "cpu", "cuda", "torch")
 
@@ -63,7 +65,7 @@ def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int)
     Lets ``auto`` fall back to ``torch`` (and ``cuda`` fail early) instead of the first launch
     raising. Does not import cupy.
     """
-    from .cuda.attention import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
+    from .cuda.cuda_attention import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
 
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype} unsupported; the kernels support float32, float16 and bfloat16"
@@ -83,12 +85,12 @@ def cuda_unavailable_reason(dtype: torch.dtype, head_size: int, block_size: int,
     model needs (which the first launch would do anyway; cached by cupy on disk), so a missing
     header or an NVRTC error shows up here, where ``auto`` can still fall back to ``torch``.
     """
-    from .cuda import loader
+    from .cuda import get_cuda_ops, loader
 
     why = loader.unavailable_reason()
     if why is not None:
         return why
-    ops = get_ops("cuda", check_indices=check_indices)
+    ops = get_cuda_ops(check_indices)
     try:
         with ops.backend.launch_context(torch.device(device)):
             module = ops.backend.module(dtype, head_size, block_size)
@@ -117,16 +119,16 @@ def cpu_unsupported_reason(dtype: torch.dtype, head_size: int, num_heads: int, n
     return None
 
 
-def get_ops(backend: str, check_indices: bool = True) -> ModuleType | Any:
-    """The ops of a resolved backend: ``reshape_and_cache``, ``paged_decode_attention``,
-    ``paged_prefill_attention`` and ``copy_blocks``, with ``reference.py``'s signatures.
+def get_ops(backend: str, check_indices: bool = True) -> AttentionOps:
+    """The :class:`~batchgen.kernels.ops.AttentionOps` of a resolved backend (``reshape_and_cache``,
+    ``paged_decode_attention``, ``paged_prefill_attention``, ``copy_blocks``).
 
     ``check_indices=False`` skips the ``cuda`` ops' value checks of context lengths, block ids
     and slots (:mod:`batchgen.kernels.cuda.checks`); the cpu backend checks always."""
     if backend == "torch":
-        from . import reference
+        from .torch_attention import get_torch_ops
 
-        return reference
+        return get_torch_ops()
     if backend == "cpu":
         from .cpu import get_cpu_ops
 

@@ -20,7 +20,7 @@ def runner(request: pytest.FixtureRequest) -> Runner:
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    from batchgen.kernels.cuda.attention import get_cuda_ops
+    from batchgen.kernels.cuda.cuda_attention import get_cuda_ops
 
     return Runner("gpu", torch.device("cuda"), [("cupy", get_cuda_ops())])
 

@@ -107,7 +107,7 @@ def plant_late_maximum(case: DecodeCase, seq: int, start: int, factor: float = 2
 
 def reference_decode(case: DecodeCase) -> torch.Tensor:
     """The torch reference in float32 on the (already rounded) inputs, on the CPU."""
-    from batchgen.kernels import reference
+    from batchgen.kernels import torch_attention as reference
 
     c = case.to(torch.device("cpu"))
     return reference.paged_decode_attention(c.query.float(), c.k_cache.float(), c.v_cache.float(),

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
+from cuda_harness.backend import HarnessBackend
+
+from batchgen.kernels.cuda.cuda_attention import KernelOps
 
 # The CPU harness schedules every case runs under (each is warp-by-warp; see cuda_cpu.h).
 CPU_SCHEDULES = (("warp", "nan"), ("warp_reverse", "huge"))

@@ -35,8 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from batchgen.kernels.cuda.attention import KERNEL_HEADER, KERNEL_SOURCE  # noqa: E402
-from batchgen.kernels.cuda.harness import cache_dir  # noqa: E402
+from batchgen.kernels.cuda.cuda_attention import KERNEL_HEADER, KERNEL_SOURCE  # noqa: E402
+from cuda_harness import cache_dir  # noqa: E402
 
 ARCH = "90"
 NVCC = shutil.which("nvcc") or (

@@ -10,9 +10,10 @@ import pytest
 import torch
 from kernel_runners import harness_ops
 
-from batchgen.kernels import get_ops, reference, resolve_backend
-from batchgen.kernels.cuda import attention as kcuda
-from batchgen.kernels.cuda.attention import KernelInputError, num_partitions
+from batchgen.kernels import get_ops, resolve_backend
+from batchgen.kernels import torch_attention as reference
+from batchgen.kernels.cuda import cuda_attention as kcuda
+from batchgen.kernels.cuda.cuda_attention import KernelInputError, num_partitions
 
 
 def test_importing_the_package_does_not_import_cupy() -> None:

@@ -14,7 +14,8 @@ import torch
 from kernel_cases import assert_close_to_reference, make_decode_case, reference_decode
 
 from batchgen.kernels import cpu as kcpu
-from batchgen.kernels import cpu_unsupported_reason, get_ops, reference
+from batchgen.kernels import cpu_unsupported_reason, get_ops
+from batchgen.kernels import torch_attention as reference
 from batchgen.kernels.cpu import loader
 
 pytestmark = pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
@@ -220,7 +221,7 @@ def test_unsupported_reason_names_what_does_not_fit(monkeypatch: pytest.MonkeyPa
 def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(kcpu.attention, "KERNEL_SOURCE", broken)
+    monkeypatch.setattr(kcpu.cpu_attention, "KERNEL_SOURCE", broken)
     monkeypatch.setattr(kcpu.loader, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(kcpu.CpuKernelError, match="could not build the CPU attention kernel"):
@@ -281,15 +282,15 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
     results = []
     for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
         path = tmp_path / f"attention{len(extra)}.so"
-        error = loader._compile(kcpu.compiler(), kcpu.attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
+        error = loader._compile(kcpu.compiler(), kcpu.cpu_attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
                                 ["-DHEAD_SIZE=40", "-DGROUP=3"], path)
         if error is not None and not extra:
             pytest.skip(f"no -march=native build here: {error.splitlines()[-1]}")
         assert error is None, error
         lib = ctypes.CDLL(str(path))
-        kcpu.attention._declare_attention(lib)
+        kcpu.cpu_attention._declare_attention(lib)
         outs = []
-        for dtype, code in kcpu.attention.DTYPES.items():
+        for dtype, code in kcpu.cpu_attention.DTYPES.items():
             k, v = case.k_cache.to(dtype), case.v_cache.to(dtype)
             for q, loc in ((case.query.to(dtype), None), (query.to(dtype), starts)):
                 out = torch.empty_like(q)

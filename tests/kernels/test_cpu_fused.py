@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cpu_reference as reference
 from batchgen.kernels.cpu import fused as cpu_fused
-from batchgen.kernels.cpu import reference
 from batchgen.kernels.cpu.fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
 from batchgen.sampling.params import SamplingParams
 from batchgen.sampling.sampler import Sampler, SamplingRow
@@ -257,7 +257,7 @@ def test_rope_and_cache_equals_hf_rope_and_reshape_and_cache_bitwise(dtype, toke
     half head sizes that are and are not a multiple of the 8-lane vectors."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from batchgen.kernels import reference as attention_reference
+    from batchgen.kernels import torch_attention as attention_reference
 
     qkv, cos, sin, cache, slots = _rope_case(dtype, tokens, heads, kv_heads, head_size, seed=tokens + head_size)
     q_end, k_end = heads * head_size, (heads + kv_heads) * head_size

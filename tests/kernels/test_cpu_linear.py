@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels.cpu import linear as cpu_linear
-from batchgen.kernels.cpu import loader, reference
+import cpu_reference as reference
+from batchgen.kernels.cpu import loader
 from batchgen.kernels.cpu.linear import PackedLinear, pack_linears
 
 _WHY = cpu_linear.unsupported_reason(torch.float32, torch.device("cpu"))

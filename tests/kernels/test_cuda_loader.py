@@ -74,7 +74,7 @@ def test_search_order_toolkit_env_then_wheels_then_default(monkeypatch, no_syste
 
 
 def test_the_re_export_keeps_its_old_name(no_system_cuda, monkeypatch, tmp_path: Path) -> None:
-    from batchgen.kernels.cuda import attention
+    from batchgen.kernels.cuda import cuda_attention as attention
 
     site = tmp_path / "site"
     inc = _headers(site / "nvidia" / "cu13" / "include", 13000)
@@ -138,7 +138,7 @@ def test_unavailable_reason_names_what_is_missing(monkeypatch, no_system_cuda, t
 
 
 def test_cuda_unavailable_reason_reports_a_failed_build(monkeypatch, no_system_cuda, tmp_path: Path) -> None:
-    from batchgen.kernels.cuda import attention
+    from batchgen.kernels.cuda import cuda_attention as attention
 
     site = tmp_path / "site"
     _headers(site / "nvidia" / "cu13" / "include", 13000)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
+from cuda_harness.backend import HarnessBackend
+
+from batchgen.kernels.cuda.cuda_attention import KernelOps
 
 
 @pytest.mark.slow

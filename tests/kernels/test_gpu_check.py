@@ -165,7 +165,7 @@ def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.Monke
     # harness-run kernels, with a few cases; on a GPU the same code runs on cupy.
     from kernel_runners import harness_ops
 
-    import batchgen.kernels.cuda.attention as kcuda
+    import batchgen.kernels.cuda.cuda_attention as kcuda
 
     monkeypatch.setattr(kcuda, "get_cuda_ops", lambda check_indices=True: harness_ops("warp", "nan"))
     monkeypatch.setattr(gc, "DEVICE", "cpu")

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cuda_harness import CpuModule, HarnessError, parse_kernels
+from cuda_harness.backend import HarnessBackend
 from kernel_cases import assert_close_to_reference, make_decode_case, reference_decode
 
-from batchgen.kernels import reference
-from batchgen.kernels.cuda.harness import CpuModule, HarnessError, parse_kernels
-from batchgen.kernels.cuda.attention import HarnessBackend, KernelOps
+from batchgen.kernels import torch_attention as reference
+from batchgen.kernels.cuda.cuda_attention import KernelOps
 
 CASES = Path(__file__).parent / "data" / "harness_cases.cu"
 FIBER_SCHEDULES = ["warp", "warp_reverse", "round_robin", "random"]

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.kernels import reference
+from batchgen.kernels import torch_attention as reference
 from batchgen.kernels.cuda import checks
-from batchgen.kernels.cuda.attention import KernelInputError, KernelOps
+from batchgen.kernels.cuda.cuda_attention import KernelInputError, KernelOps
 
 
 class _Launches:
@@ -169,7 +169,7 @@ def test_inference_tensors_are_checked_and_remembered() -> None:
 
 def test_check_functions_agree_with_the_cpu_kernel_on_random_tables() -> None:
     # The CPU kernel's own first pass is the oracle: both accept or both reject.
-    from batchgen.kernels.cpu.attention import paged_attention
+    from batchgen.kernels.cpu.cpu_attention import paged_attention
 
     gen = torch.Generator().manual_seed(7)
     k, v = torch.zeros(5, 8, 1, 64), torch.zeros(5, 8, 1, 64)
@@ -199,7 +199,7 @@ def test_engine_option_reaches_the_cuda_ops() -> None:
     assert engine_config(off).index_checks is False
     with pytest.raises(ValueError, match="index_checks"):
         RunConfig.model_validate(base | {"engine": {"index_checks": "sometimes"}})
-    from batchgen.kernels.cuda import attention as kcuda
+    from batchgen.kernels.cuda import cuda_attention as kcuda
 
     saved = dict(kcuda._ops)
     try:

@@ -18,8 +18,8 @@ from kernel_cases import (
     reference_decode,
 )
 
-from batchgen.kernels import reference
-from batchgen.kernels.cuda.attention import HEAD_SIZES, PARTITION_SIZE, KernelOps
+from batchgen.kernels import torch_attention as reference
+from batchgen.kernels.cuda.cuda_attention import HEAD_SIZES, PARTITION_SIZE, KernelOps
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -234,7 +234,7 @@ def test_copy_blocks_matches_reference(runner: Runner, dtype, block_size) -> Non
 def test_prefill_is_the_sdpa_reference() -> None:
     # The documented choice: prefill on the cuda backend is the torch reference (after the
     # index checks), bit for bit.
-    from batchgen.kernels.cuda.attention import HarnessBackend
+    from cuda_harness.backend import HarnessBackend
 
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(4, 16, 2, 64, generator=gen), torch.randn(4, 16, 2, 64, generator=gen)

@@ -18,14 +18,10 @@ import torch
 from kernel_runners import CPU_SCHEDULES
 from kernel_cases import TOLERANCES, make_decode_case, plant_late_maximum, reference_decode
 
-from batchgen.kernels.cuda.harness import HarnessError
-from batchgen.kernels.cuda.attention import (
-    KERNEL_HEADER,
-    KERNEL_SOURCE,
-    PARTITION_SIZE,
-    HarnessBackend,
-    KernelOps,
-)
+from cuda_harness import HarnessError
+from cuda_harness.backend import HarnessBackend
+
+from batchgen.kernels.cuda.cuda_attention import KERNEL_HEADER, KERNEL_SOURCE, PARTITION_SIZE, KernelOps
 
 # float32 with head size 80: 20 vectors per row, so the P V phase reads 6 token slots side by side
 # (8 threads idle) in two batches per tile (8 tokens, then 3), and 5 K vectors per lane.

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cuda_harness import cache_dir
 
-from batchgen.kernels.cuda.harness import cache_dir
-from batchgen.kernels.cuda.attention import (
+from batchgen.kernels.cuda.cuda_attention import (
     BLOCK_SIZES,
     DTYPE_CODES,
     HEAD_SIZES,

@@ -165,7 +165,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     """Rotate-half RoPE of a fused projection's query and key heads, in place, and the key and
     value heads written into the paged cache: HF's ``apply_rotary_pos_emb`` followed by
     ``reshape_and_cache``, in one C pass (float32, bfloat16 or float16; bit for bit what torch
-    computes, see :func:`~batchgen.kernels.cpu.reference.rope_and_cache`).
+    computes, see ``rope_and_cache`` in tests/kernels/cpu_reference.py).
 
     Args:
         qkv: ``[..., num_tokens, (num_heads + 2 * num_kv_heads) * head_size]``, rows of unit

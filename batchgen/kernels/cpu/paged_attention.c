@@ -49,7 +49,7 @@
  * Compile-time constants (-D): HEAD_SIZE (elements per head) and GROUP (query heads per KV
  * head). With both fixed the compiler unrolls the head loops.
  *
- * Layout (see reference.py):
+ * Layout (see batchgen/kernels/ops.py):
  *   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, HEAD_SIZE], contiguous.
  *   query: [num_tokens, num_kv_heads * GROUP, HEAD_SIZE], last dim contiguous, other strides
  *          given (attention layers hand over transposed views).

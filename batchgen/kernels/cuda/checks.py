@@ -3,7 +3,7 @@
 The kernels read and write raw memory through ``block_tables``, ``slot_mapping`` and
 ``block_mapping`` and stop at ``context_lens``; a wrong value there is an out-of-bounds access
 on the GPU, which either corrupts memory silently or kills the CUDA context. Shape and dtype
-checks (in :class:`~batchgen.kernels.cuda.attention.KernelOps`) cannot see values, so these
+checks (in :class:`~batchgen.kernels.cuda.cuda_attention.KernelOps`) cannot see values, so these
 functions look at them, with the same rules as the CPU kernel's first pass:
 
 * ``1 <= context_lens[s] <= block_tables.shape[1] * block_size``;

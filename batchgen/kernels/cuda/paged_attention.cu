@@ -1,10 +1,10 @@
 // Paged-attention kernels: decode attention (single pass and split-K), the split-K reduce,
-// the cache write and the copy-on-write block copy. Contracts: batchgen/kernels/reference.py.
+// the cache write and the copy-on-write block copy. Contracts: batchgen/kernels/torch_attention.py.
 // Layout: a layer's K (or V) pool is [num_blocks, block_size, num_kv_heads, head_size],
 // contiguous; a token's slot is block_id * block_size + offset.
 #include "paged_attention.cuh"
 
-// Shared-memory layout of paged_decode, in 4-byte words (attention.py computes the same size):
+// Shared-memory layout of paged_decode, in 4-byte words (cuda_attention.py computes the same size):
 //   m, l   [BG_MAX_GROUP] each            running max and running denominator per head
 //   alpha  [BG_MAX_GROUP]                 rescale factor of the last tile per head
 //   row    [BG_TILE] (int)                cache row (slot) of each token of the tile

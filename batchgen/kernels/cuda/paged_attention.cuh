@@ -6,10 +6,10 @@
 //   BG_BLOCK_SIZE  tokens per cache block: 8, 16 or 32
 //
 // The same source is compiled three ways: by NVRTC (cupy.RawModule) on a GPU, by nvcc for the
-// static checks, and by g++ against harness/cuda_cpu.h for execution on the CPU. It therefore
-// keeps to the subset the harness implements: no inline PTX, no tensor-core instructions, no
-// cooperative groups, full-warp shuffles only, and shared memory only through BG_DYNAMIC_SMEM
-// (so the harness can poison it and sanitizers can bound it).
+// static checks, and by g++ against tests/kernels/cuda_harness/cuda_cpu.h for execution on the
+// CPU. It therefore keeps to the subset the harness implements: no inline PTX, no tensor-core
+// instructions, no cooperative groups, full-warp shuffles only, and shared memory only through
+// BG_DYNAMIC_SMEM (so the harness can poison it and sanitizers can bound it).
 #pragma once
 
 #if defined(BGH_CPU_HARNESS)
@@ -29,7 +29,7 @@
 #error "BG_BLOCK_SIZE must be defined"
 #endif
 
-// Launch geometry. attention.py mirrors these values (and a test pins the two together).
+// Launch geometry. cuda_attention.py mirrors these values (and a test pins the two together).
 #define BG_NUM_THREADS 128      // threads per block of the decode and reduce kernels
 #define BG_NUM_WARPS (BG_NUM_THREADS / 32)
 #define BG_MAX_GROUP 8          // query heads served by one block (one KV head's GQA group)

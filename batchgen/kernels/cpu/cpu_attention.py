@@ -7,7 +7,7 @@ constants, for the machine it runs on (``-march=native``), cached on disk under
 flags and compiler, and loaded with ctypes. The work is split over (sequence, query tile, KV
 head) items on batchgen's thread pool.
 
-Why: the torch path (``reference.py``) first gathers every sequence's blocks into a dense,
+Why: the torch path (``torch_attention.py``) first gathers every sequence's blocks into a dense,
 padded copy and then runs SDPA over it, reading and writing the context three times. The kernel
 reads each K/V row in place through the block table, only up to the query's own position, and
 serves a whole GQA group of query heads (and, in prefill, a tile of query tokens) per read.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from batchgen.kernels import reference
+from batchgen.kernels import torch_attention
 
 from .loader import CpuKernelError, compiler, load_library
 
@@ -113,7 +113,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Both ops in one call: decode when ``query_start_loc`` is None (one query row per
-    sequence), else prefill (see :func:`reference.paged_prefill_attention`). ``op`` names the
+    sequence), else prefill (see :func:`torch_attention.paged_prefill_attention`). ``op`` names the
     caller in errors.
 
     Raises:
@@ -176,10 +176,10 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuOps:
-    """The ``cpu`` backend's ops, with :mod:`reference`'s signatures."""
+    """The ``cpu`` backend's :class:`~batchgen.kernels.ops.AttentionOps`."""
 
-    reshape_and_cache = staticmethod(reference.reshape_and_cache)
-    copy_blocks = staticmethod(reference.copy_blocks)
+    reshape_and_cache = staticmethod(torch_attention.reshape_and_cache)
+    copy_blocks = staticmethod(torch_attention.copy_blocks)
 
     def paged_decode_attention(
         self,
@@ -189,9 +189,9 @@ class CpuOps:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-        workspace: reference.Workspace | None = None,
+        workspace: torch_attention.Workspace | None = None,
     ) -> torch.Tensor:
-        """See :func:`reference.paged_decode_attention` (``workspace`` is not needed).
+        """See :func:`torch_attention.paged_decode_attention` (``workspace`` is not needed).
 
         Raises:
             ValueError: inputs outside the contract.
@@ -208,9 +208,9 @@ class CpuOps:
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-        workspace: reference.Workspace | None = None,
+        workspace: torch_attention.Workspace | None = None,
     ) -> torch.Tensor:
-        """See :func:`reference.paged_prefill_attention` (``workspace`` is not needed).
+        """See :func:`torch_attention.paged_prefill_attention` (``workspace`` is not needed).
 
         Raises:
             ValueError: inputs outside the contract.

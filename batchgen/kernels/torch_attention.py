@@ -1,18 +1,9 @@
-"""Torch implementation of the paged-attention operations: the CPU path and the spec.
+"""The ``torch`` attention backend: the paged-attention ops in plain torch (gathers and SDPA).
 
-Every CUDA kernel in this package has a function here with the same contract, and the kernel
-tests pin the two together. These functions are also what the ``torch`` attention backend runs.
-
-Cache layout (shared by the torch and CUDA paths)
--------------------------------------------------
-The whole cache is one tensor ``kv_cache`` of shape
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 of dim 1 is K,
-1 is V). ``kv_cache[layer, 0]`` is that layer's K pool, ``[num_blocks, block_size,
-num_kv_heads, head_size]``, contiguous. A token's *slot* is ``block_id * block_size + offset``;
-``slot_mapping[i]`` is the slot a new token ``i`` writes its K/V to. ``block_tables[s, j]`` is
-the physical block holding logical block ``j`` of sequence ``s``; entries past the sequence's
-last block are padding and are never read (they may hold any value, conventionally 0).
-Keys are stored after RoPE, as the model hands them to attention.
+These functions are the contract of :class:`~batchgen.kernels.ops.AttentionOps`: every kernel of
+the ``cpu`` and ``cuda`` backends has a function here with the same signature and meaning, and
+the kernel tests hold each kernel to it. :class:`TorchOps` serves them as a backend. The cache
+layout they read and write is in :mod:`batchgen.kernels.ops`.
 """
 
 from __future__ import annotations
@@ -210,3 +201,20 @@ def paged_prefill_attention(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[q0:q1] = o[0].permute(1, 0, 2)
     return out
+
+
+class TorchOps:
+    """The ``torch`` backend's :class:`~batchgen.kernels.ops.AttentionOps`: this module's functions."""
+
+    reshape_and_cache = staticmethod(reshape_and_cache)
+    copy_blocks = staticmethod(copy_blocks)
+    paged_decode_attention = staticmethod(paged_decode_attention)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+
+
+_ops = TorchOps()
+
+
+def get_torch_ops() -> TorchOps:
+    """The ``torch`` backend's ops (one shared instance)."""
+    return _ops

@@ -1,6 +1,6 @@
 """The torch references of the CPU linear and fused ops: what ``linear.c`` and ``fused.c``
 compute, written in plain torch, and the bounds the kernels keep to. The tests hold each
-kernel to its reference. (The attention ops' reference is :mod:`batchgen.kernels.reference`,
+kernel to its reference. (The attention ops' reference is :mod:`batchgen.kernels.torch_attention`,
 shared with the CUDA kernels.)
 
 * :func:`linear` / :func:`linear_error_bound`: ``x W^T + b`` exactly (float64), rounded once to
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.reference import reshape_and_cache
+from batchgen.kernels.torch_attention import reshape_and_cache
 
 EPS32 = torch.finfo(torch.float32).eps
 

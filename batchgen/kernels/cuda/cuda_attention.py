@@ -3,9 +3,9 @@
 ``paged_attention.cu`` is compiled once per (dtype, head_size, block_size) with
 ``cupy.RawModule`` (NVRTC; cupy's on-disk cache makes later processes skip compilation) and
 launched on torch's current CUDA stream, tensors passed through DLPack. The same launch code,
-:class:`KernelOps`, also drives the CPU harness (``harness.CpuModule``) in the tests, so what
-is tested on a CPU is exactly the argument packing, grid and shared-memory sizing that runs on a
-GPU.
+:class:`KernelOps`, also drives the CPU harness in the tests (``tests/kernels/cuda_harness``,
+through a :class:`Backend` of its own), so what is tested on a CPU is exactly the argument
+packing, grid and shared-memory sizing that runs on a GPU.
 
 cupy is imported only inside :class:`CupyBackend` here and inside :mod:`.loader`'s functions
 (which finds NVRTC's headers). :mod:`.checks` checks the values of the indices the kernels follow.
@@ -15,7 +15,7 @@ partitions. One partition (``n <= PARTITION_SIZE``) is the single-pass kernel: t
 the output directly. More partitions are reduced by ``paged_decode_reduce``. The choice depends
 only on the sequence's own ``n``, so its output is bitwise the same whatever else is in the batch.
 
-Prefill uses :func:`reference.paged_prefill_attention` (SDPA over gathered blocks): prefill is
+Prefill uses :func:`torch_attention.paged_prefill_attention` (SDPA over gathered blocks): prefill is
 compute-bound and SDPA's fused kernels already do it well; the gather is one extra read of the
 prefix, which prefills amortise over many query tokens.
 """
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from batchgen.kernels import reference
+from batchgen.kernels import torch_attention
 
 from . import checks, loader
 from .loader import nvrtc_include_dirs  # noqa: F401  (re-exported: where NVRTC's headers are)
@@ -166,43 +166,12 @@ class _Stacked(AbstractContextManager):
             m.__exit__(*exc)
 
 
-class HarnessBackend:
-    """Runs the kernels on the CPU harness (tests); schedules and poison as in CpuModule.
-
-    ``source`` replaces the kernel file (the mutation tests build deliberately broken copies).
-    """
-
-    device_type = "cpu"
-
-    def __init__(self, source: Path = KERNEL_SOURCE, **harness_options: Any) -> None:
-        from .harness import CpuModule
-
-        self._factory: Callable[..., Any] = CpuModule
-        self._source = Path(source)
-        self._options = harness_options
-        self._modules: dict[tuple[torch.dtype, int, int], Any] = {}
-
-    def module(self, dtype: torch.dtype, head_size: int, block_size: int) -> Any:
-        key = (dtype, head_size, block_size)
-        if key not in self._modules:
-            self._modules[key] = self._factory(
-                self._source, module_defines(dtype, head_size, block_size), **self._options
-            )
-        return self._modules[key]
-
-    def arg(self, tensor: torch.Tensor) -> Any:
-        return tensor
-
-    def launch_context(self, device: torch.device) -> AbstractContextManager[Any]:
-        return nullcontext()
-
-
 def _fail(op: str, msg: str) -> KernelInputError:
     return KernelInputError(f"{op}: {msg}")
 
 
 class KernelOps:
-    """The four ops of ``reference.py`` with the same signatures, running the CUDA kernels.
+    """The four ops of ``torch_attention.py`` with the same signatures, running the CUDA kernels.
 
     Every op checks its inputs before launching (a bad pointer or shape on a GPU is silent
     memory corruption) and raises :class:`KernelInputError` naming the op and the argument.
@@ -275,7 +244,7 @@ class KernelOps:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """See :func:`reference.reshape_and_cache`. Negative slots are skipped (padding)."""
+        """See :func:`torch_attention.reshape_and_cache`. Negative slots are skipped (padding)."""
         op = "reshape_and_cache"
         self._check_pool(op, k_cache, v_cache, None)
         device = k_cache.device
@@ -315,7 +284,7 @@ class KernelOps:
             )
 
     def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-        """See :func:`reference.copy_blocks`: every pair, K and V, all layers, one launch."""
+        """See :func:`torch_attention.copy_blocks`: every pair, K and V, all layers, one launch."""
         op = "copy_blocks"
         self._check_tensor(op, "kv_cache", kv_cache, ndim=6, dtypes=tuple(DTYPE_CODES), device=None)
         num_layers, two, num_blocks, block_size, kv_heads, head_size = kv_cache.shape
@@ -349,9 +318,9 @@ class KernelOps:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-        workspace: reference.Workspace | None = None,
+        workspace: torch_attention.Workspace | None = None,
     ) -> torch.Tensor:
-        """See :func:`reference.paged_decode_attention`. ``workspace`` is unused: the kernel
+        """See :func:`torch_attention.paged_decode_attention`. ``workspace`` is unused: the kernel
         reads the blocks in place.
 
         The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
@@ -431,9 +400,9 @@ class KernelOps:
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-        workspace: reference.Workspace | None = None,
+        workspace: torch_attention.Workspace | None = None,
     ) -> torch.Tensor:
-        """See :func:`reference.paged_prefill_attention`, which computes it: prefill is
+        """See :func:`torch_attention.paged_prefill_attention`, which computes it: prefill is
         compute-bound, and SDPA over the gathered blocks is the documented choice. The indices
         are checked first, as for decode (a bad block id in torch's gather is a device-side
         assert, which ends the CUDA context)."""
@@ -446,7 +415,7 @@ class KernelOps:
                 (num_blocks, block_size, num_tokens),
                 lambda: checks.query_violation(query_start_loc, context_lens, num_tokens)
                 or checks.context_violation(block_tables, context_lens, num_blocks, block_size))
-        return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables,
+        return torch_attention.paged_prefill_attention(query, k_cache, v_cache, block_tables,
                                                  query_start_loc, context_lens, scale, workspace)
 
 
