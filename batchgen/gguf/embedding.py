@@ -1,0 +1,46 @@
+"""QuantizedEmbedding: a token embedding kept in its GGUF blocks; only looked-up rows are
+de-quantized.
+
+A GGUF token embedding (``token_embd.weight``) is a ``[vocab, hidden]`` matrix stored row by
+row in blocks along ``hidden``, so one token's row is a run of whole blocks. The embedding
+holds it as a :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (``vocab`` outputs over
+``hidden`` inputs): a lookup gathers the requested rows' bytes from it
+(``QuantizedLinear.gather_rows``) and de-quantizes them alone
+(:func:`batchgen.kernels.cpu.quant.dequantize`, bit for bit the ``gguf`` package's values).
+So the resident embedding is the file's bytes, not ``vocab x hidden`` floats, and when the
+model ties ``lm_head`` to the embedding, ``lm_head`` *is* that same layer: one copy serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["QuantizedEmbedding"]
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """``nn.Embedding``'s forward over the GGUF blocks of ``rows``.
+
+    Args:
+        rows: a ``QuantizedLinear`` whose weight is the embedding matrix (``out_features`` =
+            the vocabulary, ``in_features`` = the embedding width).
+        dtype: the dtype of the rows it returns.
+    """
+
+    def __init__(self, rows: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows = rows
+        self.num_embeddings = rows.out_features
+        self.embedding_dim = rows.in_features
+        self.dtype = dtype
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from batchgen.kernels.cpu.quant import dequantize
+
+        flat = input_ids.reshape(-1)
+        raw = self.rows.gather_rows(flat)
+        values = dequantize(raw, self.rows.qtype, (flat.numel(), self.embedding_dim))
+        return values.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)

@@ -1,0 +1,277 @@
+"""load_gguf_model: an HF causal LM whose weights come straight from a GGUF file.
+
+The model is built from its HF config (:mod:`batchgen.gguf.metadata`) on the meta device, so no
+float copy of the weights is ever made, and each weight is then filled from the file:
+
+- norms and biases become float tensors in ``dtype``;
+- each linear layer whose weight is stored in a block type of :data:`KEPT_TYPES` becomes a
+  :class:`batchgen.kernels.cpu.quant.QuantizedLinear` over the stored blocks
+  (``quantization="gguf"``), or an ``nn.Linear`` of the de-quantized weight (``"none"``);
+  a weight in any other type (F16, F32, Q5_K ...) is de-quantized at load, and one logged line
+  says which types were;
+- the token embedding becomes a :class:`~batchgen.gguf.embedding.QuantizedEmbedding`, and a
+  tied ``lm_head`` a ``QuantizedLinear`` over the same blocks.
+
+Llama's q and k projections are stored in GGUF with the rows of each head permuted for
+llama.cpp's RoPE layout; they are put back in HF's order by moving whole rows (the blocks run
+along the input features, so a row is a run of whole blocks and moves unchanged).
+
+Buffers computed from the config (RoPE frequencies) are rebuilt on the CPU; a parameter the
+file does not provide is an error naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchgen.gguf.embedding import QuantizedEmbedding
+from batchgen.gguf.metadata import open_gguf
+from batchgen.gguf.reader import GGUFError, GGUFFile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KEPT_TYPES", "QUANTIZATIONS", "load_gguf_model"]
+
+#: Block types kept as stored with ``quantization="gguf"`` (what Q4_0, Q4_1, Q8_0 and
+#: Q4_K_M / Q6_K files hold); others are de-quantized at load.
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+QUANTIZATIONS = ("gguf", "none")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's RoPE permutation of a q/k projection:
+    ``hf_rows = gguf_rows[index]``."""
+    half = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+class _Filler:
+    """Turns the file's tensors into modules and parameters for one model."""
+
+    def __init__(self, gguf: GGUFFile, config: Any, dtype: torch.dtype, keep: bool) -> None:
+        self.gguf = gguf
+        self.config = config
+        self.dtype = dtype
+        self.keep = keep
+        self.dequantized: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+        self.raw_cache: dict[str, torch.Tensor] = {}
+        self.layers: dict[str, torch.nn.Module] = {}
+
+    def _rows_order(self, name: str) -> np.ndarray | None:
+        if ".attn_q." in name:
+            return _unpermute_rows(self.gguf.tensor(name).data.shape[0], self.config.num_attention_heads)
+        if ".attn_k." in name:
+            return _unpermute_rows(self.gguf.tensor(name).data.shape[0], self.config.num_key_value_heads)
+        return None
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The stored blocks of ``name`` as uint8 ``[rows, row_bytes]`` (HF row order), a copy
+        in memory of its own (the mapping of the file is not kept alive)."""
+        if name not in self.raw_cache:
+            data = self.gguf.tensor(name).data
+            order = self._rows_order(name)
+            array = data[order] if order is not None else np.array(data)
+            self.raw_cache[name] = torch.from_numpy(np.ascontiguousarray(array))
+        return self.raw_cache[name]
+
+    def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name`` as floats in ``dtype``, HF's ``shape``."""
+        from gguf.quants import dequantize
+
+        tensor = self.gguf.tensor(name)
+        kind = tensor.tensor_type.name
+        data = tensor.data
+        order = self._rows_order(name)
+        if order is not None:
+            data = data[order]
+        try:
+            array = np.asarray(data, dtype=np.float32) if kind in _FLOAT_TYPES and kind != "BF16" \
+                else dequantize(np.asarray(data), tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} ({kind}) cannot be de-quantized: {exc}") from None
+        if int(np.prod(array.shape)) != int(np.prod(shape)):
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {tuple(array.shape)}, the "
+                            f"model expects {shape}")
+        if not array.flags.writeable or not array.flags.c_contiguous:  # a view of the mapped file
+            array = np.array(array, copy=True, order="C")
+        return torch.from_numpy(array).reshape(shape).to(self.dtype)
+
+    def check_shape(self, name: str, rows: int, cols: int) -> None:
+        got = tuple(int(d) for d in reversed(self.gguf.tensor(name).shape.tolist()))
+        if got != (rows, cols):
+            raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {got}, the model expects "
+                            f"{(rows, cols)}")
+
+    def quantized(self, name: str, out_features: int, in_features: int,
+                  bias: torch.Tensor | None = None) -> torch.nn.Module:
+        """The ``QuantizedLinear`` of ``name`` (made once: a tied ``lm_head`` and the
+        embedding get the same layer)."""
+        from batchgen.kernels.cpu.quant import QuantizedLinear
+
+        if name not in self.layers:
+            tensor = self.gguf.tensor(name)
+            kind = tensor.tensor_type.name
+            self.kept[kind] = self.kept.get(kind, 0) + 1
+            self.layers[name] = QuantizedLinear(self.raw(name), tensor.tensor_type, out_features,
+                                                in_features, bias=bias)
+            self.raw_cache.pop(name, None)  # the layer holds the bytes now (in its own layout)
+        return self.layers[name]
+
+    def keeps(self, name: str) -> bool:
+        return self.keep and self.gguf.tensor(name).tensor_type.name in KEPT_TYPES
+
+    def _count_dequantized(self, name: str) -> None:
+        kind = self.gguf.tensor(name).tensor_type.name
+        if kind not in _FLOAT_TYPES or self.keep:
+            self.dequantized[kind] = self.dequantized.get(kind, 0) + 1
+
+    def linear(self, name: str, module: torch.nn.Linear, bias_name: str | None,
+               tied_to: torch.nn.Module | None = None) -> torch.nn.Module:
+        self.check_shape(name, module.out_features, module.in_features)
+        bias = self.values(bias_name, (module.out_features,)) if bias_name else None
+        if self.keeps(name):
+            return self.quantized(name, module.out_features, module.in_features, bias)
+        layer = torch.nn.Linear(module.in_features, module.out_features, bias=bias is not None,
+                                device="meta", dtype=self.dtype)
+        if isinstance(tied_to, torch.nn.Embedding):  # one float matrix for both, as HF ties them
+            layer.weight = tied_to.weight
+        else:
+            self._count_dequantized(name)
+            layer.weight = torch.nn.Parameter(self.values(name, (module.out_features, module.in_features)),
+                                              requires_grad=False)
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return layer
+
+    def embedding(self, name: str, module: torch.nn.Embedding) -> torch.nn.Module:
+        self.check_shape(name, module.num_embeddings, module.embedding_dim)
+        if self.keeps(name):
+            return QuantizedEmbedding(self.quantized(name, module.num_embeddings, module.embedding_dim), self.dtype)
+        self._count_dequantized(name)
+        layer = torch.nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta",
+                                   padding_idx=module.padding_idx, dtype=self.dtype)
+        layer.weight = torch.nn.Parameter(self.values(name, (module.num_embeddings, module.embedding_dim)),
+                                          requires_grad=False)
+        return layer
+
+
+def _tensor_names(model: torch.nn.Module, gguf: GGUFFile, num_layers: int) -> dict[str, str]:
+    """HF module name -> GGUF tensor base name (``model.layers.0.self_attn.q_proj`` ->
+    ``blk.0.attn_q``), from the ``gguf`` package's own name table."""
+    import gguf as gguf_package
+
+    arch = next((key for key, value in gguf_package.MODEL_ARCH_NAMES.items() if value == gguf.architecture), None)
+    if arch is None:
+        raise GGUFError(f"{gguf.path}: the gguf package has no tensor names for architecture "
+                        f"{gguf.architecture!r}")
+    table = gguf_package.get_tensor_name_map(arch, num_layers)
+    names = {}
+    for module_name, _module in model.named_modules():
+        if module_name:
+            base = table.get_name(module_name)
+            if base is not None:
+                names[module_name] = base
+    return names
+
+
+def _rebuild_buffers(model: torch.nn.Module, config: Any) -> None:
+    """Buffers made on the meta device with the model (RoPE frequencies): build the modules
+    that own them again on the CPU, from the config, as the model's constructor did."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
+            try:
+                fresh = type(module)(config=config)
+            except TypeError:
+                continue
+            model.set_submodule(name, fresh)
+
+
+def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: torch.dtype,
+                    attn_implementation: str | None = None, quantization: str = "gguf",
+                    device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Build the HF causal LM of ``config_folder``'s config with weights from ``gguf_path``.
+
+    Args:
+        gguf_path: the GGUF file.
+        config_folder: a folder with its HF ``config.json`` (:func:`batchgen.gguf.metadata.metadata_folder`).
+        dtype: the float dtype of activations, norms and de-quantized weights.
+        attn_implementation: passed to the model's constructor.
+        quantization: ``"gguf"`` (weights in :data:`KEPT_TYPES` stay as stored) or ``"none"``
+            (every weight de-quantized to ``dtype``).
+        device: where the model runs; ``quantization="gguf"`` runs on the CPU only.
+
+    Returns the model in eval mode, on ``device``, with ``batchgen_gguf`` set to a dict of what was
+    loaded (``kept``, ``dequantized`` counts by type, ``tensor_bytes`` of the file, ``seconds``).
+
+    Raises:
+        GGUFError: the file does not parse, is truncated, is of an unsupported architecture,
+            or lacks a tensor the model needs (each naming the file, and the tensor).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    device = torch.device(device)
+    if quantization == "gguf" and device.type != "cpu":
+        raise ValueError(f"quantization gguf keeps the weights in GGUF blocks, which run on the CPU only; "
+                         f"on {device} set quantization: none (de-quantize to {str(dtype).removeprefix('torch.')})")
+    started = time.perf_counter()
+    gguf = open_gguf(Path(gguf_path), Path(config_folder))
+    gguf.check_architecture()
+    config = AutoConfig.from_pretrained(str(config_folder))
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    filler = _Filler(gguf, config, dtype, keep=quantization == "gguf")
+    names = _tensor_names(model, gguf, config.num_hidden_layers)
+    tied = getattr(config, "tie_word_embeddings", False) and "output.weight" not in gguf.tensors
+    embedding = None
+    for module_name, module in list(model.named_modules()):
+        base = names.get(module_name)
+        if base is None:
+            continue
+        lm_head_tied = module_name.endswith("lm_head") and tied
+        if lm_head_tied:
+            base = "token_embd"
+        weight = f"{base}.weight"
+        bias = f"{base}.bias" if f"{base}.bias" in gguf.tensors else None
+        if type(module) is torch.nn.Linear:
+            model.set_submodule(module_name, filler.linear(weight, module, bias,
+                                                           tied_to=embedding if lm_head_tied else None))
+        elif type(module) is torch.nn.Embedding:
+            embedding = filler.embedding(weight, module)
+            model.set_submodule(module_name, embedding)
+        else:
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                tensor = f"{base}.{param_name}"
+                setattr(module, param_name, torch.nn.Parameter(filler.values(tensor, tuple(param.shape)),
+                                                               requires_grad=False))
+    _rebuild_buffers(model, config)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise GGUFError(f"{gguf.path}: the model's {name!r} has no tensor in the file")
+    filler.raw_cache.clear()
+    if device.type != "cpu":
+        model.to(device)
+    model.eval()
+    types = ", ".join(f"{n} {k}" for k, n in sorted(filler.dequantized.items()))
+    if filler.dequantized and quantization == "gguf":
+        logger.info("%s: %s weight(s) are in types kept only as %s (batchgen computes %s quantized): "
+                    "de-quantized at load", gguf.path.name, types, str(dtype).removeprefix("torch."),
+                    ", ".join(KEPT_TYPES))
+    seconds = time.perf_counter() - started
+    model.batchgen_gguf = {"file": str(gguf.path), "quantization": quantization, "kept": dict(filler.kept),
+                           "dequantized": dict(filler.dequantized), "tensor_bytes": gguf.tensor_bytes,
+                           "seconds": seconds}
+    kept = ", ".join(f"{n} {k}" for k, n in sorted(filler.kept.items()))
+    logger.info("loaded %s in %.1f s, quantization %s: %s", gguf.path.name, seconds, quantization,
+                f"kept as stored: {kept}" if kept else f"de-quantized to {str(dtype).removeprefix('torch.')}")
+    return model
