@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.beam_search import beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
@@ -109,7 +110,7 @@ class EngineCore:
         if bad:
             group.error = f"prompt token ids out of the vocabulary (0..{self.runner.vocab_size - 1}): {bad[:5]}"
             return group
-        seq = Sequence(token_ids, index=0)
+        seq = Sequence(prompt_logprobs.scoring_tokens(params, token_ids), index=0)
         self._init_seq(group, seq)
         group.seqs.append(seq)
         group.processors = [p for p in params.logits_processors if is_stateful(p)]
@@ -183,16 +184,25 @@ class EngineCore:
                 finished.append(self.make_output(group))
             return finished, 0
         self._num_steps += 1
-        sample = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in plan.scheduled]
-        logits = self.runner.execute(plan.scheduled, sample, plan.copies)
-        for seq, n in plan.scheduled:
+        seq_to_group = {id(s): g for g in self.scheduler.running for s in g.seqs}
+        # A scoring-only request samples nothing: its last position scores its last prompt token.
+        sample = [seq.num_computed_tokens + n == seq.num_tokens
+                  and not prompt_logprobs.is_scoring_only(seq_to_group[id(seq)].params)
+                  for seq, n in plan.scheduled]
+        scores = prompt_logprobs.plan_scores(plan.scheduled, seq_to_group)
+        logits = self.runner.execute(plan.scheduled, sample, plan.copies, scores)
+        for i, (seq, n) in enumerate(plan.scheduled):
             if n > 1 or seq.num_output_tokens == 0 or seq.num_computed_tokens + 1 < seq.num_tokens:
                 self._num_prefill_tokens += n  # all but decodes: prompts, and recomputes
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+            group = seq_to_group[id(seq)]
+            if scores is not None and scores[i] is not None:
+                prompt_logprobs.store(group, scores[i])
+            if seq.num_computed_tokens == seq.num_tokens and prompt_logprobs.is_scoring_only(group.params):
+                self.output.finish_seq(seq, "length", None)
         # Group the sampling sequences by request, keeping their logits rows.
         rows_by_group: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
-        seq_to_group = {id(s): g for g in self.scheduler.running for s in g.seqs}
         row = 0
         for (seq, _), samples in zip(plan.scheduled, sample):
             if samples:

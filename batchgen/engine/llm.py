@@ -1,4 +1,5 @@
-"""LLM: the public Python API (vLLM's names): ``generate``, ``chat``, ``stream``.
+"""LLM: the public Python API (vLLM's names): ``generate``, ``chat``, ``stream``; and
+lm-eval's scoring requests, ``loglikelihood`` and ``loglikelihood_rolling``.
 
 It loads the model and the tokenizer and drives an :class:`~batchgen.engine.core.EngineCore`
 (the step loop) until every request has finished; outputs are built by the core's
@@ -12,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
+from batchgen.engine import loglikelihood as ll
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
@@ -131,6 +133,75 @@ class LLM:
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
+
+    def loglikelihood(self, requests: Seq[ll.Pair], *, max_length: int | None = None,
+                      truncate: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's ``loglikelihood``: per ``(context, continuation)`` pair, the sum of the
+        continuation's token logprobs given the context and whether every continuation token
+        is the most likely one (``is_greedy``), in input order.
+
+        Pairs are two texts (tokenised as lm-eval's ``hf`` model does: see
+        :func:`batchgen.engine.loglikelihood.encode_pair`) or two token-id lists (an empty
+        context stands for the BOS token, or EOS without one). All pairs run in one engine
+        run: only the continuations' positions are scored, and a context shared by several
+        pairs is computed once (prefix cache, or the same step's prefill).
+
+        Args:
+            max_length: the most tokens the model reads per pair (default and at most the
+                model's length); a pair may have ``max_length + 1`` tokens, as its last token
+                is only a target.
+            truncate: drop a too-long pair's first context tokens (as lm-eval does) instead of
+                refusing it.
+
+        Raises:
+            ValueError: naming the request index: not a pair, an empty continuation, a pair
+                too long for ``max_length`` (without ``truncate``), or an engine error.
+        """
+        pairs = ll.tokenize_pairs(self.tokenizer, requests, self.runner.vocab_size)
+        return self._score_pairs(pairs, max_length, truncate)
+
+    def loglikelihood_rolling(self, texts: Seq[str | Seq[int]], *, max_length: int | None = None) -> list[float]:
+        """lm-eval's ``loglikelihood_rolling``: per text (or token-id list), the sum of every
+        token's logprob, scored in lm-eval's disjoint windows of ``max_length`` tokens
+        (default: the model's length; see :func:`batchgen.engine.loglikelihood.rolling_windows`),
+        the first token conditioned on the BOS (or EOS) token. Every window of every text runs
+        in one engine run; each token is scored exactly once."""
+        max_length = self._scoring_length(max_length)
+        prefix = ll.prefix_token_id(self.tokenizer)
+        windows: list[tuple[list[int], list[int]]] = []
+        counts: list[int] = []
+        for text in texts:
+            tokens = ll.encode(self.tokenizer, text) if isinstance(text, str) else [int(t) for t in text]
+            doc = ll.rolling_windows(tokens, prefix, max_length)
+            windows.extend(doc)
+            counts.append(len(doc))
+        scores = self._score_pairs(windows, max_length, truncate=False)
+        totals: list[float] = []
+        start = 0
+        for count in counts:
+            totals.append(sum(lp for lp, _ in scores[start:start + count]))
+            start += count
+        return totals
+
+    def _scoring_length(self, max_length: int | None) -> int:
+        if max_length is None:
+            return self.max_model_len
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or not 1 <= max_length <= self.max_model_len:
+            raise ValueError(f"max_length must be an integer in [1, {self.max_model_len}] (the model's "
+                             f"length), got {max_length!r}")
+        return max_length
+
+    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], max_length: int | None,
+                     truncate: bool) -> list[tuple[float, bool]]:
+        max_length = self._scoring_length(max_length)
+        requests = []
+        for i, (context, continuation) in enumerate(pairs):
+            fitted = ll.fit_window(context, continuation, max_length, truncate)
+            if isinstance(fitted, str):
+                raise ValueError(f"request {i}: {fitted}")
+            requests.append(ll.to_request(str(i), *fitted))
+        results = {out.request_id: ll.loglikelihood_of(out) for out in self.stream(requests)}
+        return [results[r.request_id] for r in requests]
 
     def stream(
         self,

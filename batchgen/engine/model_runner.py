@@ -3,8 +3,10 @@
 Every scheduled token of every sequence goes into one row (no padding), decodes first, then
 prefill chunks. The model sees ``position_ids`` per token and our paged attention through
 transformers' attention interface; ``logits_to_keep`` selects the last scheduled token of each
-sequence that samples this step. With ``linear_backend="cpu"`` the model's RMSNorms, gated MLPs
-and attention layers are replaced by fused CPU versions where a probe shows them exact
+sequence that samples this step. Positions that score prompt tokens (prompt logprobs) are read
+from the final hidden states instead, through the output layer a chunk of positions at a time
+(:meth:`ModelRunner.execute`), so no step holds logits for all its positions. With
+``linear_backend="cpu"`` the model's RMSNorms, gated MLPs and attention layers are replaced by fused CPU versions where a probe shows them exact
 (:meth:`ModelRunner._setup_linears`); a fused attention layer attends over the same paged cache
 through the same backend.
 """
@@ -18,10 +20,11 @@ from typing import Any
 
 import torch
 
-from batchgen.engine import paged_attention
+from batchgen.engine import paged_attention, prompt_logprobs
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
 from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
 from batchgen.engine.sequence import Sequence
+from batchgen.sampling.logprobs import chunk_rows_for, reduce_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -290,17 +293,75 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], sample: list[bool],
-                copies: list[tuple[int, int]]) -> torch.Tensor:
+                copies: list[tuple[int, int]], scores: list[Any] | None = None) -> torch.Tensor:
         """Copy-on-write, then one forward pass. Returns float32 logits
-        ``[sum(sample), vocab]`` for the sampling sequences, in ``scheduled`` order."""
+        ``[sum(sample), vocab]`` for the sampling sequences, in ``scheduled`` order.
+
+        ``scores`` (None, or one :class:`~batchgen.engine.prompt_logprobs.PromptScore` or None
+        per scheduled sequence): each score's ``result`` is set to the
+        :class:`~batchgen.sampling.logprobs.TokenLogprobs` of its rows, reduced from the final
+        hidden states a bounded chunk of positions at a time.
+        """
         self.copy_blocks(copies)
         step = self.prepare(scheduled, sample)
-        if step.logits_indices.numel() == 0:
+        samples = step.logits_indices.numel() > 0
+        if not samples:
             # Nothing samples (only non-final prefill chunks): still write their K/V.
             step.logits_indices = step.logits_indices.new_tensor([step.input_ids.shape[1] - 1])
-            self._forward(step)
-            return torch.empty(0, self.vocab_size)
-        return self._forward(step).float()
+        if scores is None:
+            logits = self._forward(step)
+        else:
+            logits = self._forward_scored(step, scheduled, scores)
+        return logits.float() if samples else torch.empty(0, self.vocab_size)
+
+    def _forward_scored(self, step: StepInput, scheduled: list[tuple[Sequence, int]], scores: list[Any]) -> torch.Tensor:
+        """:meth:`_forward`, keeping the decoder's final hidden states to fill ``scores``."""
+        captured: list[torch.Tensor] = []
+
+        def keep(_module: Any, _inputs: Any, output: Any) -> None:
+            captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+        handle = self.model.get_decoder().register_forward_hook(keep)
+        try:
+            logits = self._forward(step)
+        finally:
+            handle.remove()
+        hidden = captured[-1][0]
+        if not self._output_layer_checked:
+            self._check_output_layer(hidden[step.logits_indices[:1]], logits[:1])
+        rows, targets, num_top = prompt_logprobs.score_rows(scheduled, scores)
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        result = reduce_logprobs(hidden.index_select(0, index), torch.tensor(targets, dtype=torch.long),
+                                 self.compute_logits, num_top, chunk_rows_for(self.vocab_size))
+        prompt_logprobs.split_result(result, scores)
+        return logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its final hidden states: the output layer, then the final
+        scaling some models apply (Granite's ``logits_scaling``, Cohere's ``logit_scale``,
+        Gemma's ``final_logit_softcapping``)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        if getattr(cfg, "logits_scaling", None):
+            logits = logits / cfg.logits_scaling
+        if getattr(cfg, "logit_scale", None):
+            logits = logits * cfg.logit_scale
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    _output_layer_checked = False
+
+    def _check_output_layer(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Once: :meth:`compute_logits` gives the logits the model itself gave, so scored
+        positions get the same numbers as sampled ones."""
+        ours = self.compute_logits(hidden).float()
+        if not torch.allclose(ours, logits.float(), rtol=1e-2, atol=1e-2):
+            raise UnsupportedModelError(
+                f"model type {getattr(self.config, 'model_type', '?')!r} transforms its logits in a "
+                "way batchgen does not repeat, so its prompt logprobs cannot be computed")
+        self._output_layer_checked = True
 
     def _forward(self, step: StepInput) -> torch.Tensor:
         out = self.model(

@@ -3,9 +3,10 @@
 For every sampled token it applies :class:`~batchgen.sampling.params.SamplingParams`' stop
 rules (stop ids and EOS, stop strings, ``max_tokens``, the model's length), detokenises
 incrementally, and settles a finished sequence's text; for every finished request it builds
-the :class:`~batchgen.engine.outputs.RequestOutput` (``best_of`` ranking, logprobs). The step
-loop (:mod:`batchgen.engine.core`) calls it; it holds no engine state besides the tokenizer,
-the EOS ids, the context length and a way to free a finished sequence's blocks.
+the :class:`~batchgen.engine.outputs.RequestOutput` (``best_of`` ranking, logprobs, prompt
+logprobs). The step loop (:mod:`batchgen.engine.core`) calls it; it holds no engine state
+besides the tokenizer, the EOS ids, the context length and a way to free a finished
+sequence's blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
@@ -112,6 +114,7 @@ class OutputProcessor:
                             prompt_token_ids=group.prompt_token_ids, error=group.error, stats=group.stats)
         if group.error is not None:
             return out
+        out.prompt_logprobs = prompt_logprobs.build(group, self.tokenizer)
         params = group.params
         if isinstance(params, BeamSearchParams):
             for s in group.finished_seqs:

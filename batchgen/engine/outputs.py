@@ -26,6 +26,25 @@ class Request:
 
 
 @dataclass
+class Logprob:
+    """One token's entry in ``RequestOutput.prompt_logprobs`` (vLLM's ``Logprob``).
+
+    ``logprob`` is the log-softmax of the model's raw logits; ``rank`` is 1 for the most
+    likely token (1 + the number of tokens with a larger logit); ``decoded_token`` is the
+    token decoded on its own.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: ``RequestOutput.prompt_logprobs``: None for the first prompt token (and any before
+#: ``prompt_logprobs_start``), then ``{token_id: Logprob}`` per prompt token.
+PromptLogprobs = list[Union[dict[int, Logprob], None]]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
@@ -46,7 +65,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one request: its completions, or an error that failed only it."""
+    """The result of one request: its completions, or an error that failed only it.
+
+    ``prompt_logprobs`` is None unless the request's ``SamplingParams.prompt_logprobs`` asked
+    for it (see :data:`PromptLogprobs`).
+    """
 
     request_id: str
     prompt: str | None
@@ -55,6 +78,7 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchgen.engine import prompt_logprobs
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -117,7 +118,12 @@ class Scheduler:
         num_tokens = len(group.prompt_token_ids)
         if num_tokens == 0:
             return "the prompt is empty"
-        if num_tokens >= self.max_model_len:
+        if prompt_logprobs.is_scoring_only(group.params):
+            if num_tokens > self.max_model_len + 1:  # the model reads all but the last token
+                return (f"the prompt has {num_tokens} tokens; the model scores at most "
+                        f"{self.max_model_len + 1} (it reads {self.max_model_len}, and the last "
+                        "token is only a target)")
+        elif num_tokens >= self.max_model_len:
             return (f"the prompt has {num_tokens} tokens; the model takes at most "
                     f"{self.max_model_len} (prompt plus at least one generated token)")
         if _max_seqs(group) > self.max_num_seqs:
@@ -276,9 +282,13 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
         group.recompute_prompt_first = False
 
-    def _lookup(self, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
-        """(prefix hits, first token to compute) of a sequence; hits only for a fresh one."""
+    def _lookup(self, group: SequenceGroup, seq: Sequence, max_num_tokens: int | None = None) -> tuple[list[int], int]:
+        """(prefix hits, first token to compute) of a sequence; hits only for a fresh one, and
+        never over a position whose logits score a prompt token (prompt logprobs)."""
         if seq.is_fresh:
+            limit = prompt_logprobs.max_cached_tokens(group.params)
+            if limit is not None:
+                max_num_tokens = limit if max_num_tokens is None else min(max_num_tokens, limit)
             return self.bm.get_computed_blocks(seq, max_num_tokens)
         return [], seq.num_computed_tokens
 
@@ -296,10 +306,10 @@ class Scheduler:
         seqs = group.live_seqs()
         if group.recompute_prompt_first:
             lead = seqs[0]
-            hits, start = self._lookup(lead, max_num_tokens=lead.num_prompt_tokens - 1)
+            hits, start = self._lookup(group, lead, max_num_tokens=lead.num_prompt_tokens - 1)
             n = min(lead.num_prompt_tokens - start, budget)
             return [(lead, n, hits)] if n > 0 else None
-        lookups = [self._lookup(seq) for seq in seqs]
+        lookups = [self._lookup(group, seq) for seq in seqs]
         remaining = [seq.num_tokens - start for seq, (_, start) in zip(seqs, lookups)]
         total = sum(remaining)
         if total == 0:

@@ -185,6 +185,9 @@ class SequenceGroup:
     # Where the scheduler keeps the group in its waiting queue (smallest first); see
     # Scheduler.add.
     queue_key: tuple[int, ...] = ()
+    # Prompt logprobs computed so far, one entry per prompt token (None until scored); see
+    # batchgen.engine.prompt_logprobs.
+    prompt_logprobs: list[Any] | None = None
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

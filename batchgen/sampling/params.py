@@ -187,8 +187,10 @@ def _normalise_stop_token_ids(value: int | Iterable[int] | None) -> list[int]:
     return items
 
 
-def _check_tokens(max_tokens: object, min_tokens: object) -> None:
-    _check_int("max_tokens", max_tokens, minimum=1, allowed=">= 1")
+def _check_tokens(max_tokens: object, min_tokens: object, scoring: bool = False) -> None:
+    """``scoring``: ``max_tokens=0`` is allowed too (the caller checks what it needs)."""
+    _check_int("max_tokens", max_tokens, minimum=0 if scoring else 1,
+               allowed=">= 1 (0 scores the prompt only, with prompt_logprobs)" if scoring else ">= 1")
     _check_int("min_tokens", min_tokens, minimum=0, allowed=">= 0")
     assert isinstance(max_tokens, int) and isinstance(min_tokens, int)
     if min_tokens > max_tokens:
@@ -215,11 +217,22 @@ class SamplingParams:
     * ``seed``: per-request seed; None uses the engine's global generator.
     * ``stop`` (strings) and ``stop_token_ids``: end the completion; neither is emitted.
     * ``max_tokens`` (>= 1), ``min_tokens`` (0..max_tokens): EOS and stop ids are suppressed
-      until ``min_tokens`` tokens have been generated.
+      until ``min_tokens`` tokens have been generated. ``max_tokens=0`` scores the prompt
+      only (it needs ``prompt_logprobs``, and ``n=1``): no token is generated and the
+      completion ends with ``finish_reason="length"``.
     * ``ignore_eos``: keep generating after EOS (until ``max_tokens`` or a stop condition).
     * ``logprobs`` (None or >= 0): number of top alternatives reported per token besides the
       chosen one; 0 reports only the chosen token. Reported values are log-softmax of the raw
       model logits (before penalties and temperature), as vLLM does by default.
+    * ``prompt_logprobs`` (None or >= 0): fill ``RequestOutput.prompt_logprobs`` as vLLM does:
+      None for the first prompt token, then per prompt token ``{token_id: Logprob}`` with the
+      token's own entry and the ``prompt_logprobs`` most likely tokens (0: the token's entry
+      only). The positions that score them are computed even where the prefix cache holds
+      their K/V.
+    * ``prompt_logprobs_start`` (None or >= 1, batchgen's): the first prompt position scored
+      (None: 1); earlier entries are None, and the prefix cache serves the whole blocks
+      before position ``prompt_logprobs_start - 1``. ``LLM.loglikelihood`` sets it to the
+      context's length, so that only the continuation is scored.
     * ``skip_special_tokens``: drop special tokens when detokenising.
     * ``logits_processors``: callables, see :data:`LogitsProcessor`, or stateful processors
       (:class:`batchgen.plugins.StatefulLogitsProcessor`).
@@ -243,6 +256,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int | None = None
     skip_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
@@ -280,14 +295,34 @@ class SamplingParams:
                        allowed=f"an integer in [{_SEED_MIN}, {_SEED_MAX}]")
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
-        _check_tokens(self.max_tokens, self.min_tokens)
+        _check_tokens(self.max_tokens, self.min_tokens, scoring=True)
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0,
                        allowed=">= 0 (number of alternatives besides the chosen token)")
+        self._check_prompt_logprobs()
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.logits_processors = _check_processors(self.logits_processors)
         self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
+
+    def _check_prompt_logprobs(self) -> None:
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
+                       allowed=">= 0 (number of alternatives besides the prompt token)")
+        if self.prompt_logprobs_start is not None:
+            if self.prompt_logprobs is None:
+                raise ValueError("prompt_logprobs_start needs prompt_logprobs (the number of "
+                                 "alternatives to report, 0 for none)")
+            _check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=1,
+                       allowed=">= 1 (the first prompt position scored)")
+        if self.max_tokens == 0:
+            if self.prompt_logprobs is None:
+                raise ValueError("max_tokens must be >= 1 to generate; max_tokens=0 scores the "
+                                 "prompt only and needs prompt_logprobs (0 for the prompt "
+                                 "tokens' own logprobs)")
+            if self.num_sequences != 1:
+                raise ValueError(f"max_tokens=0 (scoring the prompt) takes n=1 and no best_of, "
+                                 f"got n={self.n}, best_of={self.best_of}")
 
     @property
     def is_greedy(self) -> bool:

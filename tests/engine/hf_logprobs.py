@@ -11,17 +11,23 @@ import torch
 
 def hf_prompt_logprobs(model, token_ids: list[int], num_top: int) -> list[dict]:
     """Per position ``p >= 1``: ``{"logprob", "rank", "top_ids", "top_logprobs"}`` of token
-    ``p`` given tokens ``0 .. p-1`` (rank as vLLM counts it: 1 + tokens with a larger logit)."""
+    ``p`` given tokens ``0 .. p-1`` (rank as vLLM counts it: 1 + tokens with a larger logit;
+    ``rank_range``: the ranks that logprobs within 1e-5 of these may give)."""
     with torch.inference_mode():
         logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     targets = torch.tensor(token_ids[1:])
     target_lp = logprobs.gather(1, targets.unsqueeze(1))
     ranks = ((logprobs > target_lp).sum(-1) + 1).tolist()
+    # the ranks a computation within 1e-5 of these logprobs may give (near-ties can swap)
+    eps = 1e-5
+    rank_lo = ((logprobs > target_lp + eps).sum(-1) + 1).tolist()
+    rank_hi = ((logprobs > target_lp - eps).sum(-1) + 1).tolist()
     top_lp, top_ids = torch.topk(logprobs, num_top, dim=-1) if num_top else (None, None)
     out = []
     for i in range(len(token_ids) - 1):
         out.append({"logprob": float(target_lp[i, 0]), "rank": int(ranks[i]),
+                    "rank_range": [int(rank_lo[i]), int(rank_hi[i])],
                     "top_ids": top_ids[i].tolist() if num_top else [],
                     "top_logprobs": top_lp[i].tolist() if num_top else []})
     return out
