@@ -6,9 +6,9 @@ transformers' attention interface; ``logits_to_keep`` selects the last scheduled
 sequence that samples this step. Positions that score prompt tokens (prompt logprobs) are read
 from the final hidden states instead, through the output layer a chunk of positions at a time
 (:meth:`ModelRunner.execute`), so no step holds logits for all its positions. With
-``linear_backend="cpu"`` the model's RMSNorms, gated MLPs and attention layers are replaced by fused CPU versions where a probe shows them exact
-(:meth:`ModelRunner._setup_linears`); a fused attention layer attends over the same paged cache
-through the same backend.
+``linear_backend="cpu"`` the model's RMSNorms, gated MLPs and attention layers are replaced
+by fused CPU versions where a probe shows them exact (:meth:`ModelRunner._setup_linears`); a
+fused attention layer attends over the same paged cache through the same backend.
 """
 
 from __future__ import annotations
