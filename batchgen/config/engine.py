@@ -44,6 +44,11 @@ class EngineSection(_Section):
         True, description="the cuda attention backend checks context lengths, block ids and slots "
         "against the KV cache before launching (one host sync per step); false skips it"
     )
+    quantization: Literal["auto", "gguf", "none"] = Field(
+        "auto", description="how a GGUF model's weights load: 'gguf' keeps the file's quantized blocks "
+        "(CPU), 'none' de-quantizes to the dtype; 'auto' = 'gguf' for a .gguf file on the CPU, 'none' "
+        "on a GPU and for the built-in model (docs/gguf.md)"
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

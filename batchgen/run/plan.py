@@ -148,7 +148,7 @@ def _configure_metrics(config: RunConfig, registry: Any, metrics: Sequence[tuple
         raise ConfigError(issues)
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, quantization: str = "auto", device: str = "auto") -> None:
     """Raise a ConfigError at ``model.name`` for a model that cannot be found or loaded.
 
     Cheap for folders and cached hub ids; converts the embedded GGUF the first time only.
@@ -156,7 +156,7 @@ def check_model_name(name: str) -> None:
     from batchgen.models import ModelNotFoundError, check_model
 
     try:
-        check_model(name)
+        check_model(name, quantization, device)
     except ModelNotFoundError as exc:
         raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
 
@@ -191,7 +191,7 @@ def plan(
     if config.generation.sampler is not None:
         sampler = config.generation.sampler
         processors.append(registry.build_sampler(sampler.name, sampler.options))
-    found.run(lambda: check_model_name(config.model.name))
+    found.run(lambda: check_model_name(config.model.name, config.engine.quantization, config.model.device))
     from batchgen.run.executors import check_executor
 
     found.run(lambda: check_executor(config))  # backend 'ray' without Ray installed: say what to install

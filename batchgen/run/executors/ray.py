@@ -123,7 +123,8 @@ class RayExecutor:
 
         from batchgen.models import resolve_model
 
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.config.model.name).path)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(
+            self.config.model.name, self.config.engine.quantization, self.config.model.device).path)
         self.startup["tokenizer_s"] = time.perf_counter() - t1
         for replica, ready in zip(self.replicas, readies):
             try:
