@@ -66,7 +66,6 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
 #define NR 16  /* columns per panel */
 #define MC 64  /* rows per item at most */
-#define MR 8   /* rows per register tile */
 #define GRAIN_MACS (64 * 1024)
 
 /* 2 = AVX512-VNNI, 1 = AVX2, 0 = plain C */
@@ -181,21 +180,19 @@ void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int 
 
 /* ---- decoding one panel's block ------------------------------------------------------------ */
 
-/* Per-column scales of one decoded block. */
+/* Per-column integer scales of one decoded K-quant block, per sub-block j: [j][c]. (The fp16
+ * scales are read by the epilogue itself.) */
 struct scales {
-  float d[NR], m[NR];             /* d, and Q4_1's m or Q4_K's dmin */
-  int32_t sc[16][NR], mn[8][NR];  /* K-quants: per sub-block, [j][c] */
+  int32_t sc[16][NR], mn[8][NR];
 };
 
-/* Decode the panel's block at `src` (16 * bytes) to u [groups_total][NR * 4] and scales. */
+/* Decode the panel's block at `src` (16 * bytes) to u [groups_total][NR * 4] (and the K-quants'
+ * integer scales). */
 static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, struct scales *s) {
   switch (qtype) {
     case T_Q4_0:
     case T_Q4_1: {
       int qoff = qtype == T_Q4_0 ? 2 : 4;
-      for (int c = 0; c < NR; c++) s->d[c] = half_to_float(load_u16(src + 2 * c));
-      if (qtype == T_Q4_1)
-        for (int c = 0; c < NR; c++) s->m[c] = half_to_float(load_u16(src + 32 + 2 * c));
       const uint8_t *qs = src + 16 * qoff;
       for (int i = 0; i < 4; i++)
         for (int b = 0; b < 64; b++) {
@@ -205,15 +202,12 @@ static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, str
       break;
     }
     case T_Q8_0: {
-      for (int c = 0; c < NR; c++) s->d[c] = half_to_float(load_u16(src + 2 * c));
       const uint8_t *qs = src + 32;
       for (int b = 0; b < 8 * 64; b++) u[b] = qs[b] ^ 0x80;
       break;
     }
     case T_Q4_K: {
       for (int c = 0; c < NR; c++) {
-        s->d[c] = half_to_float(load_u16(src + 2 * c));
-        s->m[c] = half_to_float(load_u16(src + 32 + 2 * c));
         const uint8_t *q = src + 64 + 12 * c;
         for (int j = 0; j < 4; j++) {
           s->sc[j][c] = q[j] & 63;
@@ -236,7 +230,6 @@ static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, str
       const uint8_t *ql = src, *qh = src + 16 * 128;
       for (int c = 0; c < NR; c++) {
         for (int j = 0; j < 16; j++) s->sc[j][c] = (int8_t)src[16 * 192 + 16 * c + j];
-        s->d[c] = half_to_float(load_u16(src + 16 * 208 + 2 * c));
       }
       for (int g = 0; g < 64; g++) {
         int h = g / 32, r = (4 * g) % 128;
@@ -249,117 +242,181 @@ static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, str
   }
 }
 
-/* ---- the integer dot products: rows x 16 columns over `groups` groups of 4 k ----------------- */
+/* ---- 16 lanes of float32 / int32 (one per column of a panel) -------------------------------
+ * The epilogue is written once on these; each build implements every op lane by lane with the
+ * same IEEE operation (no fused multiply-add), so the builds give the same bits. */
+#if BG_ISA == 2
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline void vi_store(int32_t *p, vi a) { _mm512_storeu_si512((void *)p, a); }
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
+static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+static inline vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+/* 16 fp16 values (32 bytes) -> float32, exact */
+static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif BG_ISA == 1
+typedef struct { __m256 a, b; } vf;
+typedef struct { __m256i a, b; } vi;
+static inline vf vf_load(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vf_store(float *p, vf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline vf vf_zero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf vf_set1(float x) { return (vf){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline vf vf_add(vf x, vf y) { return (vf){_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+static inline vf vf_sub(vf x, vf y) { return (vf){_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+static inline vf vf_mul(vf x, vf y) { return (vf){_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline vi vi_load(const int32_t *p) {
+  return (vi){_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8))};
+}
+static inline void vi_store(int32_t *p, vi x) {
+  _mm256_storeu_si256((__m256i *)p, x.a);
+  _mm256_storeu_si256((__m256i *)(p + 8), x.b);
+}
+static inline vi vi_zero(void) { return (vi){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline vi vi_set1(int32_t x) { return (vi){_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+static inline vi vi_add(vi x, vi y) { return (vi){_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+static inline vi vi_sub(vi x, vi y) { return (vi){_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+static inline vi vi_mul(vi x, vi y) { return (vi){_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+static inline vf vi_float(vi x) { return (vf){_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+#if defined(__F16C__)
+static inline vf vf_half(const uint8_t *p) {
+  return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+#else
+static inline vf vf_half(const uint8_t *p) {
+  float t[NR];
+  for (int c = 0; c < NR; c++) t[c] = half_to_float(load_u16(p + 2 * c));
+  return vf_load(t);
+}
+#endif
+#else
+typedef struct { float v[NR]; } vf;
+typedef struct { int32_t v[NR]; } vi;
+#define LANES(expr) for (int c = 0; c < NR; c++) r.v[c] = (expr)
+static inline vf vf_load(const float *p) { vf r; LANES(p[c]); return r; }
+static inline void vf_store(float *p, vf x) { for (int c = 0; c < NR; c++) p[c] = x.v[c]; }
+static inline vf vf_zero(void) { vf r; LANES(0.0f); return r; }
+static inline vf vf_set1(float x) { vf r; LANES(x); return r; }
+static inline vf vf_add(vf x, vf y) { vf r; LANES(x.v[c] + y.v[c]); return r; }
+static inline vf vf_sub(vf x, vf y) { vf r; LANES(x.v[c] - y.v[c]); return r; }
+static inline vf vf_mul(vf x, vf y) { vf r; LANES(x.v[c] * y.v[c]); return r; }
+static inline vi vi_load(const int32_t *p) { vi r; LANES(p[c]); return r; }
+static inline void vi_store(int32_t *p, vi x) { for (int c = 0; c < NR; c++) p[c] = x.v[c]; }
+static inline vi vi_zero(void) { vi r; LANES(0); return r; }
+static inline vi vi_set1(int32_t x) { vi r; LANES(x); return r; }
+static inline vi vi_add(vi x, vi y) { vi r; LANES(x.v[c] + y.v[c]); return r; }
+static inline vi vi_sub(vi x, vi y) { vi r; LANES(x.v[c] - y.v[c]); return r; }
+static inline vi vi_mul(vi x, vi y) { vi r; LANES(x.v[c] * y.v[c]); return r; }
+static inline vf vi_float(vi x) { vf r; LANES((float)x.v[c]); return r; }
+static inline vf vf_half(const uint8_t *p) { vf r; LANES(half_to_float(load_u16(p + 2 * c))); return r; }
+#undef LANES
+#endif
 
-/* out[r][c] = sum_{g, t} u[g][c][t] * q[r][4g + t], exact. `big` says how large u gets:
+/* ---- the integer dot products: up to MR rows x 16 columns over `groups` groups of 4 k -------- */
+
+/* out[r] (16 lanes) = sum_{g, t} u[g][c][t] * q[r][4g + t], exact. `big` says how large u gets:
  * 0: u <= 15 (Q4_0, Q4_1, Q4_K), 1: u <= 63 (Q6_K), 2: u <= 255 (Q8_0). */
 #if BG_ISA == 2
-static inline __attribute__((always_inline)) void dot_tile(const int mr, const uint8_t *u, int groups, const int8_t *q,
-                                                           int64_t ldq, int big, int32_t *out) {
-  (void)big;
-  __m512i acc[MR];
-  for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_si512();
-  for (int g = 0; g < groups; g++) {
-    __m512i w = _mm512_loadu_si512((const void *)(u + 64 * g));
-    for (int r = 0; r < MR; r++) {
-      if (r < mr) {
-        int32_t xv;
-        memcpy(&xv, q + r * ldq + 4 * g, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(xv));
-      }
-    }
+#define MR 8
+#define DP(r)                                                                \
+  if (mr > r) {                                                              \
+    int32_t xv;                                                              \
+    memcpy(&xv, q + (r) * ldq + 4 * g, 4);                                   \
+    a##r = _mm512_dpbusd_epi32(a##r, w, _mm512_set1_epi32(xv));              \
   }
-  for (int r = 0; r < MR; r++)
-    if (r < mr) _mm512_storeu_si512((void *)(out + NR * r), acc[r]);
+static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
+                                                           const int8_t *q, int64_t ldq, const int big, vi *out) {
+  (void)big;
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int g = 0; g < groups; g++) {
+    const __m512i w = _mm512_load_si512((const void *)(u + 64 * g));
+    DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
+  }
+  out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
 }
+#undef DP
 #elif BG_ISA == 1
 /* Without VNNI: vpmaddubsw (u8 x s8 pairs -> int16) then vpmaddwd by 1 (-> int32). A pair is at
- * most 63 * 127 * 2 = 16002 for u <= 63, so int16 cannot saturate; Q4 (u <= 15) pairs of 8 groups
- * are summed in int16 first (at most 8 * 3810 = 30480). Q8_0's u (up to 255) is split in nibbles. */
-static inline __attribute__((always_inline)) void dot_tile(const int mr, const uint8_t *u, int groups, const int8_t *q,
-                                                           int64_t ldq, int big, int32_t *out) {
-  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16), low4 = _mm256_set1_epi8(15);
-  __m256i acc[2 * (MR / 2)];
-  const int rows = MR / 2; /* 8 ymm accumulators: tiles of 4 rows */
-  for (int r0 = 0; r0 < mr; r0 += rows) {
-    int n = mr - r0 < rows ? mr - r0 : rows;
-    for (int r = 0; r < 2 * rows; r++) acc[r] = _mm256_setzero_si256();
-    if (big == 2) {
-      for (int g = 0; g < groups; g++) {
-        for (int h = 0; h < 2; h++) {
-          __m256i w = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32 * h));
-          __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          for (int r = 0; r < rows; r++) {
-            if (r < n) {
-              int32_t xv;
-              memcpy(&xv, q + (r0 + r) * ldq + 4 * g, 4);
-              __m256i xb = _mm256_set1_epi32(xv);
-              __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones);
-              __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), sixteen);
-              acc[2 * r + h] = _mm256_add_epi32(acc[2 * r + h], _mm256_add_epi32(a, b));
-            }
-          }
-        }
-      }
-    } else {
-      int step = big == 0 && groups % 8 == 0 ? 8 : 2; /* groups summed in int16 (see above) */
-      for (int g0 = 0; g0 < groups; g0 += step) {
-        for (int h = 0; h < 2; h++) {
-          __m256i p[MR / 2];
-          for (int r = 0; r < rows; r++) p[r] = _mm256_setzero_si256();
-          for (int g = g0; g < g0 + step; g++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32 * h));
-            for (int r = 0; r < rows; r++) {
-              if (r < n) {
-                int32_t xv;
-                memcpy(&xv, q + (r0 + r) * ldq + 4 * g, 4);
-                p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
-              }
-            }
-          }
-          for (int r = 0; r < rows; r++)
-            if (r < n) acc[2 * r + h] = _mm256_add_epi32(acc[2 * r + h], _mm256_madd_epi16(p[r], ones));
+ * most 63 * 127 * 2 = 16002 for u <= 63, so int16 cannot saturate; for u <= 15 the pairs of 8
+ * groups are summed in int16 first (at most 8 * 3810 = 30480), for u <= 63 of 2 groups (32004).
+ * Q8_0's u (up to 255) is split in nibbles. */
+#define MR 2
+static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
+                                                           const int8_t *q, int64_t ldq, const int big, vi *out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  if (big == 2) {
+    const __m256i sixteen = _mm256_set1_epi16(16), low4 = _mm256_set1_epi8(15);
+    for (int g = 0; g < groups; g++) {
+      __m256i w0 = _mm256_load_si256((const __m256i *)(u + 64 * g));
+      __m256i w1 = _mm256_load_si256((const __m256i *)(u + 64 * g + 32));
+      __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+      __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          __m256i xb = _mm256_set1_epi32(xv);
+          __m256i a0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo0, xb), ones),
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi0, xb), sixteen));
+          __m256i a1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo1, xb), ones),
+                                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi1, xb), sixteen));
+          out[r].a = _mm256_add_epi32(out[r].a, a0);
+          out[r].b = _mm256_add_epi32(out[r].b, a1);
         }
       }
     }
-    for (int r = 0; r < rows; r++) {
-      if (r < n) {
-        _mm256_storeu_si256((__m256i *)(out + NR * (r0 + r)), acc[2 * r]);
-        _mm256_storeu_si256((__m256i *)(out + NR * (r0 + r) + 8), acc[2 * r + 1]);
+    return;
+  }
+  const int step = big == 0 && groups % 8 == 0 ? 8 : 2;
+  for (int g0 = 0; g0 < groups; g0 += step) {
+    __m256i p0[MR], p1[MR];
+    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
+    for (int g = g0; g < g0 + step; g++) {
+      __m256i w0 = _mm256_load_si256((const __m256i *)(u + 64 * g));
+      __m256i w1 = _mm256_load_si256((const __m256i *)(u + 64 * g + 32));
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          __m256i xb = _mm256_set1_epi32(xv);
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w0, xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w1, xb));
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      if (r < mr) {
+        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
+        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
       }
     }
   }
 }
 #else
-static inline void dot_tile(const int mr, const uint8_t *u, int groups, const int8_t *q, int64_t ldq, int big,
-                            int32_t *out) {
+#define MR 4
+static inline void unit_dot(const int mr, const uint8_t *u, const int groups, const int8_t *q, int64_t ldq,
+                            const int big, vi *out) {
   (void)big;
   for (int r = 0; r < mr; r++)
     for (int c = 0; c < NR; c++) {
       int32_t s = 0;
       for (int g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) s += (int32_t)u[64 * g + 4 * c + t] * (int32_t)q[r * ldq + 4 * g + t];
-      out[NR * r + c] = s;
+      out[r].v[c] = s;
     }
 }
 #endif
-
-/* The rows of one item, in tiles of MR. */
-static void dot_rows(int64_t rows, const uint8_t *u, int groups, const int8_t *q, int64_t ldq, int big,
-                     int32_t *out) {
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR) dot_tile(MR, u, groups, q + r * ldq, ldq, big, out + NR * r);
-  switch (rows - r) {
-    case 0: break;
-    case 1: dot_tile(1, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    case 2: dot_tile(2, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    case 3: dot_tile(3, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    case 4: dot_tile(4, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    case 5: dot_tile(5, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    case 6: dot_tile(6, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-    default: dot_tile(7, u, groups, q + r * ldq, ldq, big, out + NR * r); break;
-  }
-}
 
 /* ---- the layer ----------------------------------------------------------------------------- */
 
@@ -374,91 +431,180 @@ struct job {
   const float *bias;
   float *y;
   int64_t ldy;
+  int *failed; /* set when a chunk could not allocate its scratch */
 };
 
-static void run_items(void *ctx, int64_t begin, int64_t end) {
-  const struct job *J = (const struct job *)ctx;
-  const struct format f = J->f;
-  const int64_t k = J->k, nb = J->nb, s16n = k / 16;
-  const int big = J->qtype == T_Q8_0 ? 2 : J->qtype == T_Q6_K ? 1 : 0;
-  uint8_t u[64 * 64] __attribute__((aligned(64)));
+/* One panel decoded for all its blocks: u [k / 4][64], and per block the float scales and the
+ * K-quants' integer ones. */
+struct panel {
+  uint8_t *u;
+  float *dw, *mw;     /* [nb][16]: d, and Q4_1's m or Q4_K's dmin */
+  int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
+};
+
+static void decode_panel(int qtype, const struct format *f, const uint8_t *src, int64_t nb, struct panel *P) {
   struct scales s;
-  float acc[MC][NR];
-  int32_t dot[MC][NR], isum[MC][NR], imin[MC][NR];
-  for (int64_t item = begin; item < end; item++) {
-    int64_t rb = item / J->npanels, p = item % J->npanels;
-    int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
-    const uint8_t *panel = J->packed + p * nb * NR * f.bytes;
-    for (int64_t r = 0; r < rows; r++)
-      for (int c = 0; c < NR; c++) acc[r][c] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-      decode_block(J->qtype, panel + b * NR * f.bytes, u, &s);
-      const int8_t *qb = J->q + r0 * k + b * f.bk;
-      const int32_t *xs = J->xs + r0 * s16n + b * (f.bk / 16);
-      const float *xd = J->xd + r0 * nb + b;
-      if (f.units == 1) {
-        dot_rows(rows, u, f.groups, qb, k, big, &dot[0][0]);
-        for (int64_t r = 0; r < rows; r++) {
-          const float dx = xd[r * nb];
-          const int32_t sx = xs[r * s16n] + xs[r * s16n + 1];
-          if (J->qtype == T_Q4_1) {
-            const float sxd = dx * (float)sx;
-            for (int c = 0; c < NR; c++) {
-              float t1 = (s.d[c] * dx) * (float)dot[r][c];
-              float t2 = s.m[c] * sxd;
-              acc[r][c] = acc[r][c] + (t1 + t2);
-            }
-          } else {
-            const int32_t off = (J->qtype == T_Q4_0 ? 8 : 128) * sx;
-            for (int c = 0; c < NR; c++) {
-              float t = (s.d[c] * dx) * (float)(dot[r][c] - off);
-              acc[r][c] = acc[r][c] + t;
-            }
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t *blk = src + b * NR * f->bytes;
+    decode_block(qtype, blk, P->u + b * f->bk * NR, &s);
+    int doff = qtype == T_Q6_K ? 16 * 208 : 0;
+    vf_store(P->dw + b * NR, vf_half(blk + doff));
+    if (qtype == T_Q4_1 || qtype == T_Q4_K) vf_store(P->mw + b * NR, vf_half(blk + 32));
+    if (f->units > 1) memcpy(P->sc + b * f->units * NR, s.sc, sizeof(int32_t) * (size_t)(f->units * NR));
+    if (qtype == T_Q4_K) memcpy(P->mn + b * 8 * NR, s.mn, sizeof(s.mn));
+  }
+}
+
+/* mr rows (q, xd, xs at the first) against one decoded panel: acc[r] over every block, in order. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int qtype, const struct format f,
+                                                       const struct panel *P, int64_t nb, const int8_t *q,
+                                                       int64_t k, const float *xd, const int32_t *xs,
+                                                       float *out /* [mr][NR] */) {
+  const int64_t s16n = k / 16;
+  const int big = qtype == T_Q8_0 ? 2 : qtype == T_Q6_K ? 1 : 0;
+  vf acc[MR];
+  vi d[MR];
+  for (int r = 0; r < MR; r++) acc[r] = vf_zero();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t *ub = P->u + b * f.bk * NR;
+    const int8_t *qb = q + b * f.bk;
+    const vf dw = vf_load(P->dw + b * NR);
+    if (f.units == 1) {
+      unit_dot(mr, ub, f.groups, qb, k, big, d);
+      if (qtype == T_Q4_1) {
+        const vf mw = vf_load(P->mw + b * NR);
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            const float dx = xd[r * nb + b];
+            const float sxd = dx * (float)(xs[r * s16n + 2 * b] + xs[r * s16n + 2 * b + 1]);
+            vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
+            vf t2 = vf_mul(mw, vf_set1(sxd));
+            acc[r] = vf_add(acc[r], vf_add(t1, t2));
           }
         }
       } else {
-        for (int64_t r = 0; r < rows; r++)
-          for (int c = 0; c < NR; c++) isum[r][c] = imin[r][c] = 0;
-        for (int j = 0; j < f.units; j++) {
-          dot_rows(rows, u + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, &dot[0][0]);
-          if (J->qtype == T_Q4_K) {
-            for (int64_t r = 0; r < rows; r++) {
-              const int32_t sx = xs[r * s16n + 2 * j] + xs[r * s16n + 2 * j + 1];
-              for (int c = 0; c < NR; c++) {
-                isum[r][c] += s.sc[j][c] * dot[r][c];
-                imin[r][c] += s.mn[j][c] * sx;
-              }
-            }
-          } else {
-            for (int64_t r = 0; r < rows; r++) {
-              const int32_t off = 32 * xs[r * s16n + j];
-              for (int c = 0; c < NR; c++) isum[r][c] += s.sc[j][c] * (dot[r][c] - off);
-            }
+        const int32_t scale = qtype == T_Q4_0 ? 8 : 128;
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            const float dx = xd[r * nb + b];
+            const vi off = vi_set1(scale * (xs[r * s16n + 2 * b] + xs[r * s16n + 2 * b + 1]));
+            vf t = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(vi_sub(d[r], off)));
+            acc[r] = vf_add(acc[r], t);
           }
         }
-        for (int64_t r = 0; r < rows; r++) {
-          const float dx = xd[r * nb];
-          if (J->qtype == T_Q4_K) {
-            for (int c = 0; c < NR; c++) {
-              float t1 = (s.d[c] * dx) * (float)isum[r][c];
-              float t2 = (s.m[c] * dx) * (float)imin[r][c];
-              acc[r][c] = acc[r][c] + (t1 - t2);
-            }
-          } else {
-            for (int c = 0; c < NR; c++) {
-              float t = (s.d[c] * dx) * (float)isum[r][c];
-              acc[r][c] = acc[r][c] + t;
-            }
+      }
+    } else {
+      vi is[MR];
+      for (int r = 0; r < MR; r++) is[r] = vi_zero();
+      const int32_t *sc = P->sc + b * f.units * NR;
+      for (int j = 0; j < f.units; j++) {
+        unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
+        const vi scj = vi_load(sc + j * NR);
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            if (qtype == T_Q4_K)
+              is[r] = vi_add(is[r], vi_mul(scj, d[r]));
+            else
+              is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * s16n + 16 * b + j]))));
+          }
+        }
+      }
+      if (qtype == T_Q4_K) {
+        const vf mw = vf_load(P->mw + b * NR);
+        const int32_t *mn = P->mn + b * 8 * NR;
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            const int32_t *xr = xs + r * s16n + 16 * b;
+            vi im = vi_zero();
+            for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j] + xr[2 * j + 1])));
+            const vf dx = vf_set1(xd[r * nb + b]);
+            vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
+            vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
+            acc[r] = vf_add(acc[r], vf_sub(t1, t2));
+          }
+        }
+      } else {
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
+            acc[r] = vf_add(acc[r], t);
           }
         }
       }
     }
+  }
+  for (int r = 0; r < MR; r++)
+    if (r < mr) vf_store(out + r * NR, acc[r]);
+}
+
+#define TILES(qt)                                                                               \
+  static void tiles_##qt(int64_t rows, const struct format f, const struct panel *P, int64_t nb, \
+                         const int8_t *q, int64_t k, const float *xd, const int32_t *xs, float *out) { \
+    int64_t r = 0;                                                                              \
+    for (; r + MR <= rows; r += MR)                                                             \
+      tile(MR, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR);       \
+    switch (rows - r) {                                                                         \
+      case 1: tile(1, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 2: tile(2, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 3: tile(3, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 4: tile(4, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 5: tile(5, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 6: tile(6, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      case 7: tile(7, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
+      default: break;                                                                           \
+    }                                                                                           \
+  }
+TILES(T_Q4_0)
+TILES(T_Q4_1)
+TILES(T_Q8_0)
+TILES(T_Q4_K)
+TILES(T_Q6_K)
+
+static void run_items(void *ctx, int64_t begin, int64_t end) {
+  const struct job *J = (const struct job *)ctx;
+  const struct format f = J->f;
+  const int qtype = J->qtype;
+  const int64_t k = J->k, nb = J->nb;
+  struct panel P;
+  /* one allocation per chunk of items: the decoded panel and its scales */
+  size_t ubytes = (size_t)(k * NR), fl = (size_t)(nb * NR);
+  char *mem = (char *)malloc(ubytes + 2 * fl * sizeof(float) + (size_t)(f.units + 8) * fl * sizeof(int32_t) + 64);
+  if (!mem) {
+    __atomic_store_n(J->failed, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  P.u = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
+  P.dw = (float *)(P.u + ubytes);
+  P.mw = P.dw + fl;
+  P.sc = (int32_t *)(P.mw + fl);
+  P.mn = P.sc + (size_t)f.units * fl;
+  float out[MC * NR] __attribute__((aligned(64)));
+  int64_t decoded = -1;
+  for (int64_t item = begin; item < end; item++) {
+    int64_t p = item / J->nrb, rb = item % J->nrb; /* a panel's row blocks one after the other */
+    int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
+    if (p != decoded) {
+      decode_panel(qtype, &f, J->packed + p * nb * NR * f.bytes, nb, &P);
+      decoded = p;
+    }
+    const int8_t *q = J->q + r0 * k;
+    const float *xd = J->xd + r0 * nb;
+    const int32_t *xs = J->xs + r0 * (k / 16);
+    switch (qtype) {
+      case T_Q4_0: tiles_T_Q4_0(rows, f, &P, nb, q, k, xd, xs, out); break;
+      case T_Q4_1: tiles_T_Q4_1(rows, f, &P, nb, q, k, xd, xs, out); break;
+      case T_Q8_0: tiles_T_Q8_0(rows, f, &P, nb, q, k, xd, xs, out); break;
+      case T_Q4_K: tiles_T_Q4_K(rows, f, &P, nb, q, k, xd, xs, out); break;
+      default: tiles_T_Q6_K(rows, f, &P, nb, q, k, xd, xs, out); break;
+    }
     int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
     for (int64_t r = 0; r < rows; r++) {
       float *yr = J->y + (r0 + r) * J->ldy + p * NR;
-      for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? acc[r][c] + J->bias[p * NR + c] : acc[r][c];
+      const float *o = out + r * NR;
+      for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? o[c] + J->bias[p * NR + c] : o[c];
     }
   }
+  free(mem);
 }
 
 struct qjob {
@@ -497,7 +643,8 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 
-  struct job J = {qtype, f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy};
+  int failed = 0;
+  struct job J = {qtype, f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy, &failed};
   int64_t items = J.npanels * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * NR * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);
@@ -505,5 +652,5 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   free(q);
   free(d);
   free(s);
-  return 0;
+  return failed ? -1 : 0;
 }
