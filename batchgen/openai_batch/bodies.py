@@ -112,7 +112,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_generation_prompt": (lambda v: v in (None, True), "'add_generation_prompt: false' is not supported"),
     "continue_final_message": (_off, "'continue_final_message' is not supported"),
     "chat_template_kwargs": (_off, "'chat_template_kwargs' is not supported"),
-    "echo": (_off, "'echo' is not supported"),
     "suffix": (_off, "'suffix' is not supported"),
 }
 

@@ -40,13 +40,16 @@ class BatchPrompt(PromptRecord):
     ``id`` is the ``custom_id`` for a line that may run or be resumed, None for a line without a
     usable ``custom_id`` or a duplicate (their resume key). ``custom_id`` is what the output line
     echoes. ``endpoint`` is ``"chat"`` or ``"completion"``; ``top_logprobs`` the alternatives
-    per token the response lists (None: no logprobs). ``error_param`` and ``error_code`` go with
-    ``error`` into the OpenAI error body.
+    per token the response lists (None: no logprobs); ``echo`` (completions) puts the prompt
+    before the completion in the text and, with logprobs, the prompt tokens' logprobs before
+    the completion's. ``error_param`` and ``error_code`` go with ``error`` into the OpenAI error
+    body.
     """
 
     custom_id: str | None = None
     endpoint: Literal["chat", "completion"] | None = None
     top_logprobs: int | None = None
+    echo: bool = False
     error_param: str | None = None
     error_code: str | None = None
 
@@ -132,6 +135,7 @@ class LineParser:
         num_prompt = len(record.prompt_token_ids or ())
         prompt.params = self._params(parsed, num_prompt, where, constraint)
         prompt.top_logprobs = self._top_logprobs(parsed)
+        prompt.echo = _echo(parsed)
 
     def _check_model(self, model: str | None) -> None:
         """A job serving one name (no aliases) answers every line's ``model``, with one warning
@@ -173,12 +177,15 @@ class LineParser:
                 raise LineError("give one of 'max_tokens' and 'max_completion_tokens', not both",
                                 "max_completion_tokens", "invalid_value")
             requested = body.max_completion_tokens
-        if requested is not None and requested < 1:
-            raise LineError(f"Invalid 'max_tokens': {requested}; it must be >= 1.", "max_tokens", "invalid_value")
+        least = 0 if _echo(body) else 1  # max_tokens 0 with echo: score the prompt, generate nothing
+        if requested is not None and requested < least:
+            raise LineError(f"Invalid 'max_tokens': {requested}; it must be >= {least}"
+                            + (" (0 with 'echo': true scores the prompt only)." if least else "."),
+                            "max_tokens", "invalid_value")
         if requested is None:
             # OpenAI's defaults: 16 for completions, the rest of the context for chat.
             requested = 16 if isinstance(body, CompletionBody) else max(self.max_model_len - num_prompt, 0)
-        if requested < 1 or num_prompt + requested > self.max_model_len:
+        if requested < least or num_prompt + requested > self.max_model_len:
             raise LineError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt + requested} tokens ({num_prompt} in the {where}, {requested} in the completion). "
@@ -201,6 +208,8 @@ class LineParser:
         )
         try:
             if body.use_beam_search:
+                if _echo(body):
+                    raise LineError("'echo' is not supported with 'use_beam_search'", "echo", "unsupported_parameter")
                 self._check_beam_fields(body)
                 length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
                 return BeamSearchParams(beam_width=n, length_penalty=length_penalty, **common)
@@ -221,6 +230,9 @@ class LineParser:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 seed=body.seed,
                 logprobs=logprobs,
+                # echo: the prompt's tokens are scored too (max_tokens 0 needs them even without logprobs).
+                prompt_logprobs=(logprobs if logprobs is not None else 0 if max_tokens == 0 else None)
+                if _echo(body) else None,
                 logits_processors=list(self.logits_processors),
                 **common,
             )
@@ -272,3 +284,8 @@ class LineParser:
         if isinstance(body, ChatBody):
             return (body.top_logprobs or 0) if body.logprobs else None
         return body.logprobs
+
+
+def _echo(body: ChatBody | CompletionBody) -> bool:
+    """Whether a completions line asks for its prompt back (``echo: true``)."""
+    return isinstance(body, CompletionBody) and bool(body.echo)

@@ -97,7 +97,9 @@ class _TokenText:
         return text, data
 
 
-def _logprob(value: float | None) -> float:
+def _logprob(value: Any) -> float:
+    """A logprob as OpenAI writes it (a prompt entry's ``Logprob`` or a float; -inf and NaN clipped)."""
+    value = getattr(value, "logprob", value)
     return MIN_LOGPROB if value is None or value != value or value < MIN_LOGPROB else float(value)
 
 
@@ -151,7 +153,8 @@ class ResponseBuilder:
             completions = sorted(output.outputs, key=lambda c: -c.score if c.score is not None else float("inf"))
         else:
             completions = sorted(output.outputs, key=lambda c: c.index)
-        choices = [self._choice(rank, c, endpoint, None if beam else top) for rank, c in enumerate(completions)]
+        echo = self._echo(prompt, output) if getattr(prompt, "echo", False) else None
+        choices = [self._choice(rank, c, endpoint, None if beam else top, echo) for rank, c in enumerate(completions)]
         stats = output.stats
         prompt_tokens = stats.num_prompt_tokens or len(output.prompt_token_ids or ())
         completion_tokens = stats.num_generated_tokens
@@ -176,8 +179,16 @@ class ResponseBuilder:
             "error": None,
         }
 
-    def _choice(self, rank: int, completion: Any, endpoint: str | None, top: int | None) -> dict[str, Any]:
-        with_logprobs = top is not None and completion.logprobs is not None
+    def _echo(self, prompt: PromptRecord, output: Any) -> tuple[str, list[tuple[int, Any]]]:
+        """The prompt's text and its ``(token id, logprob entry or None)`` positions, for ``echo``."""
+        ids = list(output.prompt_token_ids or prompt.prompt_token_ids or ())
+        text = prompt.prompt if prompt.prompt is not None else self._token.tokenizer.decode(ids)
+        entries = list(output.prompt_logprobs or ()) or [None] * len(ids)
+        return text, list(zip(ids, entries))
+
+    def _choice(self, rank: int, completion: Any, endpoint: str | None, top: int | None,
+                echo: tuple[str, list[tuple[int, Any]]] | None = None) -> dict[str, Any]:
+        with_logprobs = top is not None and (completion.logprobs is not None or echo is not None)
         finish = completion.finish_reason or "length"
         if endpoint == "chat":
             return {
@@ -187,10 +198,14 @@ class ResponseBuilder:
                 "finish_reason": finish,
                 "stop_reason": completion.stop_reason,
             }
+        positions = list(zip(completion.token_ids, completion.logprobs or ()))
+        text = completion.text
+        if echo is not None:  # the prompt, then the completion, in the text and in the logprobs
+            text, positions = echo[0] + text, echo[1] + positions
         return {
             "index": rank,
-            "text": completion.text,
-            "logprobs": self._completion_logprobs(completion) if with_logprobs else None,
+            "text": text,
+            "logprobs": self._completion_logprobs(positions) if with_logprobs else None,
             "finish_reason": finish,
             "stop_reason": completion.stop_reason,
         }
@@ -208,17 +223,23 @@ class ResponseBuilder:
                             "top_logprobs": alternatives})
         return {"content": content, "refusal": None}
 
-    def _completion_logprobs(self, completion: Any) -> dict[str, Any]:
-        # As OpenAI: each position lists the chosen token and the best alternatives (up to logprobs + 1).
+    def _completion_logprobs(self, positions: list[tuple[int, Any]]) -> dict[str, Any]:
+        """OpenAI's ``logprobs`` of a text completion over ``(token id, entry)`` positions: each
+        lists its token and the best alternatives (up to logprobs + 1); an entry of None (the
+        first prompt token of an echo: nothing predicts it) gives None in both lists."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = 0
-        for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        for token_id, entry in positions:
             text, _ = self._token(token_id)
             tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
             token_logprobs.append(_logprob(entry.get(token_id)))
             ranked = sorted(entry.items(), key=lambda kv: -_logprob(kv[1]))
             top_logprobs.append({self._token(t)[0]: _logprob(lp) for t, lp in ranked})
-            offsets.append(offset)
-            offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -458,7 +459,9 @@ def test_openai_defaults_and_field_mapping(parser: LineParser) -> None:
         ({"response_format": {"type": "xml"}}, CHAT, "response_format.type", "invalid_value", "expected 'text'"),
         ({"prompt": ["a", "b"]}, COMPLETIONS, "prompt", "invalid_value", "one prompt per line"),
         ({"prompt": []}, COMPLETIONS, "prompt", "invalid_value", "empty"),
-        ({"echo": True}, COMPLETIONS, "echo", "unsupported_parameter", "'echo' is not supported"),
+        ({"echo": True, "use_beam_search": True}, COMPLETIONS, "echo", "unsupported_parameter",
+         "'echo' is not supported with 'use_beam_search'"),
+        ({"max_tokens": 0}, COMPLETIONS, "max_tokens", "invalid_value", "0 with 'echo': true scores the prompt only"),
         ({"best_of": 1, "n": 2}, COMPLETIONS, "best_of", "invalid_value", "best_of must be >= n"),
         ({"logprobs": 21}, COMPLETIONS, "logprobs", "invalid_value", "between 0 and 20"),
         ({"n": True}, COMPLETIONS, "n", "invalid_type", "valid integer"),
@@ -598,3 +601,67 @@ def test_a_schema_nothing_can_match_fails_its_line_alone(parser: LineParser, tmp
     run_batch(tiny_llm, source, tmp_path / "out.jsonl")
     status = {line["custom_id"]: line["response"]["status_code"] for line in read_lines(tmp_path / "out.jsonl")}
     assert status == {"one": 200, "two": 400, "three": 200}
+
+
+# --------------------------------------------------------------------------- echo: the prompt's logprobs
+
+
+def test_echo_scores_the_prompt_as_hf_log_softmax_does(tmp_path: Path, tiny_llm: Any, tiny_llama: str,
+                                                        smollm2_tokenizer: Any) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    token_prompt = [17, 4453, 288, 2366, 314, 12281]
+    source = write_lines(tmp_path / "in.jsonl", [
+        line("score", COMPLETIONS, prompt=text, echo=True, logprobs=3, max_tokens=0),
+        line("score-ids", COMPLETIONS, prompt=token_prompt, echo=True, logprobs=0, max_tokens=0),
+        line("echo-only", COMPLETIONS, prompt=text, echo=True, max_tokens=0),
+        line("echo-and-generate", COMPLETIONS, prompt=text, echo=True, logprobs=1, max_tokens=3, temperature=0),
+        line("zero-without-echo", COMPLETIONS, prompt=text, max_tokens=0),
+    ])
+    run_batch(tiny_llm, source, tmp_path / "out.jsonl")
+    answers = {a["custom_id"]: a for a in read_lines(tmp_path / "out.jsonl")}
+    assert error_of(answers["zero-without-echo"])["param"] == "max_tokens"
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+
+    def oracle(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    # OpenAI answers None for the first prompt token, which the openai package's types do not allow:
+    # the bodies are checked as the types see them without it, and the logprobs as written.
+    def body_of(custom_id: str) -> tuple[Completion, Any]:
+        body = json.loads(json.dumps(answers[custom_id]["response"]["body"]))
+        lp = body["choices"][0]["logprobs"]
+        if lp is not None:
+            lp = SimpleNamespace(**lp)
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                body["choices"][0]["logprobs"][key] = getattr(lp, key)[1:]
+        return Completion.model_validate(body), lp
+
+    for custom_id, ids, k in (("score", smollm2_tokenizer(text)["input_ids"], 3), ("score-ids", token_prompt, 0)):
+        body, lp = body_of(custom_id)
+        choice, expected = body.choices[0], oracle(ids)
+        assert (body.usage.prompt_tokens, body.usage.completion_tokens, choice.finish_reason) == (len(ids), 0, "length")
+        assert choice.text == (text if custom_id == "score" else smollm2_tokenizer.decode(token_prompt))
+        assert lp.tokens == [smollm2_tokenizer.decode([t]) for t in ids]
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+        want = [expected[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+        for i in range(1, len(ids)):
+            top = torch.topk(expected[i - 1], k)
+            wanted = {smollm2_tokenizer.decode([t]): v for t, v in zip(top.indices.tolist(), top.values.tolist())}
+            wanted[lp.tokens[i]] = want[i - 1]  # the token's own entry is always listed
+            assert lp.top_logprobs[i] == pytest.approx(wanted, abs=2e-4)
+
+    only = answers["echo-only"]["response"]["body"]["choices"][0]
+    assert (only["text"], only["logprobs"]) == (text, None)
+    both, lp = body_of("echo-and-generate")
+    ids = smollm2_tokenizer(text)["input_ids"]
+    assert both.choices[0].text.startswith(text) and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+        [oracle(ids)[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=2e-4)
