@@ -46,24 +46,9 @@ class ExecutorError(RuntimeError):
 
 
 def engine_config(config: RunConfig) -> EngineConfig:
-    """The :class:`~batchgen.engine.config.EngineConfig` of a run's ``model`` and ``engine`` sections."""
-    engine = config.engine
-    return EngineConfig(
-        model=config.model.name,
-        dtype=config.model.dtype,
-        device=config.model.device,
-        block_size=engine.block_size,
-        kv_cache_memory=int(engine.kv_cache_memory) if engine.kv_cache_memory is not None else None,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        enable_prefix_caching=engine.enable_prefix_caching,
-        scheduling_policy=engine.scheduling_policy,
-        attention_backend=engine.attention_backend,
-        linear_backend=engine.linear_backend,
-        num_threads=engine.num_threads,
-        index_checks=engine.index_checks,
-        seed=engine.seed,
-    )
+    """The :class:`~batchgen.engine.config.EngineConfig` of a run's ``model`` and ``engine`` sections
+    (built by the section itself: :meth:`batchgen.config.EngineSection.to_engine_config`)."""
+    return config.engine.to_engine_config(config.model)
 
 
 def make_executor(config: RunConfig, llm: Any = None) -> LocalExecutor | RayExecutor:
