@@ -28,8 +28,11 @@ Contract:
 The package, one noun a module: :mod:`~batchgen.openai_batch.errors` (wire constants,
 :class:`LineError`), :mod:`~batchgen.openai_batch.bodies` (request bodies and their checks),
 :mod:`~batchgen.openai_batch.requests` (a line to an engine request),
-:mod:`~batchgen.openai_batch.batch_file` (the input file and resume) and
-:mod:`~batchgen.openai_batch.responses` (output lines).
+:mod:`~batchgen.openai_batch.batch_file` (the input file and resume),
+:mod:`~batchgen.openai_batch.responses` (output lines), and the two protocols of
+:mod:`batchgen.io.protocols` that the run loop sees: :mod:`~batchgen.openai_batch.source`
+(the lines as a prompt source) and :mod:`~batchgen.openai_batch.response_lines` (response lines
+as a record format).
 
 This package imports neither torch nor the engine (their parameter classes are torch-free).
 """
@@ -44,10 +47,13 @@ from batchgen.openai_batch.errors import (
     LineError,
 )
 from batchgen.openai_batch.requests import BatchPrompt, LineParser
+from batchgen.openai_batch.response_lines import ResponseLines
 from batchgen.openai_batch.responses import ResponseBuilder, error_line, error_message, is_failed, response_key
+from batchgen.openai_batch.source import BatchLines
 
 __all__ = [
     "BatchFile",
+    "BatchLines",
     "BatchPrompt",
     "CHAT_URL",
     "COMPLETIONS_URL",
@@ -57,6 +63,7 @@ __all__ = [
     "LineParser",
     "MODEL_NOT_FOUND",
     "ResponseBuilder",
+    "ResponseLines",
     "ResumeIndex",
     "error_line",
     "error_message",

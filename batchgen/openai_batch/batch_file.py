@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, RunConfig
+from batchgen.io.protocols import ResumeIndex as AnsweredIndex
 from batchgen.openai_batch.errors import DUPLICATE_CUSTOM_ID, LINE_FIELDS, LineError
 from batchgen.openai_batch.requests import BatchPrompt, LineParser
 from batchgen.io.dataset import DataError, resolve_source
@@ -109,20 +110,23 @@ class BatchFile:
             self._count = count if self.limit is None else min(count, self.limit)
         return self._count
 
-    def todo(self, done: ResumeIndex | set[str]) -> int:
+    def todo(self, done: AnsweredIndex) -> int:
         """Lines this run still has to answer."""
         return max(len(self) - len(done), 0)
 
-    def prompts(self, parser: LineParser, done: ResumeIndex) -> Iterator[BatchPrompt]:
+    def prompts(self, parser: LineParser, done: AnsweredIndex) -> Iterator[BatchPrompt]:
         """Every line not answered yet, as a :class:`BatchPrompt`, in file order.
 
-        Lines that cannot run come with ``error`` set; answered ones are skipped before their
-        body is parsed, so a resume reads through the done part of the file quickly.
+        ``done`` is what the outputs answer (``custom_id in done``, and ``done.keyless``). Lines
+        that cannot run come with ``error`` set; answered ones are skipped before their body is
+        parsed, so a resume reads through the done part of the file quickly. The custom_ids read
+        are kept in a private on-disk table, to find duplicates.
         """
         keyless = 0
+        seen = ResumeIndex()
         for index, raw in self.lines():
             custom_id, line, problem = _envelope(raw)
-            first = done.first_line(custom_id, index) if custom_id is not None else None
+            first = seen.first_line(custom_id, index) if custom_id is not None else None
             if custom_id is None or first is not None:
                 keyless += 1
                 if keyless <= done.keyless:

@@ -87,7 +87,7 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     source: PromptSource
     records: RecordFormat
     if config.data.format == "openai_batch":
-        from batchgen.run.batch_lines import BatchLines
+        from batchgen.openai_batch.source import BatchLines
 
         source = BatchLines(config, processors, metric_columns)
     else:
@@ -95,7 +95,7 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
 
         source = DatasetRows(config, processors, metric_columns)
     if config.output.format == "openai_batch":
-        from batchgen.run.batch_lines import ResponseLines
+        from batchgen.openai_batch.response_lines import ResponseLines
 
         records = ResponseLines(config)
     else:
