@@ -216,18 +216,40 @@ def _first_bad_json_line(path: Path, fmt: str) -> tuple[int, str] | None:
                 if number == 1 and line.startswith(b"["):
                     return None
                 try:
-                    json.loads(line)
+                    value = json.loads(line)
                 except UnicodeDecodeError:
                     return None  # reported by the UTF-8 check, with the byte
                 except json.JSONDecodeError as exc:
                     return number, f"{exc.msg} (column {exc.colno})"
                 except ValueError as exc:
                     return number, str(exc)
+                surrogate = _lone_surrogate(value)
+                if surrogate is not None:
+                    return number, (f"it holds a lone surrogate \\u{ord(surrogate):04x} (half of a UTF-16 pair), "
+                                    "which is not text; fix or remove that escape")
     except OSError:
         return None
     return None
 
 
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate (U+D800..U+DFFF) in the strings of a parsed JSON value, or None.
+
+    Python's json accepts ``"\\ud800"`` alone; Arrow's JSON reader (and UTF-8) does not.
+    """
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return found.group() if found else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key) if isinstance(key, str) else None
+        found = found or _lone_surrogate(item)
+        if found is not None:
+            return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _ARROW_UTF8 = re.compile(r"Column (\d+): In chunk (\d+): Invalid: Invalid UTF8 sequence at string index (\d+)")
 
 

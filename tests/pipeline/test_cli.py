@@ -213,6 +213,9 @@ def test_set_values_keep_their_yaml_types(job_config, capsys) -> None:
      "line 2 of {path} is not valid UTF-8 (byte 0xe9 at column 30); fix or remove that line"),
     (b'{"qid": "a", "question": "fine", "answer": "1"}\n\n{"qid": "b", "question": "oops" "answer": "2"}\n',
      "line 3 of {path} is not valid JSON: Expecting ',' delimiter (column 33)"),
+    # A lone surrogate is valid JSON to Python but not text: the line is named from 1, as the others.
+    (b'{"qid": "a", "question": "fine", "answer": "1"}\n{"qid": "b", "question": "bad \\ud800", "answer": "2"}\n',
+     "line 2 of {path} is not valid JSON: it holds a lone surrogate \\ud800"),
 ])
 def test_damaged_dataset_names_file_and_line(job_config, capsys, tmp_path: Path, content: bytes, expected: str) -> None:
     data = tmp_path / "rows.jsonl"
@@ -312,3 +315,17 @@ def test_failing_run_end_hook_is_one_line(job_config, capsys, tmp_path: Path, mo
     assert second.startswith("batchgen: records written so far are kept")
     summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
     assert summary["status"] == "completed" and summary["hook_errors"] == [first.split("run failed: ")[1].split("; the run")[0]]
+
+
+def test_validate_lists_a_bad_model_name_with_the_other_errors(job_config, capsys, tmp_path: Path) -> None:
+    """One validate shows every problem: the schema's and the model's, though the model is
+    otherwise checked only once the rest of the config is valid."""
+    missing = tmp_path / "no-such-model"
+    path = job_config(model={"name": str(missing)}, generation={"mode": "greedy", "max_tokens": 0},
+                      engine={"block_size": "big"})
+    code, out, err = _cli(capsys, "validate", str(path))
+    assert code == 2 and out == "", err
+    assert "invalid config (3 errors)" in err, err
+    assert "generation.max_tokens" in err and "engine.block_size" in err
+    assert f"model.name: model path '{missing}'" in err or f"model.name: model '{missing}'" in err, err
+    assert "Traceback" not in err

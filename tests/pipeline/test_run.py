@@ -466,3 +466,65 @@ def test_interrupt_counts_what_is_in_the_file(job_config, tiny_llama: str, tmp_p
     summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
     assert (summary["status"], summary["signal"]) == ("interrupted", "SIGTERM")
     assert summary["records"]["total"] == summary["records"]["this_run"] == 3 == len(_read(tmp_path / "out" / "results.jsonl"))
+
+
+def test_resume_checks_the_config_kept_beside_the_records(job_config, tiny_llm, tmp_path: Path) -> None:
+    """The records' config lives in ``<output>.resume.json``: a changed config is refused even
+    with the summary deleted or moved, and records with no config at all need --force-resume."""
+    from batchgen.run.errors import ResumeMismatchError
+    from batchgen.run.fingerprint import sidecar_path
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    out = tmp_path / "out" / "results.jsonl"
+    sidecar = sidecar_path(out)
+    assert sidecar == tmp_path / "out" / "results.jsonl.resume.json"
+    assert json.loads(sidecar.read_text())["fingerprint"] == json.loads(
+        (tmp_path / "out" / "results.summary.json").read_text())["fingerprint"]
+    before = out.read_bytes()
+
+    def plan_resume(*overrides: str, force: bool = False):
+        registry = load_registry()
+        config = load_config(path, ["output.if_exists=resume", *overrides], registry=registry)
+        return plan(config, registry, force_resume=force)
+
+    (tmp_path / "out" / "results.summary.json").unlink()
+    for moved in ((), (f"output.summary_path={tmp_path / 'elsewhere.json'}",)):
+        with pytest.raises(ResumeMismatchError, match=r"  - generation.max_tokens: 8 before, 4 now") as info:
+            plan_resume("generation.max_tokens=4", *moved)
+        assert f"(from {sidecar})" in str(info.value)
+    plan_resume().release()  # the same config resumes
+    sidecar.unlink()
+    with pytest.raises(ResumeMismatchError, match=r"nothing says which config its records were written with"):
+        plan_resume()
+    assert out.read_bytes() == before
+    job = plan_resume(force=True)  # forced: appends, and keeps this run's config beside the records
+    summary = execute(job, quiet=True, llm=tiny_llm)
+    assert summary["records"]["total"] == 12 and summary["records"]["resumed"] == 4
+    assert json.loads(sidecar.read_text())["fingerprint"] == summary["fingerprint"]
+
+
+def test_a_chat_message_with_an_unknown_role_becomes_an_error_record(job_config, tiny_llm, tmp_path: Path) -> None:
+    rows = [{"qid": "ok", "messages": [{"role": "user", "content": "Hi"}]},
+            {"qid": "bad", "messages": [{"role": "wizard", "content": "Zap"}]}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = job_config(data={"source": str(data), "id_column": "qid"}, prompt={"column": "messages", "template": None, "chat_template": True},
+                      metrics=[])
+    summary, records = _run(path, tiny_llm)
+    by_id = {r["id"]: r for r in records}
+    assert by_id["ok"]["error"] is None and by_id["ok"]["generations"]
+    assert by_id["bad"]["error"] == "column 'messages': message 0 has role 'wizard'; expected one of 'system', 'user', 'assistant'"
+    assert by_id["bad"]["generations"] == [] and summary["records"]["error"] == 1
+
+
+def test_the_summary_records_batchgen_threads(job_config, tiny_llm) -> None:
+    """``threads`` is the engine's own thread count (its C kernels' pool), not torch's one thread."""
+    import torch
+
+    from batchgen.threads import resolve_num_threads
+
+    summary, _ = _run(job_config(), tiny_llm, "data.limit=2")
+    line = summary["executor"]["per_replica"][0]
+    assert line["threads"] == resolve_num_threads(tiny_llm.config.num_threads)
+    assert line["torch_threads"] == torch.get_num_threads()

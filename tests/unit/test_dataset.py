@@ -187,3 +187,15 @@ def test_bad_utf8_outside_a_text_file_names_row_and_column(tmp_path: Path) -> No
     pq.write_table(pa.table({"prompt": prompts}), path)
     with pytest.raises(DataError, match=r"row 2, column 'prompt' is not valid UTF-8"):
         load_rows(_config(data={"source": str(path)}).data)
+
+
+def test_a_chat_message_with_an_unknown_role_is_a_row_error(tokenizer: Any) -> None:
+    """As a batch line with role 'wizard' is refused (400), a dataset row with one is an error
+    record, not a prompt rendered as '<|im_start|>wizard'."""
+    config = _config(prompt={"column": "messages"})
+    builder = PromptBuilder(config.prompt, tokenizer)
+    good = builder.build("a", 0, {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]})
+    assert good.error is None and good.chat is True and "<|im_start|>user" in good.prompt
+    bad = builder.build("b", 1, {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Zap"}]})
+    assert bad.error == "column 'messages': message 1 has role 'wizard'; expected one of 'system', 'user', 'assistant'"
+    assert bad.prompt_token_ids is None
