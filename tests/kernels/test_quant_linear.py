@@ -166,3 +166,33 @@ def test_without_the_kernel_layers_run_the_torch_reference(monkeypatch, caplog) 
     assert torch.equal(layer(x), quant.reference_linear(x, layer.dequantized_weight(), None))
     with pytest.raises(loader.CpuKernelError):
         QuantizedLinear(raw, Q.Q4_1, n, k, isa="avx2")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q6_K], ids=lambda t: t.name)
+def test_activation_rounding_ties_go_to_even(isa: str, qtype: Q) -> None:
+    """A block whose largest magnitude is 127 has the scale 1: its halves are ties, rounded to
+    even in every build (as torch.round, the model in ``quant_arith``); a zero block stays zero."""
+    _isa_or_skip(isa)
+    bs = quant.block_size(qtype)
+    k = 2 * bs
+    x = torch.zeros(3, k)
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    x[0, :bs] = ties.repeat(bs // 8)
+    x[0, 0] = 127.0
+    x[1] = torch.randn(k)
+    q, d, s16 = quant.quantize_activations(x, qtype, isa=isa)
+    q2, d2, s2 = quant_arith.quantize_activations(x, bs)
+    assert torch.equal(q.int(), q2) and torch.equal(d, d2) and torch.equal(s16, s2.int())
+    assert q[0, 1:8].tolist() == [2, 2, 0, -2, -2, 126, -126] and bool((q[2] == 0).all()) and d[2, 0] == 0
+    layer = QuantizedLinear(quantized(qtype, 16, k, seed=5), qtype, 16, k, isa=isa)
+    _check(layer(x), x, layer)
+
+
+def test_gather_rows_reads_the_rows_from_the_panels() -> None:
+    for qtype in quant.QTYPES:
+        n, k = 37, 2 * quant.block_size(qtype)
+        layer = QuantizedLinear(quantized(qtype, n, k, seed=9), qtype, n, k, isa="torch")
+        index = torch.tensor([36, 0, 5, 5, 17, 31])
+        assert torch.equal(layer.gather_rows(index), layer.raw_rows()[index])
