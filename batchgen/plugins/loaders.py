@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 from collections.abc import Sequence
 
 import pluggy
@@ -28,6 +29,8 @@ ENTRY_POINT_GROUP = PROJECT_NAME
 #: Plugin names of the built-ins; they are registered first, like any other plugin.
 BUILTIN_SAMPLERS_PLUGIN = "batchgen-builtin-samplers"
 BUILTIN_METRICS_PLUGIN = "batchgen-builtin-metrics"
+
+logger = logging.getLogger(__name__)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -56,26 +59,35 @@ def _load_entry_points(pm: pluggy.PluginManager, infos: dict[str, PluginInfo]) -
         )
         if pm.is_blocked(ep.name):
             continue
+        name = ep.name
         if pm.get_plugin(ep.name) is not None:
             first = infos.get(ep.name)
             if first is not None and first.distribution == dist_name:
                 continue  # the same distribution seen twice on sys.path, as pluggy does
-            raise PluginError(
-                f"{what} clashes with {first.label if first else repr(ep.name)}: two plugins "
-                "with one name; uninstall one of them",
-                plugin=ep.name,
-            )
+            if not dist_name or pm.get_plugin(dist_name) is not None:
+                raise PluginError(
+                    f"{what} clashes with {first.label if first else repr(ep.name)}: two plugins "
+                    "with one name; uninstall one of them",
+                    plugin=ep.name,
+                )
+            # Two distributions, one plugin name: the later one goes by its distribution's name.
+            name = dist_name
+            logger.warning("batchgen: warning: %s has the name of %s; it is registered as '%s', so write "
+                           "'%s:NAME' for what it registers", what, first.label if first else repr(ep.name), name, name)
         try:
-            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            if name == ep.name:
+                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            else:
+                pm.register(ep.load(), name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(
-                f"{what} has an invalid hook implementation: {_one_line(exc)}", plugin=ep.name
+                f"{what} has an invalid hook implementation: {_one_line(exc)}", plugin=name
             ) from exc
         except Exception as exc:
             raise PluginError(
-                f"{what} failed to load: {type(exc).__name__}: {exc}", plugin=ep.name
+                f"{what} failed to load: {type(exc).__name__}: {exc}", plugin=name
             ) from exc
-        infos[ep.name] = PluginInfo(ep.name, "entry point", dist_name, dist_version)
+        infos[name] = PluginInfo(name, "entry point", dist_name, dist_version)
 
 
 def _load_module(pm: pluggy.PluginManager, module_name: str, infos: dict[str, PluginInfo]) -> None:

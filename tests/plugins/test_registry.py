@@ -498,11 +498,32 @@ def test_entry_point_that_fails_to_load_is_named(make_module: MakeModule, make_d
     assert info.value.plugin == "epbroken"
 
 
-def test_two_distributions_with_one_plugin_name_are_named(make_module: MakeModule, make_distribution) -> None:
-    make_module("bg_ep_one", "")
-    make_module("bg_ep_two", "")
+def test_two_distributions_with_one_plugin_name_both_load(make_module: MakeModule, make_distribution,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    masker = """
+    from pydantic import BaseModel
+    from batchgen.plugins import SamplerSpec, hookimpl
+    class O(BaseModel):
+        pass
+    @hookimpl
+    def batchgen_register_samplers():
+        return [SamplerSpec("mask_{t}", "", O, lambda o: lambda logits, ids: logits)]
+    """
+    make_module("bg_ep_one", masker.replace("{t}", "one"))
+    make_module("bg_ep_two", masker.replace("{t}", "two"))
     make_distribution("bg-ep-one", "1.0", "clash = bg_ep_one")
     make_distribution("bg-ep-two", "1.0", "clash = bg_ep_two")
-    with pytest.raises(PluginError, match=r"^plugin 'clash' \(entry point 'bg_ep_\w+' from bg-ep-\w+ 1.0\) clashes with "
-                       r"plugin 'clash' from bg-ep-\w+ 1.0: two plugins with one name; uninstall one of them$"):
-        load_registry()
+    with caplog.at_level("WARNING", logger="batchgen.plugins"):
+        registry = load_registry()
+    # Which one entry point is found first is importlib's order; the other goes by its distribution's name.
+    entries = {e["name"]: e for e in registry.describe() if e["distribution"] in ("bg-ep-one", "bg-ep-two")}
+    (first,) = [e for e in entries.values() if e["name"] == "clash"]
+    (second,) = [e for e in entries.values() if e["name"] != "clash"]
+    assert second["name"] == second["distribution"] and second["source"] == "entry point"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == 30]
+    assert warning.startswith("batchgen: warning: plugin 'clash' (entry point 'bg_ep_")
+    assert f"is registered as '{second['name']}', so write '{second['name']}:NAME'" in warning
+    for entry in (first, second):
+        (sampler,) = entry["samplers"]
+        assert registry.plugin_of("sampler", sampler["name"]) == entry["name"]
+        assert registry.plugin_of("sampler", f"{entry['distribution']}:{sampler['name']}") == entry["name"]
