@@ -329,3 +329,16 @@ def test_validate_lists_a_bad_model_name_with_the_other_errors(job_config, capsy
     assert "generation.max_tokens" in err and "engine.block_size" in err
     assert f"model.name: model path '{missing}'" in err or f"model.name: model '{missing}'" in err, err
     assert "Traceback" not in err
+
+
+def test_a_run_logs_the_thread_split_and_records_it(job_config, capsys, tmp_path: Path) -> None:
+    import re
+
+    path = job_config(data={"limit": 2}, engine={"num_threads": 2})
+    code, out, err = _cli(capsys, "run", str(path))
+    assert code == 0, err
+    split = re.search(r"^batchgen: threads: C kernels on 2 thread\(s\), torch on (\d+)$", err, re.M)
+    assert split is not None, err
+    summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
+    line = summary["executor"]["per_replica"][0]
+    assert (line["threads"], line["torch_threads"]) == (2, int(split.group(1)))
