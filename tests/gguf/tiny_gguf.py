@@ -55,17 +55,36 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks whose values are of order 0.05 (scales set, bits random)."""
+    """Random blocks of ``qtype`` whose values are centred on 0 and within about +-0.08 (the
+    scales set, the quants random), so that a random model stays well conditioned."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    if qtype == T.Q4_K:  # d, dmin (f16) first; 6-bit scales/mins follow
-        raw[..., 0:2] = np.frombuffer(np.float16(0.0015).tobytes(), np.uint8)
-        raw[..., 2:4] = np.frombuffer(np.float16(0.0006).tobytes(), np.uint8)
-    elif qtype == T.Q6_K:  # int8 scales at 192..208, d (f16) last
+
+    def f16(value: float) -> np.ndarray:
+        return np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+    if qtype in (T.Q8_0, T.Q4_0):  # d (f16), then the quants: d * q, d * (q - 8)
+        raw[..., 0:2] = f16(0.0006 if qtype == T.Q8_0 else 0.01)
+    elif qtype == T.Q4_1:  # d, m (f16): d * q + m
+        raw[..., 0:2] = f16(0.01)
+        raw[..., 2:4] = f16(-0.075)
+    elif qtype == T.Q4_K:
+        # d * sc_j * q - dmin * m_j with sc_j = m_j = v_j (random 6-bit) and dmin = 7.5 d:
+        # d * v_j * (q - 7.5). The 12 scale bytes pack v_0..v_7 twice, as Q4_K does.
+        d = 0.00017
+        raw[..., 0:2] = f16(d)
+        raw[..., 2:4] = f16(7.5 * d)
+        v = rng.integers(1, 64, size=(rows, cols // block, 8), dtype=np.uint8)
+        low, high = v[..., :4], v[..., 4:]
+        packed = (low & 63) | ((high >> 4) << 6)
+        raw[..., 4:8] = packed
+        raw[..., 8:12] = packed
+        raw[..., 12:16] = (high & 0xF) | ((high & 0xF) << 4)
+    elif qtype == T.Q6_K:  # d * scale * (q - 32): int8 scales at 192..208, d (f16) last
         raw[..., 192:208] = rng.integers(-40, 40, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
-        raw[..., 208:210] = np.frombuffer(np.float16(0.00008).tobytes(), np.uint8)
+        raw[..., 208:210] = f16(0.00008)
     else:
         raise AssertionError(qtype)
     return raw.reshape(rows, -1)
@@ -88,12 +107,17 @@ def write_llama_gguf(path: Path, *, linear_type: str = "Q8_0", embed_type: str =
                      output_type: str | None = None, types: dict[str, str] | None = None,
                      hidden: int = 256, intermediate: int = 512, layers: int = 2, heads: int = 4,
                      kv_heads: int = 2, vocab: int = 320, architecture: str = "llama",
-                     seed: int = 0):
+                     seed: int = 0, oracle: bool = True):
     """Write a random Llama GGUF to ``path``; return the fp32 HF model it de-quantizes to.
 
     ``linear_type`` is every projection's type, ``types`` overrides by tensor name fragment
     (``{"ffn_down": "Q6_K"}``); ``output_type`` None ties ``lm_head`` to the embedding.
+    ``oracle=False`` writes random blocks straight away (no HF model is built, nothing is
+    returned: for big files whose values do not matter, only their bytes).
     """
+    if not oracle:
+        return _write_blocks_only(path, linear_type, embed_type, output_type, hidden, intermediate,
+                                  layers, heads, kv_heads, vocab, seed)
     import gguf
     from gguf.quants import dequantize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,30 +130,7 @@ def write_llama_gguf(path: Path, *, linear_type: str = "Q8_0", embed_type: str =
                          tie_word_embeddings=output_type is None, bos_token_id=1, eos_token_id=2,
                          initializer_range=0.05)
     model = LlamaForCausalLM(config).eval()
-    tokens, merges = vocabulary(vocab)
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_name("tiny-llama")
-    writer.add_block_count(layers)
-    writer.add_context_length(512)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(intermediate)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(7)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    writer = _writer(path, architecture, hidden, intermediate, layers, heads, kv_heads, vocab)
     state = {}
     types = dict(types or {})
 
@@ -183,3 +184,69 @@ def write_llama_gguf(path: Path, *, linear_type: str = "Q8_0", embed_type: str =
         elif param.dim() == 1:
             continue  # norms: written as float32, loaded as they are
     return model
+
+
+def _writer(path: Path, architecture: str, hidden: int, intermediate: int, layers: int, heads: int,
+            kv_heads: int, vocab: int):
+    import gguf
+
+    tokens, merges = vocabulary(vocab)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny-llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(7)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    return writer
+
+
+def _write_blocks_only(path: Path, linear_type: str, embed_type: str, output_type: str | None, hidden: int,
+                       intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, seed: int) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(seed)
+    writer = _writer(path, "llama", hidden, intermediate, layers, heads, kv_heads, vocab)
+    head_dim = hidden // heads
+
+    def put(name: str, rows: int, cols: int, qtype_name: str) -> None:
+        writer.add_tensor(name, _random_blocks(rows, cols, T[qtype_name], rng), raw_dtype=T[qtype_name])
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(hidden, dtype=np.float32))
+
+    put("token_embd.weight", vocab, hidden, embed_type)
+    norm("output_norm.weight")
+    if output_type is not None:
+        put("output.weight", vocab, hidden, output_type)
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        put(f"blk.{i}.attn_q.weight", hidden, hidden, linear_type)
+        put(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden, linear_type)
+        put(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden, linear_type)
+        put(f"blk.{i}.attn_output.weight", hidden, hidden, linear_type)
+        put(f"blk.{i}.ffn_gate.weight", intermediate, hidden, linear_type)
+        put(f"blk.{i}.ffn_up.weight", intermediate, hidden, linear_type)
+        put(f"blk.{i}.ffn_down.weight", hidden, intermediate, linear_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
