@@ -19,7 +19,7 @@ from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.sampling.beam import BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, is_stateful
 from batchgen.sampling.processors import describe_processor
-from batchgen.sampling.sampler import apply_stateful
+from batchgen.sampling.stateful import apply_stateful
 
 if TYPE_CHECKING:
     from batchgen.engine.core import EngineCore

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from batchgen.sampling import BeamSearchParams, BeamSearchState
 from batchgen.sampling.beam import BeamHypothesis
-from batchgen.sampling.sampler import top_candidates
+from batchgen.sampling.filters import top_candidates
 
 MAX_NEW_TOKENS = 12
 TINY_PROMPTS = [[1, 5, 9, 17, 33], [1, 40, 41], [1, 7, 7, 7, 60, 61, 62, 70]]

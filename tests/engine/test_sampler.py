@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from batchgen.sampling import Sampler, SamplingParams, SamplingRow
-from batchgen.sampling.sampler import apply_filters, top_candidates
+from batchgen.sampling.filters import apply_filters, top_candidates
 
 VOCAB = 24
 

@@ -21,7 +21,7 @@ import jsonschema  # noqa: E402
 import xgrammar as xgr  # noqa: E402
 
 from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
-from batchgen.sampling.sampler import unpack_bitmask  # noqa: E402
+from batchgen.sampling.stateful import unpack_bitmask  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from batchgen import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.config import ConfigError, resolved_dict, validate_config
 from batchgen.plugins import PluginError, StatefulLogitsProcessor, allow_only
 from batchgen.plugins import GuardedStatefulProcessor
-from batchgen.sampling.sampler import Sampler, SamplingRow, apply_stateful, unpack_bitmask
+from batchgen.sampling.sampler import Sampler, SamplingRow
+from batchgen.sampling.stateful import apply_stateful, unpack_bitmask
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 BASE = {"data": {"source": "rows.jsonl"}, "output": {"path": "out.jsonl"}}
