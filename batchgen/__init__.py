@@ -4,6 +4,8 @@ Public API (vLLM's names)::
 
     from batchgen import LLM, SamplingParams, BeamSearchParams
     outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=32))
+    replies = LLM(config=EngineConfig(dtype="bfloat16")).chat(
+        [{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 
 Names are imported lazily, so that ``import batchgen.config`` (and the other core modules)
 does not import torch.
@@ -16,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
+    "LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
     "RequestStats", "EngineStats", "hookimpl", "__version__",
 ]
 
 _LAZY = {
     "LLM": ("batchgen.engine.llm", "LLM"),
+    "EngineConfig": ("batchgen.engine.config", "EngineConfig"),
     "SamplingParams": ("batchgen.sampling.params", "SamplingParams"),
     "BeamSearchParams": ("batchgen.sampling.params", "BeamSearchParams"),
     "StructuredOutputsParams": ("batchgen.sampling.params", "StructuredOutputsParams"),
@@ -34,6 +37,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from batchgen.engine.config import EngineConfig
     from batchgen.engine.llm import LLM
     from batchgen.engine.outputs import CompletionOutput, EngineStats, Request, RequestOutput
     from batchgen.engine.sequence import RequestStats
