@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchgen.metrics import Metric, Scores
-from batchgen.plugins.errors import PluginError
+from batchgen.plugins.errors import PluginError, failures_named
 from batchgen.plugins.specs import LogitsProcessor, ProcessorState, StatefulLogitsProcessor
 
 
@@ -73,14 +73,8 @@ class GuardedProcessor:
         self.label = label
 
     def __call__(self, logits: Any, output_token_ids: list[list[int]]) -> Any:
-        try:
+        with failures_named(f"sampler '{self.name}' ({self.label}) failed"):
             out = self.inner(logits, output_token_ids)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"sampler '{self.name}' ({self.label}) failed: {type(exc).__name__}: {exc}"
-            ) from exc
         if getattr(out, "shape", None) != logits.shape:
             raise PluginError(
                 f"sampler '{self.name}' ({self.label}) returned "
@@ -186,15 +180,8 @@ class PluginMetric:
     def score(self, record: Mapping[str, Any], row: Mapping[str, Any]) -> Scores:
         """The inner metric's scores for one record; see :meth:`batchgen.metrics.Metric.score`."""
         where = f"metric '{self.name}' ({self.label})"
-        try:
+        with failures_named(f"{where} failed on record {record.get('id')!r}", self.plugin):
             result = self.inner.score(record, row)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"{where} failed on record {record.get('id')!r}: {type(exc).__name__}: {exc}",
-                plugin=self.plugin,
-            ) from exc
         try:
             return _clean_scores(result, where)
         except TypeError as exc:
@@ -203,14 +190,8 @@ class PluginMetric:
     def aggregate(self, scores: list[Scores]) -> dict[str, float]:
         """The inner metric's run-level aggregate; non-finite values become None."""
         where = f"metric '{self.name}' ({self.label})"
-        try:
+        with failures_named(f"{where} failed to aggregate", self.plugin):
             result = self.inner.aggregate(scores)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"{where} failed to aggregate: {type(exc).__name__}: {exc}", plugin=self.plugin
-            ) from exc
         try:
             return _clean_scores(result, f"{where} aggregate")
         except TypeError as exc:

@@ -28,7 +28,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from batchgen.metrics import Metric, Scores
-from batchgen.plugins.errors import PluginError
+from batchgen.plugins.errors import PluginError, failures_named
 from batchgen.plugins.guards import GuardedProcessor, GuardedStatefulProcessor, PluginMetric
 from batchgen.plugins.hookspecs import LIFECYCLE_HOOKS, PROJECT_NAME
 from batchgen.plugins.options import describe_options, format_validation_error
@@ -248,14 +248,8 @@ class PluginRegistry:
     def _build(self, kind: Kind, name: str, options: Mapping[str, Any] | None) -> tuple[Any, Registration]:
         reg = self.resolve(kind, name)
         validated = self._validated(reg, options)
-        try:
+        with failures_named(f"{reg.where} could not be built", reg.plugin.name):
             built = reg.spec.factory(validated)
-        except PluginError:
-            raise
-        except Exception as exc:
-            raise PluginError(
-                f"{reg.where} could not be built: {type(exc).__name__}: {exc}", plugin=reg.plugin.name
-            ) from exc
         return built, reg
 
     def build_sampler(
