@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from batchgen.engine.config import MAX_BLOCK_SIZE
 from batchgen.engine.sequence import Sequence
 
 @dataclass
@@ -65,8 +66,8 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
     ) -> None:
-        if not 1 <= block_size <= 256:
-            raise ValueError(f"block_size must be between 1 and 256, got {block_size}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks

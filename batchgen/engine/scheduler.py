@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 
 from batchgen.engine import prompt_logprobs
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import SCHEDULING_POLICIES
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 PlanEntry = tuple[Sequence, int, list[int]]
 """(sequence, tokens to compute this step, its prefix-cache hits if it is fresh)."""
 
-SCHEDULING_POLICIES = ("prefix", "fcfs")
 
 
 @dataclass
