@@ -376,12 +376,13 @@ static inline vf vf_half(const uint8_t *p) { vf r; LANES(half_to_float(load_u16(
  * 0: u <= 15 (Q4_0, Q4_1, Q4_K), 1: u <= 63 (Q6_K), 2: u <= 255 (Q8_0). */
 #if BG_ISA == 2
 #define MR 8
-#define DP(r)                                                                \
-  if (mr > r) {                                                              \
-    int32_t xv;                                                              \
-    memcpy(&xv, q + (r) * ldq + 4 * g, 4);                                   \
-    a##r = _mm512_dpbusd_epi32(a##r, w, _mm512_set1_epi32(xv));              \
-  }
+/* In asm: GCC 12 copies each intrinsic's accumulator to another register and back on every
+ * iteration; "+v" keeps it in place. The 4 bytes of q are broadcast from memory ({1to16}). */
+#define DP(r)                                                                         \
+  if (mr > r)                                                                         \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0"                                            \
+            : "+v"(a##r)                                                              \
+            : "v"(w), "m"(*(const int32_t *)(const void *)(q + (r) * ldq + 4 * g)));
 static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
                                                            const int8_t *q, int64_t ldq, const int big, vi *out) {
   (void)big;
