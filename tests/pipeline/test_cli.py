@@ -342,3 +342,16 @@ def test_a_run_logs_the_thread_split_and_records_it(job_config, capsys, tmp_path
     summary = json.loads((tmp_path / "out" / "results.summary.json").read_text())
     line = summary["executor"]["per_replica"][0]
     assert (line["threads"], line["torch_threads"]) == (2, int(split.group(1)))
+
+
+def test_max_error_rate_names_the_last_failed_record(job_config, capsys, tmp_path: Path) -> None:
+    """The rate is checked at every record, ok ones too: the message names the last *failed* one."""
+    rows = [{"qid": f"q{i}", "text": None if i % 5 < 3 else f"Say {i}."} for i in range(10)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = job_config(data={"source": str(data), "id_column": "qid"}, prompt={"column": "text", "template": None},
+                      metrics=[])
+    code, _, err = _cli(capsys, "run", str(path), "--quiet", "--max-error-rate", "0.5")
+    assert code == 3, err
+    assert err.startswith("batchgen: error: run stopped: 6 of the 10 records written so far are errors (60%)"), err
+    assert "the last one, id 'q7': column 'text' is empty (null) in this row\n" in err, err
