@@ -389,7 +389,7 @@ def _clash(reg: Registration, regs: Sequence[Registration]) -> str | None:
     elif picked is reg:
         verdict = "the bare name picks this one"
     else:
-        verdict = f"the bare name picks {picked.plugin.label}'s"
+        verdict = f"the bare name picks the one of {picked.plugin.label}"
     return f"also registered by {others}: {verdict}; '{reg.qualified_name}' always picks this one"
 
 

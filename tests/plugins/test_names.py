@@ -222,7 +222,7 @@ def test_the_command_line_with_clashing_plugins(make_module: MakeModule, make_di
     items = {(e["name"], i["name"]): i for e in entries for i in e["samplers"] + e["metrics"]}
     assert items[("jsontools", "json_valid")]["clash"].endswith(
         "the bare name picks this one; 'jsontools:json_valid' always picks this one")
-    assert "the bare name picks plugin 'jsontools' from bg-json-tools 1.2's" in items[("batchgen-builtin-metrics", "json_valid")]["clash"]
+    assert "the bare name picks the one of plugin 'jsontools' from bg-json-tools 1.2" in items[("batchgen-builtin-metrics", "json_valid")]["clash"]
     assert "the bare name is refused" in items[("maskone", "masker")]["clash"]
     assert items[("batchgen-builtin-metrics", "exact_match")]["clash"] is None
 
