@@ -40,7 +40,6 @@ from typing import Any
 
 try:
     import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours is added)
-    from lm_eval import utils as _lm_utils
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -48,6 +47,8 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         'batchgen\'s lm-eval backend needs lm-evaluation-harness: pip install "batchgen[lm-eval]"'
     ) from exc
+
+from batchgen.engine.loglikelihood import encode, prefix_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class BatchgenLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        if self.tokenizer.bos_token_id is not None:
-            return self.tokenizer.bos_token_id
-        return self.tokenizer.eos_token_id
+        return prefix_token_id(self.tokenizer)
 
     @property
     def max_length(self) -> int:
@@ -134,14 +133,11 @@ class BatchgenLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """The ``hf`` model's encoding: the tokenizer's default special tokens unless told, and
-        none when the string already starts with the prefix token's text."""
+        """The ``hf`` model's encoding (:func:`batchgen.engine.loglikelihood.encode`), with
+        ``add_bos_token`` as its default for ``add_special_tokens``."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
-            add_special_tokens = False
-        extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        return self.tokenizer.encode(string, **extra)
+        return encode(self.tokenizer, string, add_special_tokens)
 
     def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
@@ -163,50 +159,23 @@ class BatchgenLM(TemplateLM):
     def _loglikelihood_tokens(
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        """Score every ``(key, context ids, continuation ids)`` in one engine call."""
-        pairs = [self._truncate_pair(ctx, cont) for _, ctx, cont in requests]
-        results = [(float(lp), bool(greedy)) for lp, greedy in self.llm.loglikelihood(pairs)]
+        """Score every ``(key, context ids, continuation ids)`` in one engine call; a pair past
+        ``max_length + 1`` tokens loses context tokens from the left, as ``hf`` does."""
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        results = self.llm.loglikelihood(pairs, max_length=self.max_length, truncate=True)
+        results = [(float(lp), bool(greedy)) for lp, greedy in results]
         for (key, _, _), result in zip(requests, results):
-            if key is not None:
-                self.cache_hook.add_partial("loglikelihood", key, result)
+            self.cache_hook.add_partial("loglikelihood", key, result)
         return results
 
-    def _truncate_pair(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
-        """Drop tokens from the left past ``max_length + 1`` (the last token is only a target), as
-        the ``hf`` model does; the continuation itself is never cut."""
-        if not continuation:
-            raise ValueError("lm-eval sent an empty continuation")
-        if len(continuation) > self.max_length:
-            raise ValueError(f"a continuation of {len(continuation)} tokens is longer than max_length={self.max_length}")
-        keep = self.max_length + 1 - len(continuation)
-        if len(context) > keep:
-            logger.warning("context of %d and continuation of %d tokens exceed max_length=%d: keeping the "
-                           "last %d context tokens", len(context), len(continuation), self.max_length, keep)
-            context = context[len(context) - keep:]
-        return list(context), list(continuation)
-
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """lm-eval's rolling windows of every text, all scored in one engine call."""
-        windows: list[tuple[None, list[int], list[int]]] = []
-        counts: list[int] = []
-        for (text,) in (req.args for req in requests):
-            doc = [
-                _lm_utils.make_disjoint_window(w)
-                for w in _lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1,
-                )
-            ]
-            windows.extend((None, ctx, cont) for ctx, cont in doc)
-            counts.append(len(doc))
-        scores = self._loglikelihood_tokens(windows)
-        totals: list[float] = []
-        start = 0
-        for req, count in zip(requests, counts):
-            total = sum(lp for lp, _ in scores[start:start + count])
-            start += count
-            totals.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        """lm-eval's rolling windows of every text (encoded by :meth:`tok_encode`), all scored
+        in one engine call (:meth:`batchgen.LLM.loglikelihood_rolling`)."""
+        texts = [req.args[0] for req in requests]
+        totals = self.llm.loglikelihood_rolling([self.tok_encode(t) for t in texts], max_length=self.max_length)
+        totals = [float(t) for t in totals]
+        for text, total in zip(texts, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
