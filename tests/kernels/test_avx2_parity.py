@@ -1,0 +1,101 @@
+"""AVX2 parity: the attention kernel's AVX2 variant (16 keys' scores as two transposed trees of 8,
+a vector exp and softmax, P·V accumulators in registers, vector bfloat16 / float16 conversions)
+gives the same bits as its AVX-512 and plain-C variants, in decode and prefill, for every dtype
+and a spread of head sizes and GQA groups; and each forced build runs the variant asked for.
+
+The builds are forced as the quantized kernel's are (``quant.py``'s ``ISAS``): the same source
+through ``loader.load_library`` with ``-mno-avx512f`` (what an AVX2 + FMA CPU such as an AMD EPYC
+runs) or ``-mno-avx2`` (plain C) added to ``-march=native``. Each build reports its variant
+(``batchgen_attention_isa``), so a test cannot pass by comparing a build with itself. The
+oracle for all three is the torch reference (``torch_attention``), within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import assert_close_to_reference, make_decode_case
+
+from batchgen.kernels import cpu as kcpu
+from batchgen.kernels import torch_attention as reference
+from batchgen.kernels.cpu import cpu_attention, loader
+
+pytestmark = [
+    pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine"),
+    pytest.mark.skipif(loader.missing_cpu_features("avx2", "fma", "f16c") is not None,
+                       reason=str(loader.missing_cpu_features("avx2", "fma", "f16c"))),
+]
+
+# the extra flags of each forced build, and the variant it must report (2 AVX-512, 1 AVX2, 0 C)
+ISAS = {"avx2": (("-mno-avx512f",), 1), "plain": (("-mno-avx2",), 0)}
+
+
+def load(head_size: int, group: int, isa: str):
+    """The attention library of this shape, built for ``isa`` (``native`` or a key of ISAS)."""
+    if isa == "native":
+        return kcpu.load(head_size, group)
+    flags, _ = ISAS[isa]
+    return loader.load_library(f"the CPU attention kernel ({isa})", cpu_attention.KERNEL_SOURCE,
+                               cpu_attention._declare_attention,
+                               (f"-DHEAD_SIZE={head_size}", f"-DGROUP={group}", *flags),
+                               tag=f"h{head_size}-g{group}-{isa}")
+
+
+def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    q, k, v = query.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype)
+    out = torch.empty_like(q)
+    rc = lib.batchgen_paged_attention(
+        out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), case.block_tables.data_ptr(),
+        None if starts is None else starts.data_ptr(), case.context_lens.data_ptr(),
+        case.context_lens.shape[0], q.shape[0], case.k_cache.shape[2], case.k_cache.shape[1],
+        case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, k.shape[0],
+        cpu_attention.DTYPES[dtype])
+    assert rc == 0
+    return out
+
+
+def test_each_forced_build_runs_its_variant() -> None:
+    native = 2 if loader.missing_cpu_features("avx512f") is None else 1
+    assert load(64, 3, "native").batchgen_attention_isa() == native
+    for isa, (_, code) in ISAS.items():
+        assert load(64, 3, isa).batchgen_attention_isa() == code, isa
+
+
+@pytest.mark.parametrize("head_size,group,block_size", [
+    (64, 3, 16),    # SmolLM2
+    (40, 3, 16),    # a partial last 16 (8 + 0 lanes in the tail)
+    (24, 1, 8),     # a tail of exactly 8 lanes; plain multi-head
+    (100, 5, 16),   # a tail of 4; an odd group
+    (80, 8, 32),    # a wide group
+    (128, 4, 16),
+    (256, 2, 16),   # a head over several passes of accumulators
+    (12, 2, 1),     # no full 16 at all; one token per block
+])
+def test_the_avx2_build_gives_the_avx512_and_plain_c_bits(head_size: int, group: int, block_size: int) -> None:
+    lens = [1, 7, block_size + 1, 130, 300]
+    case = make_decode_case(dtype=torch.float32, head_size=head_size, block_size=block_size,
+                            context_lens=lens, num_kv_heads=2, group=group, seed=head_size + group)
+    gen = torch.Generator().manual_seed(head_size)
+    q_lens = [1, 7, min(9, block_size + 1), 30, 45]  # rows of one tile stop at different keys
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    prefill_q = torch.randn(starts[-1].item(), *case.query.shape[1:], generator=gen)
+    # scores far apart, so that most numerators meet the exp's clamp at -87
+    steep_q = case.query * 40.0
+    libs = {isa: load(head_size, group, isa) for isa in ("native", *ISAS)}
+    for dtype in cpu_attention.DTYPES:
+        for label, query, loc in (("decode", case.query, None), ("steep decode", steep_q, None),
+                                  ("prefill", prefill_q, starts)):
+            outs = {isa: run(lib, case, query, loc, dtype) for isa, lib in libs.items()}
+            for isa in ISAS:
+                assert torch.equal(outs[isa], outs["native"]), f"{label} {dtype}: {isa} differs from native"
+            if label == "steep decode":
+                continue  # scores in the hundreds: float32 rounding of a score moves the output more
+            if loc is None:
+                ref = reference.paged_decode_attention(query.to(dtype).float(), case.k_cache.to(dtype).float(),
+                                                       case.v_cache.to(dtype).float(), case.block_tables,
+                                                       case.context_lens, case.scale)
+            else:
+                ref = reference.paged_prefill_attention(query.to(dtype).float(), case.k_cache.to(dtype).float(),
+                                                        case.v_cache.to(dtype).float(), case.block_tables,
+                                                        loc, case.context_lens, case.scale)
+            assert_close_to_reference(outs["avx2"], ref, dtype, f"{label} {dtype} h{head_size} g{group}")
