@@ -11,6 +11,7 @@ import torch
 from kernel_runners import harness_ops
 
 from batchgen.kernels import get_ops, resolve_backend
+from batchgen.kernels.ops import AttentionOps
 from batchgen.kernels import torch_attention as reference
 from batchgen.kernels.cuda import cuda_attention as kcuda
 from batchgen.kernels.cuda.cuda_attention import KernelInputError, num_partitions
@@ -66,16 +67,20 @@ def test_cuda_unsupported_reason_names_the_offending_parameter() -> None:
 
 
 def test_get_ops_exposes_the_reference_signatures() -> None:
-    assert get_ops("torch") is reference
+    torch_ops = get_ops("torch")
+    assert torch_ops is get_ops("torch") and torch_ops.paged_decode_attention is reference.paged_decode_attention
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         get_ops("auto")
     import inspect
 
-    for ops in (harness_ops("warp", "nan"), get_ops("cpu")):
+    for ops in (torch_ops, harness_ops("warp", "nan"), get_ops("cpu")):
+        assert isinstance(ops, AttentionOps), ops  # the protocol every backend implements
         for name in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
                      "copy_blocks"):
             want = list(inspect.signature(getattr(reference, name)).parameters)
             assert list(inspect.signature(getattr(ops, name)).parameters) == want, (ops, name)
+            proto = [p for p in inspect.signature(getattr(AttentionOps, name)).parameters if p != "self"]
+            assert proto == want, name
 
 
 def test_python_constants_mirror_the_kernel_header() -> None:

@@ -165,12 +165,12 @@ def build(
     if not kernels:
         raise HarnessError(f'{source} defines no extern "C" __global__ kernel')
     cxx = _compiler()
-    flags = ["-std=c++17", "-O2", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+    flags = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
              "-Wno-unknown-pragmas",
              "-fno-strict-aliasing", "-pthread", f"-I{source.parent}", f"-include{HEADER}"]
     flags += [f"-D{k}={int(v)}" for k, v in sorted(defines.items())]
     if sanitizer:
-        flags += SANITIZERS[sanitizer] + ["-DBGH_DRIVER", "-fno-omit-frame-pointer"]
+        flags += SANITIZERS[sanitizer] + ["-g", "-DBGH_DRIVER", "-fno-omit-frame-pointer"]
     else:
         flags += ["-fPIC", "-shared"]
     digest = hashlib.sha256()
