@@ -12,8 +12,11 @@
  * zero rows past N), and within a panel, block by block, each field of the 16 blocks is
  * interleaved unit by unit: unit i of column c sits at field_offset * 16 + (i * 16 + c) * unit.
  * The fields (offset, length, unit) of each raw block are listed in quant.py (FIELDS): the
- * fp16 scales in units of 2 bytes, the quants in units of 4 bytes (so that 16 columns' 4
- * consecutive bytes form one 64-byte vector), Q4_K's 12 scale bytes and Q6_K's 16 as whole units.
+ * fp16 scales in units of 2 bytes, everything else in units of 4 bytes: 16 columns' 4
+ * consecutive bytes form one 64-byte vector (the quants: 4 k of 16 columns, what one vpdpbusd
+ * takes; Q4_K's and Q6_K's sub-block scales: one 32-bit lane per column, decoded by shifts).
+ * Where the CPU has AVX2 or AVX-512, the 4-bit and 8-bit quants are decoded in registers as the
+ * dot products read them; Q6_K (and the plain C build) go through a decoded copy of the panel.
  *
  * Activations. Each row of x is quantized, per block of BK values (32; 256 for the K-quants):
  *   if the block holds a NaN or an infinity: d = NaN, q = 0 (its outputs become NaN);
@@ -228,15 +231,16 @@ void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int 
 
 /* ---- decoding one panel's block ------------------------------------------------------------ */
 
-/* Per-column integer scales of one decoded K-quant block, per sub-block j: [j][c]. (The fp16
- * scales are read by the epilogue itself.) */
+/* (unused: the scales are decoded in decode_panel, 16 columns at once) */
 struct scales {
-  int32_t sc[16][NR], mn[8][NR];
+  int unused;
 };
 
 /* Decode the panel's block at `src` (16 * bytes) to u [groups_total][NR * 4] (and the K-quants'
  * integer scales). */
 static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, struct scales *s) {
+  (void)s;
+  if (!u) return; /* nothing but the quants to decode */
   switch (qtype) {
     case T_Q4_0:
     case T_Q4_1: {
@@ -255,15 +259,6 @@ static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, str
       break;
     }
     case T_Q4_K: {
-      for (int c = 0; c < NR; c++) {
-        const uint8_t *q = src + 64 + 12 * c;
-        for (int j = 0; j < 4; j++) {
-          s->sc[j][c] = q[j] & 63;
-          s->mn[j][c] = q[j + 4] & 63;
-          s->sc[j + 4][c] = (q[j + 8] & 15) | ((q[j] >> 6) << 4);
-          s->mn[j + 4][c] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-        }
-      }
       const uint8_t *qs = src + 16 * 16;
       for (int i = 0; i < 32; i++) {
         int lo = 16 * (i / 8) + i % 8, hi = lo + 8;
@@ -276,9 +271,6 @@ static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, str
     }
     case T_Q6_K: {
       const uint8_t *ql = src, *qh = src + 16 * 128;
-      for (int c = 0; c < NR; c++) {
-        for (int j = 0; j < 16; j++) s->sc[j][c] = (int8_t)src[16 * 192 + 16 * c + j];
-      }
       for (int g = 0; g < 64; g++) {
         int h = g / 32, r = (4 * g) % 128;
         const uint8_t *l = ql + (16 * h + (r % 64) / 4) * 64, *hb = qh + (8 * h + (r % 32) / 4) * 64;
@@ -311,6 +303,11 @@ static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 static inline vf vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+static inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+#define vi_srl(a, n) _mm512_srli_epi32((a), (n))
+#define vi_sll(a, n) _mm512_slli_epi32((a), (n))
+#define vi_sra(a, n) _mm512_srai_epi32((a), (n))
 /* 16 fp16 values (32 bytes) -> float32, exact */
 static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif BG_ISA == 1
@@ -336,6 +333,11 @@ static inline vi vi_add(vi x, vi y) { return (vi){_mm256_add_epi32(x.a, y.a), _m
 static inline vi vi_sub(vi x, vi y) { return (vi){_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
 static inline vi vi_mul(vi x, vi y) { return (vi){_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
 static inline vf vi_float(vi x) { return (vf){_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+static inline vi vi_and(vi x, vi y) { return (vi){_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)}; }
+static inline vi vi_or(vi x, vi y) { return (vi){_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+#define vi_srl(x, n) ((vi){_mm256_srli_epi32((x).a, (n)), _mm256_srli_epi32((x).b, (n))})
+#define vi_sll(x, n) ((vi){_mm256_slli_epi32((x).a, (n)), _mm256_slli_epi32((x).b, (n))})
+#define vi_sra(x, n) ((vi){_mm256_srai_epi32((x).a, (n)), _mm256_srai_epi32((x).b, (n))})
 #if defined(__F16C__)
 static inline vf vf_half(const uint8_t *p) {
   return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
@@ -366,6 +368,11 @@ static inline vi vi_add(vi x, vi y) { vi r; LANES(x.v[c] + y.v[c]); return r; }
 static inline vi vi_sub(vi x, vi y) { vi r; LANES(x.v[c] - y.v[c]); return r; }
 static inline vi vi_mul(vi x, vi y) { vi r; LANES(x.v[c] * y.v[c]); return r; }
 static inline vf vi_float(vi x) { vf r; LANES((float)x.v[c]); return r; }
+static inline vi vi_and(vi x, vi y) { vi r; LANES(x.v[c] & y.v[c]); return r; }
+static inline vi vi_or(vi x, vi y) { vi r; LANES(x.v[c] | y.v[c]); return r; }
+static inline vi vi_srl(vi x, int n) { vi r; LANES((int32_t)((uint32_t)x.v[c] >> n)); return r; }
+static inline vi vi_sll(vi x, int n) { vi r; LANES((int32_t)((uint32_t)x.v[c] << n)); return r; }
+static inline vi vi_sra(vi x, int n) { vi r; LANES(x.v[c] >> n); return r; }
 static inline vf vf_half(const uint8_t *p) { vf r; LANES(half_to_float(load_u16(p + 2 * c))); return r; }
 #undef LANES
 #endif
@@ -467,6 +474,105 @@ static inline void unit_dot(const int mr, const uint8_t *u, const int groups, co
 }
 #endif
 
+/* The same dot products read straight from the packed panel, decoding in registers (no
+ * scratch): `kind` says how the 64-byte chunks at `src` hold the unit's 8 groups.
+ *   K_Q4_32:  Q4_0/Q4_1: chunk i's low nibbles are group i, its high nibbles group i + 4 (i < 4)
+ *   K_Q8:     Q8_0: chunk g is group g, u = w + 128 (flip the sign bit)
+ *   K_Q4K_LO / K_Q4K_HI: Q4_K: chunk i's low (even sub-block) or high (odd) nibbles are group i */
+enum { K_Q4_32, K_Q8, K_Q4K_LO, K_Q4K_HI };
+#if BG_ISA == 2
+#define DPW(r, wv, g)                                                                  \
+  if (mr > r)                                                                          \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0"                                             \
+            : "+v"(a##r)                                                               \
+            : "v"(wv), "m"(*(const int32_t *)(const void *)(q + (r) * ldq + 4 * (g))));
+#define DPW_ALL(wv, g) DPW(0, wv, g) DPW(1, wv, g) DPW(2, wv, g) DPW(3, wv, g) DPW(4, wv, g) DPW(5, wv, g) DPW(6, wv, g) DPW(7, wv, g)
+static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
+                                                                  const int8_t *q, int64_t ldq, vi *out) {
+  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  if (kind == K_Q4_32) {
+    for (int i = 0; i < 4; i++) {
+      const __m512i c = _mm512_load_si512((const void *)(src + 64 * i));
+      const __m512i lo = _mm512_and_si512(c, m4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+      DPW_ALL(lo, i)
+      DPW_ALL(hi, i + 4)
+    }
+  } else {
+    for (int g = 0; g < 8; g++) {
+      const __m512i c = _mm512_load_si512((const void *)(src + 64 * g));
+      const __m512i w = kind == K_Q8 ? _mm512_xor_si512(c, flip)
+                        : kind == K_Q4K_LO ? _mm512_and_si512(c, m4)
+                                           : _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+      DPW_ALL(w, g)
+    }
+  }
+  out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
+}
+#undef DPW_ALL
+#undef DPW
+#define BG_DIRECT 1
+#elif BG_ISA == 1
+static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
+                                                                  const int8_t *q, int64_t ldq, vi *out) {
+  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16), m4 = _mm256_set1_epi8(15);
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  if (kind == K_Q8) { /* u up to 255: split in nibbles (see unit_dot) */
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int g = 0; g < 8; g++) {
+      for (int h = 0; h < 2; h++) {
+        __m256i w = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(src + 64 * g + 32 * h)), flip);
+        __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        for (int r = 0; r < MR; r++) {
+          if (r < mr) {
+            int32_t xv;
+            memcpy(&xv, q + r * ldq + 4 * g, 4);
+            __m256i xb = _mm256_set1_epi32(xv);
+            __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones),
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), sixteen));
+            if (h == 0)
+              out[r].a = _mm256_add_epi32(out[r].a, t);
+            else
+              out[r].b = _mm256_add_epi32(out[r].b, t);
+          }
+        }
+      }
+    }
+    return;
+  }
+  /* 4-bit: the 8 groups' pairs summed in int16 (at most 8 * 3810), widened once */
+  __m256i p0[MR], p1[MR];
+  for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
+  for (int i = 0; i < (kind == K_Q4_32 ? 4 : 8); i++) {
+    __m256i c0 = _mm256_load_si256((const __m256i *)(src + 64 * i));
+    __m256i c1 = _mm256_load_si256((const __m256i *)(src + 64 * i + 32));
+    for (int s = 0; s < (kind == K_Q4_32 ? 2 : 1); s++) {
+      int hi = kind == K_Q4K_HI || s == 1, g = kind == K_Q4_32 ? i + 4 * s : i;
+      __m256i w0 = hi ? _mm256_and_si256(_mm256_srli_epi16(c0, 4), m4) : _mm256_and_si256(c0, m4);
+      __m256i w1 = hi ? _mm256_and_si256(_mm256_srli_epi16(c1, 4), m4) : _mm256_and_si256(c1, m4);
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          __m256i xb = _mm256_set1_epi32(xv);
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w0, xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w1, xb));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      out[r].a = _mm256_madd_epi16(p0[r], ones);
+      out[r].b = _mm256_madd_epi16(p1[r], ones);
+    }
+  }
+}
+#define BG_DIRECT 1
+#else
+#define BG_DIRECT 0
+#endif
+
 /* ---- the layer ----------------------------------------------------------------------------- */
 
 struct job {
@@ -486,21 +592,42 @@ struct job {
 /* One panel decoded for all its blocks: u [k / 4][64], and per block the float scales and the
  * K-quants' integer ones. */
 struct panel {
-  uint8_t *u;
+  const uint8_t *src; /* the packed panel itself (the direct dot products read it) */
+  uint8_t *u;         /* decoded, where the dot products read a scratch (Q6_K; plain C) */
   float *dw, *mw;     /* [nb][16]: d, and Q4_1's m or Q4_K's dmin */
   int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
 };
 
+#define DIRECT(qtype) (BG_DIRECT && (qtype) != T_Q6_K)
+
 static void decode_panel(int qtype, const struct format *f, const uint8_t *src, int64_t nb, struct panel *P) {
   struct scales s;
+  P->src = src;
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t *blk = src + b * NR * f->bytes;
-    decode_block(qtype, blk, P->u + b * f->bk * NR, &s);
+    decode_block(qtype, blk, DIRECT(qtype) ? NULL : P->u + b * f->bk * NR, &s);
     int doff = qtype == T_Q6_K ? 16 * 208 : 0;
     vf_store(P->dw + b * NR, vf_half(blk + doff));
     if (qtype == T_Q4_1 || qtype == T_Q4_K) vf_store(P->mw + b * NR, vf_half(blk + 32));
-    if (f->units > 1) memcpy(P->sc + b * f->units * NR, s.sc, sizeof(int32_t) * (size_t)(f->units * NR));
-    if (qtype == T_Q4_K) memcpy(P->mn + b * 8 * NR, s.mn, sizeof(s.mn));
+    if (qtype == T_Q4_K) { /* the 6-bit scales and mins, 16 columns at once: lane c = column c's bytes */
+      int32_t *sc = P->sc + b * 8 * NR, *mn = P->mn + b * 8 * NR;
+      const vi six = vi_set1(63), four = vi_set1(15), top = vi_set1(3);
+      const vi d = vi_load((const int32_t *)(const void *)(blk + 64)), m = vi_load((const int32_t *)(const void *)(blk + 128));
+      const vi md = vi_load((const int32_t *)(const void *)(blk + 192));
+      for (int j = 0; j < 4; j++) {
+        vi dj = vi_srl(d, 8 * j), mj = vi_srl(m, 8 * j), mdj = vi_srl(md, 8 * j);
+        vi_store(sc + j * NR, vi_and(dj, six));
+        vi_store(mn + j * NR, vi_and(mj, six));
+        vi_store(sc + (j + 4) * NR, vi_or(vi_and(mdj, four), vi_sll(vi_and(vi_srl(dj, 6), top), 4)));
+        vi_store(mn + (j + 4) * NR, vi_or(vi_and(vi_srl(mdj, 4), four), vi_sll(vi_and(vi_srl(mj, 6), top), 4)));
+      }
+    } else if (qtype == T_Q6_K) { /* 16 int8 scales per column, 4 per lane in each of 4 chunks */
+      int32_t *sc = P->sc + b * 16 * NR;
+      for (int t = 0; t < 4; t++) {
+        vi v = vi_load((const int32_t *)(const void *)(blk + 16 * 192 + 64 * t));
+        for (int j = 0; j < 4; j++) vi_store(sc + (4 * t + j) * NR, vi_sra(vi_sll(v, 24 - 8 * j), 24));
+      }
+    }
   }
 }
 
@@ -518,8 +645,18 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int q
     const uint8_t *ub = P->u + b * f.bk * NR;
     const int8_t *qb = q + b * f.bk;
     const vf dw = vf_load(P->dw + b * NR);
+    const uint8_t *blk = P->src + b * NR * f.bytes;
+    (void)blk;
+    (void)ub;
     if (f.units == 1) {
+#if BG_DIRECT
+      if (qtype == T_Q8_0)
+        unit_dot_direct(mr, blk + 32, K_Q8, qb, k, d);
+      else
+        unit_dot_direct(mr, blk + 16 * (qtype == T_Q4_0 ? 2 : 4), K_Q4_32, qb, k, d);
+#else
       unit_dot(mr, ub, f.groups, qb, k, big, d);
+#endif
       if (qtype == T_Q4_1) {
         const vf mw = vf_load(P->mw + b * NR);
         for (int r = 0; r < MR; r++) {
@@ -547,7 +684,12 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int q
       for (int r = 0; r < MR; r++) is[r] = vi_zero();
       const int32_t *sc = P->sc + b * f.units * NR;
       for (int j = 0; j < f.units; j++) {
-        unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
+#if BG_DIRECT
+        if (qtype == T_Q4_K)
+          unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, qb + 32 * j, k, d);
+        else
+#endif
+          unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
         const vi scj = vi_load(sc + j * NR);
         for (int r = 0; r < MR; r++) {
           if (r < mr) {

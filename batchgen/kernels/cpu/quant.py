@@ -164,13 +164,14 @@ def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN00
 PANEL = 16  # output columns per panel (quant.c's NR)
 
 # Each raw block's fields as (offset, length, unit): in a panel, unit i of column c of a field
-# lands at offset * 16 + (i * 16 + c) * unit (quant.c's header).
+# lands at offset * 16 + (i * 16 + c) * unit (quant.c's header). Every unit of 4 bytes puts 16
+# columns' bytes side by side in one 64-byte vector.
 FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
     Q.Q4_0: ((0, 2, 2), (2, 16, 4)),
     Q.Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
     Q.Q8_0: ((0, 2, 2), (2, 32, 4)),
-    Q.Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 12), (16, 128, 4)),
-    Q.Q6_K: ((0, 128, 4), (128, 64, 4), (192, 16, 16), (208, 2, 2)),
+    Q.Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 4)),
+    Q.Q6_K: ((0, 128, 4), (128, 64, 4), (192, 16, 4), (208, 2, 2)),
 }
 
 
