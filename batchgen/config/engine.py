@@ -106,7 +106,7 @@ class ExecutorSection(_Section):
     """``executor:`` where the engine runs: in this process, or as replicas on a Ray cluster.
 
     See docs/scale-out.md. The Ray backend needs the ``ray`` extra (checked by
-    :func:`batchgen.executor.check_executor`, not here: this module imports no optional package).
+    :func:`batchgen.run.executors.check_executor`, not here: this module imports no optional package).
     """
 
     backend: Literal["local", "ray"] = "local"
