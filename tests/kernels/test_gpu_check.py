@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_check as gc  # noqa: E402
+from bench import gpu_kernel_stages as ks  # noqa: E402
 
 
 def test_decode_bytes_counts_kv_query_output_and_tables() -> None:
@@ -82,9 +83,9 @@ def test_peak_bandwidth_sources(name, override, clock, bus, want, source) -> Non
 
 
 def test_l2_rotation_copies() -> None:
-    assert gc._copies(2 * 2**20, 50 * 2**20) == 64  # capped
-    assert gc._copies(20 * 2**20, 50 * 2**20) == 10
-    assert gc._copies(17 * 2**30, 50 * 2**20) == 1
+    assert ks._copies(2 * 2**20, 50 * 2**20) == 64  # capped
+    assert ks._copies(20 * 2**20, 50 * 2**20) == 10
+    assert ks._copies(17 * 2**30, 50 * 2**20) == 1
 
 
 def _row(batch: int, context: int, kernel_us: float, peak: float = 4.8e12) -> dict:
@@ -168,13 +169,13 @@ def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.Monke
     import batchgen.kernels.cuda.cuda_attention as kcuda
 
     monkeypatch.setattr(kcuda, "get_cuda_ops", lambda check_indices=True: harness_ops("warp", "nan"))
-    monkeypatch.setattr(gc, "DEVICE", "cpu")
-    monkeypatch.setattr(gc, "CHECK_DTYPES", ("float32",))
-    monkeypatch.setattr(gc, "CHECK_HEAD_SIZES", (64,))
-    monkeypatch.setattr(gc, "CHECK_GROUPS", (3,))
-    monkeypatch.setattr(gc, "EXTRA_CASES", ((128, 4, (300, 3), 16),))
+    monkeypatch.setattr(ks, "DEVICE", "cpu")
+    monkeypatch.setattr(ks, "CHECK_DTYPES", ("float32",))
+    monkeypatch.setattr(ks, "CHECK_HEAD_SIZES", (64,))
+    monkeypatch.setattr(ks, "CHECK_GROUPS", (3,))
+    monkeypatch.setattr(ks, "EXTRA_CASES", ((128, 4, (300, 3), 16),))
     stage = gc.Stage(tmp_path / "stage.json", budget_s=120)
-    gc.stage_correctness(stage, gc.parse_args([]), {})
+    ks.stage_correctness(stage, gc.parse_args([]), {})
     data = stage.data
     assert data["passed"], data
     assert [(r["head_size"], r["group"], r["passed"]) for r in data["rows"]] == [(64, 3, True), (128, 4, True)]
@@ -187,7 +188,7 @@ def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.Monke
 
 
 def test_the_sweep_records_a_failed_point_and_skips_past_the_budget(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(gc, "_decode_case", lambda *a, **k: ["decode args"])
+    monkeypatch.setattr(ks, "_decode_case", lambda *a, **k: ["decode args"])
     stage = gc.Stage(tmp_path / "s.json", budget_s=1000)
     seen: list[dict] = []
 
@@ -199,7 +200,7 @@ def test_the_sweep_records_a_failed_point_and_skips_past_the_budget(monkeypatch,
         if len(seen) == 10:
             stage.budget_s = 0  # out of time from here on
 
-    rows = gc._sweep(stage, {"l2_bytes": 50 * 2**20}, measure)
+    rows = ks._sweep(stage, {"l2_bytes": 50 * 2**20}, measure)
     assert len(rows) == 64 and len(seen) == 10
     assert [r.get("error") for r in rows[:10]].count("RuntimeError: shape refused") == sum(
         r["context"] == 4096 for r in rows[:10])
