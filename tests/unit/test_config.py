@@ -322,3 +322,65 @@ def test_constraints_that_can_match_pass(value: str) -> None:
     # The search is bounded: an output longer than it looks (x{100}) is left to the run, never refused.
     pytest.importorskip("xgrammar", reason="structured outputs need the 'structured' extra")
     assert validate_config(_with(generation={"structured_outputs": {"regex": value}})).generation.structured_outputs.regex == value
+
+
+# The rules that tie data.format and output.format to the other sections. Their wording, their
+# key path (the config as a whole: "") and their order are what users and scripts see; these
+# cases pin them for whichever module ends up holding the rules.
+BATCH = {"data": {"source": "in.jsonl", "format": "openai_batch"}, "output": {"path": "out.jsonl"}}
+LINES_CARRY = "with data.format 'openai_batch' each line carries its own prompt and generation parameters; drop "
+NO_ALIASES = "'model.aliases' applies to data.format 'openai_batch' only"
+NO_METRICS = "metrics score batchgen records; with output.format 'openai_batch' drop 'metrics' or write output.format 'jsonl'"
+SAME_PATHS = "'output.error_path' must differ from 'output.path'"
+
+
+def _issues(data: dict[str, Any]) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(data)
+    return [(issue.path, issue.message) for issue in info.value.issues]
+
+
+def test_output_format_auto_follows_the_data_format() -> None:
+    assert validate_config(BATCH).output.format == "openai_batch"
+    assert validate_config(MINIMAL).output.format == "jsonl"
+    # Given formats are kept whatever the source: any source goes with any record format.
+    assert validate_config({**BATCH, "output": {"path": "o", "format": "jsonl"}}).output.format == "jsonl"
+    assert validate_config(_with(output={"path": "o", "format": "openai_batch"})).output.format == "openai_batch"
+
+
+def test_a_batch_file_names_every_key_it_makes_meaningless_in_one_issue() -> None:
+    data = {**BATCH, "data": {**BATCH["data"], "split": "test", "limit": 3}, "prompt": {"template": "{{ x }}"},
+            "generation": {"max_tokens": 5, "mode": "sample", "temperature": 0.5}}
+    assert _issues(data) == [("", LINES_CARRY + "'data.split', 'prompt.template', 'generation.max_tokens', "
+                                  "'generation.mode', 'generation.temperature'")]
+    # data.limit and keys given at their defaults are fine with a batch file.
+    cfg = validate_config({**BATCH, "data": {**BATCH["data"], "limit": 3}, "generation": {"max_tokens": 64},
+                           "prompt": {"system_prompt": None}})
+    assert cfg.data.limit == 3
+
+
+def test_format_rules_report_together_in_order() -> None:
+    assert _issues(_with(model={"aliases": ["gpt"]})) == [("", NO_ALIASES)]
+    assert _issues({**BATCH, "metrics": [{"name": "length"}]}) == [("", NO_METRICS)]
+    assert _issues(_with(output={"path": "o.jsonl", "error_path": "./o.jsonl"})) == [("", SAME_PATHS)]
+    every = _with(model={"aliases": ["gpt"]}, metrics=[{"name": "length"}],
+                  output={"path": "o.jsonl", "format": "openai_batch", "error_path": "o.jsonl"})
+    assert _issues(every) == [("", f"{NO_ALIASES}; {NO_METRICS}; {SAME_PATHS}")]
+    # Metrics with a batch file written as batchgen records are fine.
+    assert validate_config({**BATCH, "output": {"path": "o", "format": "jsonl"}, "metrics": [{"name": "length"}]})
+    # A schema error stops them: the sections did not validate, so nothing ties them yet.
+    assert _issues({**BATCH, "prompt": {"template": "{{ x }}"}, "engine": {"num_threads": "x"}}) == [
+        ("engine.num_threads", "expected a positive integer or 'auto', got 'x'")
+    ]
+
+
+def test_format_rules_exit_2_at_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text('data: {source: in.jsonl, format: openai_batch}\nprompt: {template: "{{ x }}"}\n'
+                   "output: {path: out.jsonl}\n")
+    assert main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"batchgen: error: {job}: invalid config: {LINES_CARRY}'prompt.template'"
+    assert not (tmp_path / "out.jsonl").exists()
