@@ -16,9 +16,11 @@
  *
  * Rows are independent and each row is computed by one thread, in one fixed order: a row's
  * result never depends on the other rows of the call, nor on the thread count.
- * Never built with -ffast-math (that would set flush-to-zero for the whole process); the
- * reductions that may be reordered say so with `omp simd reduction` (-fopenmp-simd), which
- * fixes their order at compile time.
+ * Never built with -ffast-math (that would set flush-to-zero for the whole process). The
+ * reductions are written out over a fixed number of lanes (RLANES) and summed in a fixed order,
+ * and every other loop is element-wise, so an AVX-512, an AVX2 and a plain-C build give the
+ * same bits (tests/kernels/test_avx2_parity.py); the 16-bit paths are AVX2 (with F16C) in both
+ * vector builds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -67,6 +69,11 @@ struct rms_args {
   int dtype;
 };
 
+/* Lanes of the written-out reductions (RMSNorm's sum of squares, the greedy pick's max and sum):
+ * loops over a fixed number of lanes are element-wise, so the compiler's vector width (AVX-512,
+ * AVX2 or none) changes no bit; only the lanes' final sum has an order, written out. */
+#define RLANES 16
+
 /* y[i, :] = w * (x[i, :] * (1 / sqrt(mean(x[i, :]^2) + eps))), the order HF's RMSNorm uses. */
 static void rms_rows_f32(void *ctx, int64_t begin, int64_t end) {
   const struct rms_args *a = ctx;
@@ -75,9 +82,16 @@ static void rms_rows_f32(void *ctx, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const float *restrict xr = (const float *)a->x + i * a->ldx;
     float *restrict yr = (float *)a->y + i * a->ldy;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < n; ++j) ss += xr[j] * xr[j];
+    /* the sum of squares in RLANES lanes (element j into lane j % RLANES, in order of j), then
+     * the lanes in order: one order in every build (AVX-512, AVX2, plain C) */
+    float lanes[RLANES] = {0}, ss = 0.f;
+    int64_t j = 0;
+    for (; j + RLANES <= n; j += RLANES) {
+#pragma omp simd
+      for (int l = 0; l < RLANES; ++l) lanes[l] += xr[j + l] * xr[j + l];
+    }
+    for (int l = 0; j + l < n; ++l) lanes[l] += xr[j + l] * xr[j + l];
+    for (int l = 0; l < RLANES; ++l) ss += lanes[l];
     const float inv = 1.0f / sqrtf(ss / (float)n + a->eps);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) yr[j] = w[j] * (xr[j] * inv);
@@ -131,9 +145,15 @@ static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     const float *restrict row = a->logits + i * a->ld;
     /* the largest value (NaN never compares larger), then its first index */
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int64_t k = 0; k < n; ++k) top = row[k] > top ? row[k] : top;
+    float tops[RLANES], top = -INFINITY;
+    for (int l = 0; l < RLANES; ++l) tops[l] = -INFINITY;
+    int64_t k = 0;
+    for (; k + RLANES <= n; k += RLANES) {
+#pragma omp simd
+      for (int l = 0; l < RLANES; ++l) tops[l] = row[k + l] > tops[l] ? row[k + l] : tops[l];
+    }
+    for (int l = 0; k + l < n; ++l) tops[l] = row[k + l] > tops[l] ? row[k + l] : tops[l];
+    for (int l = 0; l < RLANES; ++l) top = tops[l] > top ? tops[l] : top;
     int64_t arg = 0; /* an all -inf (or NaN) row: 0, like torch.argmax of all -inf */
     for (int64_t k = 0; k < n; ++k) {
       if (row[k] == top) {
@@ -148,9 +168,13 @@ static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
       continue;
     }
     /* summed in double: a vocabulary-long float sum would lose ~1e-5 of the total */
-    double total = 0.0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t k = 0; k < n; ++k) total += (double)exp_f32(row[k] - top);
+    double sums[RLANES] = {0}, total = 0.0;
+    for (k = 0; k + RLANES <= n; k += RLANES) {
+#pragma omp simd
+      for (int l = 0; l < RLANES; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
+    }
+    for (int l = 0; k + l < n; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
+    for (int l = 0; l < RLANES; ++l) total += sums[l];
     a->lse[i] = (float)((double)top + log(total));
   }
 }
