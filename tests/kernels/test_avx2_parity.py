@@ -99,3 +99,68 @@ def test_the_avx2_build_gives_the_avx512_and_plain_c_bits(head_size: int, group:
                                                         case.v_cache.to(dtype).float(), case.block_tables,
                                                         loc, case.context_lens, case.scale)
             assert_close_to_reference(outs["avx2"], ref, dtype, f"{label} {dtype} h{head_size} g{group}")
+
+
+def load_fused(isa: str):
+    """fused.c built for ``isa``: ``native``, ``avx2`` (-mno-avx512f) or ``plain`` (-mno-avx2)."""
+    from batchgen.kernels.cpu import fused
+
+    flags = () if isa == "native" else ISAS[isa][0]
+    return loader.load_library(f"the fused CPU ops ({isa})", fused.FUSED_SOURCE, fused._declare, flags,
+                               tag="" if isa == "native" else isa)
+
+
+def fused_outputs(lib, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
+    """RMSNorm, SiLU·up, RoPE + cache write (and for float32 the greedy pick) of one random
+    problem, in ``dtype``, through ``lib``."""
+    from batchgen.kernels.cpu.linear import DTYPES
+
+    gen = torch.Generator().manual_seed(width)
+    m, heads, kv_heads, d = 7, 3, 1, 40
+    x = (torch.randn(m, width, generator=gen) * 3).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    gu = (torch.randn(m, 2 * width, generator=gen) * 4).to(dtype)
+    code = DTYPES[dtype]
+    norm, act = torch.empty_like(x), torch.empty(m, width, dtype=dtype)
+    args = (x.data_ptr(), width, w.data_ptr(), norm.data_ptr(), width, m, width, 1e-5)
+    gu_args = (gu.data_ptr(), 2 * width, act.data_ptr(), width, m, width)
+    if dtype is torch.float32:
+        lib.batchgen_rms_norm_f32(*args)
+        lib.batchgen_silu_mul_f32(*gu_args)
+    else:
+        lib.batchgen_rms_norm_16(*args, code)
+        lib.batchgen_silu_mul_16(*gu_args, code)
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    angle = torch.rand(m, d, generator=gen) * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    k_cache = torch.zeros(m + 2, kv_heads, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(m + 2, generator=gen)[:m].to(torch.int64)
+    assert lib.batchgen_rope_cache(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), d, sin.data_ptr(), d,
+                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), m + 2, m,
+                                   heads, kv_heads, d, code) == 0
+    outs = [norm, act, qkv, k_cache, v_cache]
+    if dtype is torch.float32:
+        logits = torch.randn(m, width * 5, generator=gen) * 4
+        ids, maxes, lse = torch.empty(m, dtype=torch.int64), torch.empty(m), torch.empty(m)
+        lib.batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, logits.shape[1], ids.data_ptr(),
+                                maxes.data_ptr(), lse.data_ptr())
+        outs += [ids, maxes, lse]
+    return outs
+
+
+@pytest.mark.parametrize("width", [576, 1000, 13])
+def test_the_fused_ops_give_the_same_bits_in_every_build(width: int) -> None:
+    """RMSNorm's sum of squares and the greedy pick's sum of exponentials are reductions: their
+    lanes and their order are written out in fused.c, so an AVX2 build (and plain C, float32)
+    gives an AVX-512 build's bits; the rest is element-wise. Widths: SmolLM2's hidden size, one
+    with a tail, one under a vector. Against torch: tests/kernels/test_cpu_fused.py."""
+    libs = {isa: load_fused(isa) for isa in ("native", *ISAS)}
+    assert libs["avx2"].batchgen_fused_has_16() == 1
+    for dtype in cpu_attention.DTYPES:
+        outs = {isa: fused_outputs(lib, dtype, width) for isa, lib in libs.items()
+                if dtype is torch.float32 or lib.batchgen_fused_has_16()}
+        assert len(outs) >= 2
+        for isa, got in outs.items():
+            for i, (a, b) in enumerate(zip(got, outs["native"])):
+                assert torch.equal(a, b), f"{dtype} width {width}: output {i} of the {isa} build differs"

@@ -710,6 +710,12 @@ static inline void store8(void *dst, int dtype, int64_t d0, __m256 acc, float in
 #define PV_DC (NV8 < 4 ? NV8 : 4)
 #define PV_RB (PV_REGS / PV_DC < 8 ? PV_REGS / PV_DC : 8)
 
+/* P.V runs over segments of the context: a 16-bit segment's V rows are converted once into
+ * float32 (vseg, SEG_KEYS x HSP floats, kept in L2), then read by every pass of rows and
+ * dimensions; between segments the accumulators wait in memory (accbuf), which changes no bit.
+ * float32 rows are read in place, in one segment. */
+#define SEG_KEYS ((16384 / HSP) / KB * KB > KB ? (16384 / HSP) / KB * KB : KB)
+
 typedef struct {
   const void *v_cache;
   int dtype;
@@ -719,55 +725,58 @@ typedef struct {
   const int64_t *lim;    /* last key of each row */
   const float *inv;      /* 1 / sum of each row */
   void *const *dst;      /* output row of each row */
-  float *vbuf;           /* [KB][HSP] */
+  float *vseg;           /* [SEG_KEYS][HSP]: a segment's V rows in float32 (16-bit caches) */
+  float *accbuf;         /* [rows][HSP]: the accumulators between segments */
+  int64_t k0, k1;        /* this segment's keys */
+  int first_seg, last_seg;
 } PvJob;
 
 static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, const int r, const int nr,
                                                           const int c0, const int nc) {
   __m256 acc[PV_RB][PV_DC];
+  const __m256i tail = LANES_BELOW(HEAD_SIZE % 8);
+  const int tail_vec = (HEAD_SIZE % 8) && c0 + nc == NV8; /* the last vector is partial */
 #pragma GCC unroll 8
   for (int i = 0; i < nr; ++i)
 #pragma GCC unroll 8
-    for (int c = 0; c < nc; ++c) acc[i][c] = _mm256_setzero_ps();
-  const int64_t first = job->lim[r], last = job->lim[r + nr - 1], ss = job->ss;
+    for (int c = 0; c < nc; ++c)
+      acc[i][c] = job->first_seg ? _mm256_setzero_ps() : _mm256_loadu_ps(job->accbuf + (r + i) * HSP + 8 * (c0 + c));
+  const int64_t first = job->lim[r], ss = job->ss, k0 = job->k0;
+  const int64_t last = job->lim[r + nr - 1] < job->k1 - 1 ? job->lim[r + nr - 1] : job->k1 - 1;
   const float *w = job->w + r * ss;
-  const int tail_vec = (HEAD_SIZE % 8) && c0 + nc == NV8; /* the last vector is partial */
-  const __m256i tail = LANES_BELOW(HEAD_SIZE % 8);
-  const float *rows[KB];
-  for (int64_t kb = 0; kb <= last; kb += KB) {
-    const int n = last + 1 - kb < KB ? (int)(last + 1 - kb) : KB;
-    const int all = first + 1 - kb >= n ? n : (int)(first + 1 - kb); /* keys every row sees */
-    key_block(job->v_cache, job->dtype, job->off + kb, n, job->vbuf, rows);
-    const float *wk = w + kb;
-    for (int j = 0; j < n; ++j) {
-      __m256 v[PV_DC];
-      const float *vr = rows[j] + 8 * c0;
+  const int f32 = job->dtype == DT_F32;
+  for (int64_t p = k0; p <= last; ++p) {
+    const float *vr = (f32 ? (const float *)job->v_cache + job->off[p] : job->vseg + (p - k0) * HSP) + 8 * c0;
+    __m256 v[PV_DC];
 #pragma GCC unroll 8
-      for (int c = 0; c < nc; ++c)
-        v[c] = tail_vec && c == nc - 1 ? _mm256_maskload_ps(vr + 8 * c, tail) : _mm256_loadu_ps(vr + 8 * c);
-      if (j < all) {
+    for (int c = 0; c < nc; ++c)
+      v[c] = tail_vec && c == nc - 1 ? _mm256_maskload_ps(vr + 8 * c, tail) : _mm256_loadu_ps(vr + 8 * c);
+    if (p <= first) {
 #pragma GCC unroll 8
-        for (int i = 0; i < nr; ++i) {
-          const __m256 e = _mm256_broadcast_ss(wk + i * ss + j);
+      for (int i = 0; i < nr; ++i) {
+        const __m256 e = _mm256_broadcast_ss(w + i * ss + p);
 #pragma GCC unroll 8
-          for (int c = 0; c < nc; ++c) acc[i][c] = _mm256_fmadd_ps(e, v[c], acc[i][c]);
-        }
-      } else { /* prefill: rows whose context ends before key kb + j skip it */
+        for (int c = 0; c < nc; ++c) acc[i][c] = _mm256_fmadd_ps(e, v[c], acc[i][c]);
+      }
+    } else { /* prefill: rows whose context ends before key p skip it */
 #pragma GCC unroll 8
-        for (int i = 0; i < nr; ++i) {
-          if (kb + j > job->lim[r + i]) continue;
-          const __m256 e = _mm256_broadcast_ss(wk + i * ss + j);
+      for (int i = 0; i < nr; ++i) {
+        if (p > job->lim[r + i]) continue;
+        const __m256 e = _mm256_broadcast_ss(w + i * ss + p);
 #pragma GCC unroll 8
-          for (int c = 0; c < nc; ++c) acc[i][c] = _mm256_fmadd_ps(e, v[c], acc[i][c]);
-        }
+        for (int c = 0; c < nc; ++c) acc[i][c] = _mm256_fmadd_ps(e, v[c], acc[i][c]);
       }
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < nr; ++i)
 #pragma GCC unroll 8
-    for (int c = 0; c < nc; ++c)
-      store8(job->dst[r + i], job->dtype, 8 * (c0 + c), acc[i][c], job->inv[r + i]);
+    for (int c = 0; c < nc; ++c) {
+      if (job->last_seg)
+        store8(job->dst[r + i], job->dtype, 8 * (c0 + c), acc[i][c], job->inv[r + i]);
+      else
+        _mm256_storeu_ps(job->accbuf + (r + i) * HSP + 8 * (c0 + c), acc[i][c]);
+    }
 }
 
 /* Rows r .. r + nr - 1 (nr <= PV_RB), every dimension. */
@@ -776,7 +785,7 @@ static inline __attribute__((always_inline)) void pv_rows_all(const PvJob *job, 
   for (int c0 = 0; c0 < NV8; c0 += PV_DC) pv_rows(job, r, nr, c0, NV8 - c0 < PV_DC ? NV8 - c0 : PV_DC);
 }
 
-static void pv(const PvJob *job, int rows) {
+static void pv_segment(const PvJob *job, int rows) {
   for (int r = 0; r < rows; r += PV_RB) {
     switch (rows - r < PV_RB ? rows - r : PV_RB) {
 #define PV_CASE(k) case k: if (k <= PV_RB) pv_rows_all(job, r, k <= PV_RB ? k : 1); break;
@@ -784,6 +793,22 @@ static void pv(const PvJob *job, int rows) {
 #undef PV_CASE
       default: break;
     }
+  }
+}
+
+/* acc_r = sum_p e_rp v_p over keys 0 .. nmax - 1, in order of p, then the output rows. */
+static void pv(PvJob *job, int rows, int64_t nmax) {
+  const int64_t seg = job->dtype == DT_F32 ? nmax : SEG_KEYS;
+  for (int64_t k0 = 0; k0 < nmax; k0 += seg) {
+    const int64_t k1 = nmax - k0 < seg ? nmax : k0 + seg;
+    if (job->dtype != DT_F32)
+      for (int64_t p = k0; p < k1; ++p)
+        convert_row((const uint16_t *)job->v_cache + job->off[p], job->dtype, job->vseg + (p - k0) * HSP);
+    job->k0 = k0;
+    job->k1 = k1;
+    job->first_seg = k0 == 0;
+    job->last_seg = k1 == nmax;
+    pv_segment(job, rows);
   }
 }
 
@@ -834,6 +859,12 @@ static inline float softmax_row(float *restrict sc, int64_t n) {
 }
 #endif
 
+#ifdef BG_AVX2
+#define SEG_FLOATS ((int64_t)SEG_KEYS * HSP) /* P.V's converted V segment */
+#else
+#define SEG_FLOATS 0
+#endif
+
 /* Per-thread scratch, kept between calls (pool threads live as long as the process); 64-byte
  * aligned. */
 static __thread float *tls_buf;
@@ -864,13 +895,14 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const int32_t *table = a->block_tables + s * a->max_blocks;
   const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
 
-  float *buf = scratch(2 * ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss);
+  float *buf = scratch(2 * ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss + SEG_FLOATS);
   if (buf == NULL) return 4;
   int64_t *restrict off = (int64_t *)buf;          /* [ss]: element offset of key p's rows */
   float *restrict q = buf + 2 * ss;                /* [rows][HSP], scaled */
   float *restrict kbuf = q + ROWS * HSP;           /* [KB][HSP]: a converted key block */
   float *restrict vbuf = kbuf + KB * HSP;          /* [KB][HSP]: a converted value block */
-  float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then (without AVX-512) acc */
+  float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then acc [rows][HSP] (plain C and
+                                                      AVX2), then AVX2's V segment */
   int64_t lim[ROWS];                               /* the last key each row sees */
   float inv[ROWS];
   void *dst[ROWS];
@@ -919,9 +951,13 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   for (int r = 0; r < rows; ++r) inv[r] = 1.f / softmax_row(scores + r * ss, lim[r] + 1);
 
   /* acc_r = sum_p e_rp v_p, in order of p. */
-#if defined(BG_AVX512) || defined(BG_AVX2)
+#if defined(BG_AVX512)
   const PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
   pv(&job, rows);
+#elif defined(BG_AVX2)
+  PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst,
+               scores + (int64_t)ROWS * ss + (int64_t)ROWS * HSP, scores + (int64_t)ROWS * ss, 0, 0, 0, 0};
+  pv(&job, rows, nmax);
 #else
   float *restrict acc = scores + (int64_t)ROWS * ss; /* [rows][HSP] */
   for (int64_t j = 0; j < (int64_t)rows * HSP; ++j) acc[j] = 0.f;

@@ -1,0 +1,155 @@
+"""The CPU attention kernel's instruction-set builds side by side:
+``python -m bench.attention_isa --out FILE [--old-rev REV]``.
+
+On SmolLM2's attention shape and ``bench.attention_kernel``'s cases (decode of 30, 32 and 128
+sequences, W32's prefill, a 2,048-token prompt, a 512-token chunk), one layer call of each kind,
+float32 and bfloat16, by three builds of the kernel:
+
+* ``old_avx2``: the source at ``--old-rev`` (``git show REV:batchgen/kernels/cpu/...``, the
+  version whose AVX2 build had one vector dot product at a time and scalar exp, softmax and P·V),
+  built with ``-mno-avx512f``: what an AVX2 + FMA CPU (an AMD EPYC) ran;
+* ``avx2``: the working tree's source, ``-mno-avx512f``;
+* ``native``: the working tree's source for everything this CPU has (AVX-512 where present).
+
+All three give the same bits (``tests/kernels/test_avx2_parity.py``); this times them. Blocks
+rotate over the builds (``--blocks`` times), and in a block float32 and bfloat16 calls alternate
+(``--rounds`` each) after a warm-up, with a 64 MiB write before each timed call (K/V come from
+memory, as in a model step). Times are the calling thread's CPU time by default (``--clock
+thread``, one thread), which a loaded machine's descheduling does not inflate. Each build's speed against ``old_avx2`` is the ratio of block
+medians, block by block (median and range). The machine's load average is recorded: on a shared
+machine the absolute times move, the ratios of interleaved blocks less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.attention_kernel import HEAD_SIZE, HEADS, KV_HEADS, cases, make_case
+
+SOURCES = ("paged_attention.c", "exp.h", "pool.h")
+KERNEL_DIR = "batchgen/kernels/cpu"
+
+
+def old_source(rev: str, folder: Path) -> Path:
+    """The kernel source (and the headers it includes) at git revision ``rev``, in ``folder``."""
+    root = Path(__file__).resolve().parent.parent
+    for name in SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    return folder / "paged_attention.c"
+
+
+def load(source: Path, isa_flags: tuple[str, ...], tag: str):
+    from batchgen.kernels.cpu import cpu_attention, loader
+
+    group = HEADS // KV_HEADS
+    return loader.load_library(f"the CPU attention kernel ({tag})", source, cpu_attention._declare_attention,
+                               (f"-DHEAD_SIZE={HEAD_SIZE}", f"-DGROUP={group}", *isa_flags),
+                               tag=f"h{HEAD_SIZE}-g{group}-{tag}")
+
+
+def call(fn, case: dict, dtype: torch.dtype, out: torch.Tensor) -> None:
+    from batchgen.kernels.cpu import cpu_attention
+
+    q, k, v = case[f"q_{dtype}"], case[f"k_{dtype}"], case[f"v_{dtype}"]
+    starts = case["starts"]
+    rc = fn(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), case["tables"].data_ptr(),
+            None if starts is None else starts.data_ptr(), case["lens"].data_ptr(), case["lens"].shape[0],
+            q.shape[0], KV_HEADS, case["block"], case["tables"].shape[1], q.stride(0), q.stride(1),
+            HEAD_SIZE ** -0.5, k.shape[0], cpu_attention.DTYPES[dtype])
+    assert rc == 0, rc
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return "unknown"
+
+
+def main() -> None:
+    from batchgen.kernels.cpu import loader
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--old-rev", required=True, help="git revision of the old kernel source")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="thread: the calling thread's CPU time (1 thread only; robust to a loaded "
+                         "machine's descheduling), wall: perf_counter")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(cases()))
+    args = ap.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        raise SystemExit("--clock thread times the calling thread alone: use it with --threads 1")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    torch.set_num_threads(1)
+    loader.set_num_threads(args.threads)
+    here = Path(__file__).resolve().parent.parent / KERNEL_DIR / "paged_attention.c"
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {
+            "old_avx2": load(old_source(args.old_rev, Path(tmp)), ("-mno-avx512f",), "old-avx2"),
+            "avx2": load(here, ("-mno-avx512f",), "avx2"),
+            "native": load(here, (), "native"),
+        }
+    fns = {name: lib.batchgen_paged_attention for name, lib in builds.items()}
+    isa = {name: int(getattr(lib, "batchgen_attention_isa", lambda: -1)()) for name, lib in builds.items()}
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    flush = torch.zeros(16 * 2**20)
+    result = {"cpu": cpu_name(), "threads": args.threads, "clock": args.clock, "blocks": args.blocks, "rounds": args.rounds,
+              "old_rev": args.old_rev, "isa_reported": isa, "loadavg_start": os.getloadavg(), "results": []}
+    wanted = args.cases.split(",")
+    for name, (lens, q_lens) in cases().items():
+        if name not in wanted:
+            continue
+        case = make_case(lens, q_lens, seed=len(name))
+        case["block"] = case["k"].shape[1]
+        for dtype in dtypes.values():
+            for key in "qkv":
+                case[f"{key}_{dtype}"] = case[key].to(dtype)
+        outs = {d: torch.empty(case["q"].shape, dtype=dt) for d, dt in dtypes.items()}
+        same = {}
+        times: dict[str, list[list[float]]] = {f"{b}_{d}": [] for b in fns for d in dtypes}
+        for _ in range(args.blocks):
+            for bname, fn in fns.items():
+                for dname, dtype in dtypes.items():
+                    call(fn, case, dtype, outs[dname])  # warm-up
+                    ref = same.setdefault(dname, outs[dname].clone())
+                    assert torch.equal(outs[dname], ref), f"{bname} {dname}: other bits than the first build"
+                block: dict[str, list[float]] = {d: [] for d in dtypes}
+                for _ in range(args.rounds):
+                    for dname, dtype in dtypes.items():
+                        flush.add_(1.0)
+                        t0 = clock()
+                        call(fn, case, dtype, outs[dname])
+                        block[dname].append(clock() - t0)
+                for dname, ts in block.items():
+                    times[f"{bname}_{dname}"].append(ts)
+        row = {"case": name, "variants": {}}
+        for vname, blocks in times.items():
+            base = times["old_avx2_" + vname.rsplit("_", 1)[1]]
+            ratios = [statistics.median(b0) / statistics.median(b) for b0, b in zip(base, blocks)]
+            row["variants"][vname] = {"median_ms": statistics.median([x for b in blocks for x in b]) * 1e3,
+                                      "speed_vs_old_avx2": statistics.median(ratios),
+                                      "ratio_spread": [min(ratios), max(ratios)]}
+        result["results"].append(row)
+        print(f"{name:12s} " + "  ".join(f"{v} {d['median_ms']:.3f} ms ({d['speed_vs_old_avx2']:.2f}x)"
+                                         for v, d in row["variants"].items()), flush=True)
+    result["loadavg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
