@@ -23,6 +23,7 @@ to ``gguf.quants.dequantize`` (the tests check it on random and real tensors).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -175,6 +176,7 @@ FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
     """``perm`` with ``panel_block[dst] = columns_block[perm[dst]]``, where ``columns_block`` is
     16 columns' raw blocks one after the other (``c * type_size + byte``)."""
@@ -187,6 +189,14 @@ def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
         dst = PANEL * off + (i * PANEL + c) * unit + t
         perm[dst.reshape(-1)] = (c * ts + off + i * unit + t).reshape(-1)
     return perm
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
+    perm = _panel_permutation(qtype)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    return inverse
 
 
 def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -206,9 +216,7 @@ def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_
     ts = GGML_QUANT_SIZES[qtype][1]
     nb = in_features // block_size(qtype)
     panels = packed.numel() // (PANEL * nb * ts)
-    inverse = torch.empty_like(perm := _panel_permutation(qtype))
-    inverse[perm] = torch.arange(perm.numel())
-    blocks = packed.view(panels, nb, PANEL * ts)[..., inverse].view(panels, nb, PANEL, ts)
+    blocks = packed.view(panels, nb, PANEL * ts)[..., _inverse_permutation(qtype)].view(panels, nb, PANEL, ts)
     return blocks.transpose(1, 2).reshape(panels * PANEL, nb * ts)[:n]
 
 
@@ -381,10 +389,7 @@ class QuantizedLinear(torch.nn.Module):
         ts = GGML_QUANT_SIZES[self.qtype][1]
         nb = self.in_features // block_size(self.qtype)
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
-        perm = _panel_permutation(self.qtype)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel())
-        cols = inverse.view(PANEL, ts)[index % PANEL]                            # [n, ts]
+        cols = _inverse_permutation(self.qtype).view(PANEL, ts)[index % PANEL]                            # [n, ts]
         got = self.packed.view(-1, nb, PANEL * ts)[
             (index // PANEL).view(-1, 1, 1), torch.arange(nb).view(1, -1, 1), cols.view(-1, 1, ts)]
         return got.reshape(index.numel(), nb * ts)
