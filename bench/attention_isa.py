@@ -90,7 +90,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--cases", default=",".join(cases()))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
     if args.clock == "thread" and args.threads != 1:
         raise SystemExit("--clock thread times the calling thread alone: use it with --threads 1")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -149,6 +153,34 @@ def main() -> None:
     result["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Each build's speed against the old AVX2 build, per case and dtype (median of the block
+    ratios, the range as error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    variants = [v for v in rows[0]["variants"] if not v.startswith("old_")]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        xs = [c + (i - (len(variants) - 1) / 2) * width for c in range(len(rows))]
+        mid = [r["variants"][v]["speed_vs_old_avx2"] for r in rows]
+        err = [[m - r["variants"][v]["ratio_spread"][0] for m, r in zip(mid, rows)],
+               [r["variants"][v]["ratio_spread"][1] - m for m, r in zip(mid, rows)]]
+        ax.bar(xs, mid, width, yerr=err, label=v.replace("_", " "))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows])
+    ax.set_ylabel("speed vs the old AVX2 build")
+    ax.set_title(f"paged attention builds, {result['cpu']}, {result['threads']} thread(s)")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

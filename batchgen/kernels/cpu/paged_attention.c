@@ -37,12 +37,16 @@
  *   - scores: with AVX-512, the 16 dot products of one query row with a key block run as 16
  *     accumulators side by side; their reduction trees run together as a transpose (each add
  *     of the tree above, for 16 keys per instruction), leaving the 16 scores in one register.
- *     Without AVX-512, one dot product at a time, with the same lanes and tree;
- *   - softmax numerators and their sum: 16 scores per instruction (exp.h's operations on a
- *     vector; the sum's 16 lanes are the vector's lanes);
+ *     With AVX2, the same per 8 keys: 4 keys' lanes as two 8-float accumulators each, lane
+ *     l + (l + 8) added per key, then the other three steps of 8 trees as a transpose
+ *     (permute2f128 and two shuffles), leaving 8 scores in one register. Plain C: one dot
+ *     product at a time, with the same lanes and tree;
+ *   - softmax numerators and their sum: 16 scores per instruction (8 twice with AVX2; exp.h's
+ *     operations on a vector; the sum's 16 lanes are the vector's lanes);
  *   - acc: the accumulators of several query rows stay in registers over the whole context
  *     (rows x dimensions tiled to fit), each V row loaded once per tile and added to every
- *     row that sees it, in order of k.
+ *     row that sees it, in order of k (AVX2: over segments of the context, a 16-bit segment's
+ *     V rows converted once, the accumulators kept in memory between segments).
  * Key rows are prefetched two key blocks ahead, and a block's V rows into L2 while its scores
  * are computed (the blocks are scattered; in a model step they come from memory).
  *
