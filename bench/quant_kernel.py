@@ -73,19 +73,21 @@ def layer_specs() -> list[dict]:
     return specs
 
 
-def random_raw(qtype, n: int, k: int, seed: int) -> torch.Tensor:  # noqa: ANN001
-    """GGUF bytes of a random [n, k] weight (as the tests make them)."""
+def random_raw(qtype, n: int, k: int, seed: int, fast: bool = False) -> torch.Tensor:  # noqa: ANN001
+    """GGUF bytes of a random [n, k] weight: ``gguf``'s quantizer on random weights where it has
+    one (unless ``fast``), else random valid blocks (random quants, finite fp16 scales)."""
     import gguf
     import numpy as np
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and not fast:
         return torch.from_numpy(gguf.quants.quantize(rng.normal(0, 0.02, (n, k)).astype(np.float32), qtype))
     bs, ts = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // bs, ts), dtype=np.uint8)
-    for off in ((0, 2) if qtype == Q.Q4_K else (208,)):
+    halves = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+    for off in halves:
         blocks[:, off:off + 2] = rng.normal(0, 1e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(blocks.reshape(n, -1))
 
@@ -149,12 +151,12 @@ def peaks(threads_list: list[int], seconds: float = 0.3) -> dict:
     return out
 
 
-def make_peers(spec: dict, with_avx2: bool, float_peers: bool = True) -> dict:
+def make_peers(spec: dict, with_avx2: bool, float_peers: bool = True, fast: bool = False) -> dict:
     from batchgen.kernels.cpu.linear import PackedLinear
     from batchgen.kernels.cpu.quant import QuantizedLinear
 
     n, k, qt = spec["n"], spec["k"], spec["qtype"]
-    raw = random_raw(qt, n, k, seed=n + k)
+    raw = random_raw(qt, n, k, seed=n + k, fast=fast)
     peers = {"quant": QuantizedLinear(raw, qt, n, k)}
     if with_avx2:
         peers["quant_avx2"] = QuantizedLinear(raw, qt, n, k, isa="avx2")
@@ -201,9 +203,13 @@ def sweep_part(rows_list, threads: int, repeats: int) -> list[dict]:
         "llama_1b_q8_0": ([{"n": n, "k": k, "qtype": Q.Q8_0} for _ in range(8) for n, k in LLAMA_1B.values()], 2),
     }
     for model, (specs, float_every) in models.items():
-        quant = [make_peers(s, False, float_peers=False)["quant"] for s in specs]
+        quant = [make_peers(s, False, float_peers=False, fast=True)["quant"] for s in specs]
         # the float peers on every float_every-th layer (the 1B in float32 would not fit beside the rest)
-        fl = [make_peers(s, False, float_peers=True) for s in specs[::float_every]] if model != "llama_1b_q8_0" else None
+        fl = None
+        if model != "llama_1b_q8_0":
+            fl = [make_peers({**s, "qtype": Q.Q4_0}, False, float_peers=True, fast=True) for s in specs[::float_every]]
+            for p in fl:
+                del p["quant"]
         for m in rows_list:
             xs = {k: torch.randn(m, k) for k in {s["k"] for s in specs}}
             xb = {k: v.to(torch.bfloat16) for k, v in xs.items()}
