@@ -48,6 +48,13 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
         return cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(dtype_error(dtype))
+    if dtype == "bfloat16" and device.type == "cpu":
+        from batchgen.kernels.cpu.loader import missing_cpu_features
+
+        if missing_cpu_features("avx512f") and missing_cpu_features("avx512_bf16"):
+            logger.warning("dtype bfloat16 on a CPU without AVX-512 or AVX512-BF16: the linear layers "
+                           "widen every bfloat16 weight to float32 as it loads, which is no faster than "
+                           "float32 and can be slower (docs/kernels.md, AVX2); dtype auto keeps float32")
     return _DTYPES[dtype]
 
 

@@ -164,3 +164,22 @@ def test_the_fused_ops_give_the_same_bits_in_every_build(width: int) -> None:
         for isa, got in outs.items():
             for i, (a, b) in enumerate(zip(got, outs["native"])):
                 assert torch.equal(a, b), f"{dtype} width {width}: output {i} of the {isa} build differs"
+
+
+@pytest.mark.parametrize("missing,warns", [({"avx512f", "avx512_bf16"}, True), ({"avx512_bf16"}, False), (set(), False)])
+def test_bfloat16_asked_for_on_a_cpu_without_avx512_says_it_is_no_faster(monkeypatch, caplog, missing, warns) -> None:
+    """Without AVX-512 or AVX512-BF16 the linear layers widen bfloat16 weights to float32 as they
+    load (no faster than float32: docs/kernels.md, AVX2): an explicit bfloat16 logs one warning;
+    ``auto`` is float32 on the CPU and says nothing."""
+    import logging
+
+    from batchgen.engine.model_runner import resolve_dtype
+
+    monkeypatch.setattr(loader, "missing_cpu_features",
+                        lambda *names: ", ".join(n for n in names if n in missing) or None)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
+        assert resolve_dtype("auto", None, cpu) is torch.float32
+        assert not caplog.records
+        assert resolve_dtype("bfloat16", None, cpu) is torch.bfloat16
+    assert [r for r in caplog.records if "bfloat16" in r.getMessage()] if warns else not caplog.records
