@@ -28,6 +28,9 @@ Parts (``--parts``, comma-separated; default all):
 * ``machine``: W32 or W256 (``--workload``), one dtype (``--dtype``), every peer at every CPU
   (``--threads``), batchgen at its defaults and optionally at one thread (``--one-thread``), vLLM
   at each of ``--vllm-block-sizes`` (``bench.machine``). Not in the default set.
+* ``scoring``: lm-eval's multiple-choice and rolling-perplexity requests through batchgen's
+  lm-eval backend against lm-eval's ``hf`` model (and its ``vllm`` one when importable), fp32
+  and bf16 (``bench.scoring``). Not in the default set.
 * ``contention``: batchgen at its defaults, quiet and beside one and two busy loops
   (``bench.machine``). Not in the default set.
 
@@ -51,7 +54,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
-EXTRA_PARTS = ["prefix", "structured", "machine", "contention"]
+EXTRA_PARTS = ["prefix", "structured", "machine", "contention", "scoring"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -362,6 +365,14 @@ def part_machine(args, out: Path) -> dict:
     return whole.part(args, out, log, machine(), vllm_status, MODES, strip_outputs, save)
 
 
+def part_scoring(args, out: Path) -> dict:
+    import importlib.util
+
+    from bench import scoring
+
+    return scoring.run_part(args, out, log, machine, save, importlib.util.find_spec("vllm") is not None)
+
+
 def part_contention(args, out: Path) -> dict:
     from bench import machine as whole
 
@@ -408,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-rows", type=int, default=20000, help="scaleout: rows through the driver ceiling")
     ap.add_argument("--no-request-seed", action="store_true",
                     help="sampling without a per-request seed (vLLM's CPU build fails with one)")
+    ap.add_argument("--scoring-questions", type=int, default=200, help="scoring: multiple-choice questions (4 choices)")
+    ap.add_argument("--scoring-ppl-tokens", type=int, default=100_000, help="scoring: tokens of the perplexity texts")
+    ap.add_argument("--scoring-dtypes", default="float32,bfloat16", help="scoring: the dtypes, comma-separated")
     ap.add_argument("--report-only", action="store_true", help="only rebuild plots and summary.md")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -419,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     args.vllm_block_sizes = [b if b == "best" else int(b) for b in args.vllm_block_sizes.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
     args.peers = [p for p in args.peers.split(",") if p]
+    args.scoring_dtypes = [d for d in args.scoring_dtypes.split(",") if d]
     bad = [m for m in args.modes if m not in MODES]
     parts = [p for p in args.parts.split(",") if p]
     bad += [p for p in parts if p not in ALL_PARTS + EXTRA_PARTS]
@@ -431,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         fns = {"throughput": part_throughput, "sharing": part_sharing, "blocksize": part_blocksize,
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
                "scaleout": part_scaleout, "prefix": part_prefix, "structured": part_structured,
-               "machine": part_machine, "contention": part_contention}
+               "machine": part_machine, "contention": part_contention,
+               "scoring": part_scoring}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)
