@@ -1,4 +1,5 @@
-"""``RunConfig``: the whole run, one YAML file, and the rules that tie its sections together.
+"""``RunConfig``: the whole run, one YAML file, and the rules that tie its sections together
+(those of its file formats are the formats' own: :mod:`batchgen.config.formats`).
 
 This module imports neither torch nor the engine.
 """
@@ -7,17 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from batchgen.config.engine import EngineSection, ExecutorSection
+from batchgen.config.formats import kinds
 from batchgen.config.generation import GenerationSection
 from batchgen.config.sections import DataSection, MetricRef, ModelSection, OutputSection, PromptSection, _Section
-
-
-def _explicit(section: BaseModel) -> set[str]:
-    """Keys of ``section`` given with a non-default value."""
-    fields = type(section).model_fields
-    return {k for k in section.model_fields_set if getattr(section, k) != fields[k].get_default(call_default_factory=True)}
 
 
 class RunConfig(_Section):
@@ -34,26 +30,13 @@ class RunConfig(_Section):
     plugins: list[str] = Field(default_factory=list, description="extra plugin modules to import")
 
     @model_validator(mode="after")
-    def _openai_batch(self) -> RunConfig:
-        """Resolve ``output.format: auto`` and reject keys an OpenAI batch file makes meaningless."""
-        if self.output.format == "auto":
-            self.output.format = "openai_batch" if self.data.format == "openai_batch" else "jsonl"
-        problems = []
-        if self.data.format == "openai_batch":
-            # Each line carries its own prompt and generation parameters.
-            given = [f"data.{k}" for k in sorted(_explicit(self.data)) if k not in ("source", "format", "limit")]
-            given += [f"prompt.{k}" for k in sorted(_explicit(self.prompt))]
-            given += [f"generation.{k}" for k in sorted(_explicit(self.generation)) if k != "sampler"]
-            if given:
-                problems.append(
-                    "with data.format 'openai_batch' each line carries its own prompt and generation "
-                    f"parameters; drop {', '.join(repr(k) for k in given)}"
-                )
-        elif self.model.aliases:
-            problems.append("'model.aliases' applies to data.format 'openai_batch' only")
-        if self.output.format == "openai_batch" and self.metrics:
-            problems.append("metrics score batchgen records; with output.format 'openai_batch' drop 'metrics' "
-                            "or write output.format 'jsonl'")
+    def _formats(self) -> RunConfig:
+        """Resolve ``output.format: auto`` and apply the config rules of the picked source and
+        record format (:func:`batchgen.config.formats.kinds`), then the output's own."""
+        source, records = kinds(self)
+        if self.output.format != records.name:  # 'auto'
+            self.output.format = records.name
+        problems = source.config_issues(self) + records.config_issues(self)
         if self.output.error_path is not None and Path(self.output.error_path) == Path(self.output.path):
             problems.append("'output.error_path' must differ from 'output.path'")
         if problems:

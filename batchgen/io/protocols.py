@@ -1,9 +1,11 @@
 """The two protocols that the run loop sees instead of file-format names.
 
 A job reads its rows through a :class:`PromptSource` and writes its records through a
-:class:`RecordFormat`. :func:`batchgen.run.plan.plan` picks both once, from ``data.format`` and
-``output.format`` (the only place that reads those two keys); the loop, the summary, resume and
-the CLI then call the objects and never test a format name again.
+:class:`RecordFormat`. :func:`batchgen.config.formats.kinds` picks the kind of both once, from
+``data.format`` and ``output.format`` (the only place that reads those two keys; the config
+applies each kind's rules when it is validated), and :func:`batchgen.run.plan.pick` builds the
+two objects of those kinds; the loop, the summary, resume and the CLI then call the objects and
+never test a format name again.
 
 Today's implementations:
 
@@ -42,7 +44,9 @@ How one row travels (the contracts below say who promises what):
    ``format.failed(record)``; the summary reads the files back through ``format``.
 
 Adding a format means one class with the methods of :class:`RecordFormat` (and a
-:class:`RecordBuilder`), and one line in ``plan``'s picker; nothing else changes.
+:class:`RecordBuilder`), its kind in :mod:`batchgen.config.formats` (its ``output.format`` name,
+also among the schema's choices in :mod:`batchgen.config.sections`, and its config rules) and one
+entry in ``plan``'s table of kinds; nothing else changes.
 
 This module imports nothing of batchgen but the engine's output types (for annotations only),
 and neither torch nor the engine.

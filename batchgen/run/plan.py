@@ -1,7 +1,8 @@
 """The plan of a run: every check that needs no model, then a ready :class:`Job`.
 
-:func:`plan` builds the plugins with their options, picks the job's prompt source and record
-format (:func:`pick`, the only place that reads ``data.format`` and ``output.format``), loads
+:func:`plan` builds the plugins with their options, builds the job's prompt source and record
+format of the kinds the config picked (:func:`pick`; :func:`batchgen.config.formats.kinds` is
+the only place that reads ``data.format`` and ``output.format``), loads
 or opens the data, checks the output, and, unless only validating, takes the outputs' locks and
 creates, truncates or repairs the files. Problems the user must fix raise one of
 :data:`~batchgen.run.errors.SETUP_ERRORS` (exit status 2); config problems found by different
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, resolved_dict
+from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
+from batchgen.config.formats import RecordKind, SourceKind
 from batchgen.plugins import PluginError
 from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
@@ -79,30 +82,48 @@ def output_paths(config: RunConfig) -> list[str]:
 def pick(config: RunConfig, processors: Sequence[Any] = (),
          metric_columns: dict[str, Iterable[str]] | None = None,
          metrics: Sequence[tuple[MetricRef, Any]] = ()) -> tuple[PromptSource, RecordFormat]:
-    """The job's prompt source (``data.format``) and record format (``output.format``).
+    """The job's prompt source and record format, of the kinds the config picked
+    (:func:`batchgen.config.formats.kinds`, the only place that reads ``data.format`` and
+    ``output.format``; the config applied the kinds' rules when it was validated).
 
-    The only place that looks at either key. Building the source loads or opens the data
-    (raises DataError / ConfigError).
+    Building the source loads or opens the data (raises DataError / ConfigError).
     """
-    source: PromptSource
-    records: RecordFormat
-    if config.data.format == "openai_batch":
-        from batchgen.openai_batch.source import BatchLines
+    source_kind, record_kind = kinds(config)
+    return (_SOURCES[source_kind](config, processors, metric_columns),
+            _RECORDS[record_kind](config, metrics))
 
-        source = BatchLines(config, processors, metric_columns)
-    else:
-        from batchgen.run.rows import DatasetRows
 
-        source = DatasetRows(config, processors, metric_columns)
-    if config.output.format == "openai_batch":
-        from batchgen.openai_batch.response_lines import ResponseLines
+# What each kind is built as (imported when picked: a job needs one source and one format).
 
-        records = ResponseLines(config)
-    else:
-        from batchgen.run.records import BatchgenRecords
+def _dataset_rows(config: RunConfig, processors: Sequence[Any],
+                  metric_columns: dict[str, Iterable[str]] | None) -> PromptSource:
+    from batchgen.run.rows import DatasetRows
 
-        records = BatchgenRecords(metrics)
-    return source, records
+    return DatasetRows(config, processors, metric_columns)
+
+
+def _batch_lines(config: RunConfig, processors: Sequence[Any],
+                 metric_columns: dict[str, Iterable[str]] | None) -> PromptSource:
+    from batchgen.openai_batch.source import BatchLines
+
+    return BatchLines(config, processors, metric_columns)
+
+
+def _batchgen_records(config: RunConfig, metrics: Sequence[tuple[MetricRef, Any]]) -> RecordFormat:
+    from batchgen.run.records import BatchgenRecords
+
+    return BatchgenRecords(metrics)
+
+
+def _response_lines(config: RunConfig, metrics: Sequence[tuple[MetricRef, Any]]) -> RecordFormat:
+    from batchgen.openai_batch.response_lines import ResponseLines
+
+    return ResponseLines(config)
+
+
+_SOURCES: dict[SourceKind, Callable[..., PromptSource]] = {DATASET_ROWS: _dataset_rows, BATCH_LINES: _batch_lines}
+_RECORDS: dict[RecordKind, Callable[..., RecordFormat]] = {BATCHGEN_RECORDS: _batchgen_records,
+                                                           RESPONSE_LINES: _response_lines}
 
 
 class _Issues:

@@ -384,3 +384,19 @@ def test_format_rules_exit_2_at_validate(tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert err.strip() == f"batchgen: error: {job}: invalid config: {LINES_CARRY}'prompt.template'"
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_every_format_of_the_schema_has_a_kind() -> None:
+    from typing import get_args
+
+    from batchgen.config import DataSection, OutputSection
+    from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
+
+    for data_format in get_args(DataSection.model_fields["format"].annotation):
+        for output_format in get_args(OutputSection.model_fields["format"].annotation):
+            config = validate_config(_with(data={"source": "x", "format": data_format},
+                                           output={"path": "o", "format": output_format}))
+            source, records = kinds(config)
+            assert source is (BATCH_LINES if data_format == "openai_batch" else DATASET_ROWS)
+            assert records is {"auto": source.records, "jsonl": BATCHGEN_RECORDS, "openai_batch": RESPONSE_LINES}[output_format]
+            assert config.output.format == records.name
