@@ -34,8 +34,7 @@ class RunConfig(_Section):
         """Resolve ``output.format: auto`` and apply the config rules of the picked source and
         record format (:func:`batchgen.config.formats.kinds`), then the output's own."""
         source, records = kinds(self)
-        if self.output.format != records.name:  # 'auto'
-            self.output.format = records.name
+        self.output.format = records.name  # 'auto' resolved
         problems = source.config_issues(self) + records.config_issues(self)
         if self.output.error_path is not None and Path(self.output.error_path) == Path(self.output.path):
             problems.append("'output.error_path' must differ from 'output.path'")
