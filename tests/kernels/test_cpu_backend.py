@@ -289,6 +289,10 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
         assert error is None, error
         lib = ctypes.CDLL(str(path))
         kcpu.cpu_attention._declare_attention(lib)
+        # the variant each build runs: AVX-512 (AVX2 on a CPU without it), AVX2, plain C
+        want = {0: 2 if loader.missing_cpu_features("avx512f") is None else 1, 1: 1, 2: 0}[len(extra)]
+        if loader.missing_cpu_features("avx2", "fma", "f16c") is None:
+            assert lib.batchgen_attention_isa() == want, extra
         outs = []
         for dtype, code in kcpu.cpu_attention.DTYPES.items():
             k, v = case.k_cache.to(dtype), case.v_cache.to(dtype)
