@@ -65,7 +65,8 @@ def reduce_logprobs(
     Args:
         hidden: ``[n, hidden_size]`` final hidden states of the scored positions.
         targets: ``[n]`` token ids whose logprob each row reports.
-        compute_logits: the model's output layer: ``[m, hidden_size] -> [m, vocab]`` logits.
+        compute_logits: the model's output layer: ``[m, hidden_size] -> [m, vocab]`` logits, a
+            fresh tensor (the reduction overwrites it).
         num_top: alternatives reported per row besides the target (0: none).
         chunk_rows: rows sent through ``compute_logits`` at once (>= 1); the caller sizes
             it with :func:`chunk_rows_for` from the vocabulary.
@@ -79,18 +80,23 @@ def reduce_logprobs(
     start = 0
     while start < n:
         logits = compute_logits(hidden[start:start + chunk_rows]).float()
-        tgt = targets[start:start + logits.shape[0]].to(logits.device)
-        lse = torch.logsumexp(logits, dim=-1)
+        rows = logits.shape[0]
+        tgt = targets[start:start + rows].to(logits.device)
         target_logits = logits.gather(1, tgt.unsqueeze(1))
-        out.logprobs.extend((target_logits.squeeze(1) - lse).tolist())
-        out.ranks.extend(((logits > target_logits).sum(dim=-1) + 1).tolist())
+        ranks = (logits > target_logits).sum(dim=-1) + 1
         if num_top > 0:
             values, ids = torch.topk(logits, min(num_top, logits.shape[-1]), dim=-1)
+        # logsumexp in place (the chunk is ours): no second chunk-sized buffer
+        peak = logits.amax(dim=-1, keepdim=True)
+        lse = (peak + logits.sub_(peak).exp_().sum(dim=-1, keepdim=True).log_()).squeeze(1)
+        del logits
+        out.logprobs.extend((target_logits.squeeze(1) - lse).tolist())
+        out.ranks.extend(ranks.tolist())
+        if num_top > 0:
             out.top_ids.extend(ids.tolist())
             out.top_logprobs.extend((values - lse.unsqueeze(1)).tolist())
         else:
-            out.top_ids.extend([] for _ in range(logits.shape[0]))
-            out.top_logprobs.extend([] for _ in range(logits.shape[0]))
-        start += logits.shape[0]
-        del logits
+            out.top_ids.extend([] for _ in range(rows))
+            out.top_logprobs.extend([] for _ in range(rows))
+        start += rows
     return out
