@@ -196,3 +196,16 @@ def test_gather_rows_reads_the_rows_from_the_panels() -> None:
         layer = QuantizedLinear(quantized(qtype, n, k, seed=9), qtype, n, k, isa="torch")
         index = torch.tensor([36, 0, 5, 5, 17, 31])
         assert torch.equal(layer.gather_rows(index), layer.raw_rows()[index])
+
+
+@needs_kernel
+def test_each_build_runs_the_instructions_it_is_named_for() -> None:
+    """A source that fails to compile with -march=native would silently load a lower flag set;
+    the builds must say what they run: the native one what this CPU has."""
+    flags = loader.cpu_flags() or frozenset()
+    expected = ("avx512_vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+                else "avx2" if "avx2" in flags else "plain C")
+    assert quant.kernel_isa("native") == expected
+    assert quant.kernel_isa("plain") == "plain C"
+    if "avx2" in flags:
+        assert quant.kernel_isa("avx2") == "avx2"

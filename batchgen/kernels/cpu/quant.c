@@ -15,8 +15,8 @@
  * fp16 scales in units of 2 bytes, everything else in units of 4 bytes: 16 columns' 4
  * consecutive bytes form one 64-byte vector (the quants: 4 k of 16 columns, what one vpdpbusd
  * takes; Q4_K's and Q6_K's sub-block scales: one 32-bit lane per column, decoded by shifts).
- * Where the CPU has AVX2 or AVX-512, the 4-bit and 8-bit quants are decoded in registers as the
- * dot products read them; Q6_K (and the plain C build) go through a decoded copy of the panel.
+ * Where the CPU has AVX2 or AVX-512, the quants are decoded in registers as the dot products
+ * read them; the plain C build goes through a decoded copy of the panel.
  *
  * Activations. Each row of x is quantized, per block of BK values (32; 256 for the K-quants):
  *   if the block holds a NaN or an infinity: d = NaN, q = 0 (its outputs become NaN);
@@ -395,7 +395,7 @@ static inline __attribute__((always_inline)) void unit_dot(const int mr, const u
   (void)big;
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int g = 0; g < groups; g++) {
-    const __m512i w = _mm512_load_si512((const void *)(u + 64 * g));
+    const __m512i w = _mm512_loadu_si512((const void *)(u + 64 * g));
     DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
   }
   out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
@@ -414,8 +414,8 @@ static inline __attribute__((always_inline)) void unit_dot(const int mr, const u
   if (big == 2) {
     const __m256i sixteen = _mm256_set1_epi16(16), low4 = _mm256_set1_epi8(15);
     for (int g = 0; g < groups; g++) {
-      __m256i w0 = _mm256_load_si256((const __m256i *)(u + 64 * g));
-      __m256i w1 = _mm256_load_si256((const __m256i *)(u + 64 * g + 32));
+      __m256i w0 = _mm256_loadu_si256((const __m256i *)(u + 64 * g));
+      __m256i w1 = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32));
       __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
       __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
       for (int r = 0; r < MR; r++) {
@@ -439,8 +439,8 @@ static inline __attribute__((always_inline)) void unit_dot(const int mr, const u
     __m256i p0[MR], p1[MR];
     for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
     for (int g = g0; g < g0 + step; g++) {
-      __m256i w0 = _mm256_load_si256((const __m256i *)(u + 64 * g));
-      __m256i w1 = _mm256_load_si256((const __m256i *)(u + 64 * g + 32));
+      __m256i w0 = _mm256_loadu_si256((const __m256i *)(u + 64 * g));
+      __m256i w1 = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32));
       for (int r = 0; r < MR; r++) {
         if (r < mr) {
           int32_t xv;
@@ -493,19 +493,36 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   if (kind == K_Q4_32) {
     for (int i = 0; i < 4; i++) {
-      const __m512i c = _mm512_load_si512((const void *)(src + 64 * i));
+      const __m512i c = _mm512_loadu_si512((const void *)(src + 64 * i));
       const __m512i lo = _mm512_and_si512(c, m4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
       DPW_ALL(lo, i)
       DPW_ALL(hi, i + 4)
     }
   } else {
     for (int g = 0; g < 8; g++) {
-      const __m512i c = _mm512_load_si512((const void *)(src + 64 * g));
+      const __m512i c = _mm512_loadu_si512((const void *)(src + 64 * g));
       const __m512i w = kind == K_Q8 ? _mm512_xor_si512(c, flip)
                         : kind == K_Q4K_LO ? _mm512_and_si512(c, m4)
                                            : _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
       DPW_ALL(w, g)
     }
+  }
+  out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
+}
+/* Q6_K, one unit of 16 k (4 groups): group t's quants are the nibble `s` of ql chunk t and the
+ * two bits at `sh` of qh chunk t, u = lo | hi << 4 <= 63. */
+static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
+                                                              const int s, const int sh, const int8_t *q,
+                                                              int64_t ldq, vi *out) {
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int g = 0; g < 4; g++) {
+    __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * g));
+    __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
+    l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
+    h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
+    const __m512i w = _mm512_or_si512(l, h);
+    DPW_ALL(w, g)
   }
   out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
 }
@@ -521,7 +538,7 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int g = 0; g < 8; g++) {
       for (int h = 0; h < 2; h++) {
-        __m256i w = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(src + 64 * g + 32 * h)), flip);
+        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * h)), flip);
         __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
         for (int r = 0; r < MR; r++) {
           if (r < mr) {
@@ -544,8 +561,8 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
   __m256i p0[MR], p1[MR];
   for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
   for (int i = 0; i < (kind == K_Q4_32 ? 4 : 8); i++) {
-    __m256i c0 = _mm256_load_si256((const __m256i *)(src + 64 * i));
-    __m256i c1 = _mm256_load_si256((const __m256i *)(src + 64 * i + 32));
+    __m256i c0 = _mm256_loadu_si256((const __m256i *)(src + 64 * i));
+    __m256i c1 = _mm256_loadu_si256((const __m256i *)(src + 64 * i + 32));
     for (int s = 0; s < (kind == K_Q4_32 ? 2 : 1); s++) {
       int hi = kind == K_Q4K_HI || s == 1, g = kind == K_Q4_32 ? i + 4 * s : i;
       __m256i w0 = hi ? _mm256_and_si256(_mm256_srli_epi16(c0, 4), m4) : _mm256_and_si256(c0, m4);
@@ -565,6 +582,42 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
     if (r < mr) {
       out[r].a = _mm256_madd_epi16(p0[r], ones);
       out[r].b = _mm256_madd_epi16(p1[r], ones);
+    }
+  }
+}
+/* Q6_K (see the AVX-512 version); u <= 63: 2 groups' pairs summed in int16 (at most 32004). */
+static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
+                                                              const int s, const int sh, const int8_t *q,
+                                                              int64_t ldq, vi *out) {
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int g0 = 0; g0 < 4; g0 += 2) {
+    __m256i p0[MR], p1[MR];
+    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
+    for (int g = g0; g < g0 + 2; g++) {
+      __m256i w[2];
+      for (int half = 0; half < 2; half++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * g + 32 * half));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
+        l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
+        h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
+        w[half] = _mm256_or_si256(l, h);
+      }
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          __m256i xb = _mm256_set1_epi32(xv);
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      if (r < mr) {
+        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
+        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
+      }
     }
   }
 }
@@ -598,7 +651,7 @@ struct panel {
   int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
 };
 
-#define DIRECT(qtype) (BG_DIRECT && (qtype) != T_Q6_K)
+#define DIRECT(qtype) (BG_DIRECT)
 
 static void decode_panel(int qtype, const struct format *f, const uint8_t *src, int64_t nb, struct panel *P) {
   struct scales s;
@@ -638,6 +691,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int q
                                                        float *out /* [mr][NR] */) {
   const int64_t s16n = k / 16;
   const int big = qtype == T_Q8_0 ? 2 : qtype == T_Q6_K ? 1 : 0;
+  (void)big;
   vf acc[MR];
   vi d[MR];
   for (int r = 0; r < MR; r++) acc[r] = vf_zero();
@@ -685,11 +739,16 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int q
       const int32_t *sc = P->sc + b * f.units * NR;
       for (int j = 0; j < f.units; j++) {
 #if BG_DIRECT
-        if (qtype == T_Q4_K)
+        if (qtype == T_Q4_K) {
           unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, qb + 32 * j, k, d);
-        else
+        } else { /* Q6_K, unit j of 16 k: see unit_dot_q6 and decode_block */
+          const int h = j / 8;
+          unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
+                      (j % 8) / 4, 2 * ((j % 8) / 2), qb + 16 * j, k, d);
+        }
+#else
+        unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
 #endif
-          unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
         const vi scj = vi_load(sc + j * NR);
         for (int r = 0; r < MR; r++) {
           if (r < mr) {
