@@ -265,11 +265,19 @@ def _report(summary: dict[str, Any], config: Any) -> None:
         wrote = (f"wrote {records['this_run']} record(s) to {config.output.path} "
                  f"({ok} ok, {errors} error; {records['resumed']} already there)")
     print(f"{wrote} in {summary['timings']['total_s']:.1f}s")
-    print(
-        f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
-        f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
-    )
-    for key, values in (summary.get("metrics") or {}).items():
+    if config.generation.scores:  # nothing is generated: what counts is the prompt tokens scored
+        print(f"throughput: {speed['prompt_tokens_per_s']:.1f} prompt tok/s scored, "
+              f"{speed['prefill_tokens_per_s']:.1f} tok/s computed (the rest from the prefix cache)")
+    else:
+        print(
+            f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
+            f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
+        )
+    if config.generation.scores and summary.get("metrics"):  # an evaluation run: lm-eval's results table
+        from batchgen.run.scoring_records import results_table
+
+        print(results_table(summary["metrics"]))
+    for key, values in ({} if config.generation.scores else summary.get("metrics") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         print(f"{key}: {shown}")
     print(f"summary: {config.output.summary_file}")

@@ -13,7 +13,9 @@ from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, Positi
 
 from batchgen.config.sections import SamplerRef, _Section
 
-GenerationMode = Literal["greedy", "sample", "beam"]
+GenerationMode = Literal["greedy", "sample", "beam", "loglikelihood", "perplexity"]
+#: The modes that score given text instead of generating (see :mod:`batchgen.run.scoring_rows`).
+SCORING_MODES = ("loglikelihood", "perplexity")
 
 
 class StructuredOutputsSection(_Section):
@@ -108,10 +110,16 @@ _SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p")
 _BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
 # Per-token knobs of the sampler that beam search (which ranks by raw logprobs) does not apply.
 _NOT_BEAM = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "sampler")
+# What only a loglikelihood job reads, and the decoding keys that a scoring job has no use for.
+_LOGLIKELIHOOD_ONLY = ("choices", "answer", "target_delimiter", "truncate")
+_NOT_SCORING = ("max_tokens", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logprobs", "sampler", "structured_outputs")
 
 
 class GenerationSection(_Section):
-    """``generation:`` greedy, n-sample parallel sampling, or beam search.
+    """``generation:`` greedy, n-sample parallel sampling, or beam search; or, scoring given text
+    instead of generating, ``loglikelihood`` (each row's ``choices`` given its prompt) and
+    ``perplexity`` (each row's prompt text, in rolling windows).
 
     Mode-specific keys (``n``, ``temperature``... for ``sample``; ``beam_width``,
     ``length_penalty``, ``early_stopping`` for ``beam``) given with a non-default value are
@@ -140,6 +148,13 @@ class GenerationSection(_Section):
     early_stopping: bool | Literal["never"] = False
     sampler: SamplerRef | None = None
     structured_outputs: StructuredOutputsSection | None = None
+    # loglikelihood
+    choices: str | list[str] | None = Field(
+        None, description="the choices to score: a column holding a list of texts, or a list of Jinja templates")
+    answer: str | None = Field(
+        None, min_length=1, description="column holding the answer: the index of the right choice, or its text")
+    target_delimiter: str = Field(" ", description="put before every choice (lm-eval's target_delimiter)")
+    truncate: bool = Field(False, description="drop a too-long context's first tokens instead of an error record")
 
     @model_validator(mode="after")
     def _mode_keys(self) -> GenerationSection:
@@ -153,6 +168,18 @@ class GenerationSection(_Section):
             wrong += [k for k in _SAMPLE_ONLY if used(k)]
         if self.mode != "beam":
             wrong += [k for k in _BEAM_ONLY if used(k)]
+        if self.mode != "loglikelihood":
+            wrong += [k for k in _LOGLIKELIHOOD_ONLY if used(k)]
+        if self.scores:
+            unused = [k for k in _NOT_SCORING if used(k)]
+            if unused:
+                raise ValueError(f"mode '{self.mode}' scores given text and generates nothing: drop "
+                                 + ", ".join(f"'{k}'" for k in unused))
+            if self.mode == "loglikelihood" and self.choices is None:
+                raise ValueError("mode 'loglikelihood' needs 'choices': a column holding each row's list of "
+                                 "choices, or a list of templates")
+            if isinstance(self.choices, list) and not self.choices:
+                raise ValueError("'choices' is an empty list; give at least one template")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and (used("min_tokens") or used("ignore_eos")):
@@ -166,12 +193,18 @@ class GenerationSection(_Section):
                     + "; use mode 'sample' or 'greedy' for them"
                 )
         if wrong:
-            owner = {k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
+            owner = ({k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
+                     | {k: "loglikelihood" for k in _LOGLIKELIHOOD_ONLY})
             parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
             raise ValueError(f"with mode '{self.mode}': " + ", ".join(parts))
         return self
 
     @property
+    def scores(self) -> bool:
+        """True for a mode that scores given text (``loglikelihood``, ``perplexity``)."""
+        return self.mode in SCORING_MODES
+
+    @property
     def num_outputs(self) -> int:
-        """How many generations each record gets."""
-        return {"greedy": 1, "sample": self.n, "beam": self.beam_width}[self.mode]
+        """How many generations each record gets (none in a scoring mode)."""
+        return {"greedy": 1, "sample": self.n, "beam": self.beam_width}.get(self.mode, 0)

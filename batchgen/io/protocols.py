@@ -40,6 +40,10 @@ How one row travels (the contracts below say who promises what):
    with ``error`` never reaches the engine: ``builder.make(prompt, None)`` makes its error record
    at once. An output with ``error`` set (the engine could not run that request) also becomes
    an error record. Either way exactly one record per row.
+   A prompt whose ``requests`` is set (a scoring row: one request per choice, or per rolling
+   window) sends those requests instead, all in the same run (so that they share the context's
+   KV blocks), and ``builder.make(prompt, outputs)`` gets the list of their ``RequestOutput``\ s,
+   in the order of ``requests``, once the last one has arrived: still one record per row.
 4. Each record goes to the output file, or to ``output.error_path`` when
    ``format.failed(record)``; the summary reads the files back through ``format``.
 
@@ -93,6 +97,11 @@ class PromptRecord:
             set on every prompt without ``error``.
         chat: whether a chat template wrapped the prompt (None when not known, e.g. a row
             that failed first); an OpenAI record answers ``chat.completion`` when True.
+        requests: the engine requests of a row that needs several (a scoring row), or None for
+            one request built from ``prompt``/``prompt_token_ids`` and ``params``. Their ids are
+            unique within the run (the source's promise); the builder gets all their outputs.
+        meta: what the source tells its record builder about the row (e.g. a scoring row's
+            choices, their token counts and the answer's index); the record format reads it.
     """
 
     id: str | None
@@ -103,6 +112,8 @@ class PromptRecord:
     error: str | None = None
     params: Any = None
     chat: bool | None = None
+    requests: list[Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineView(Protocol):
@@ -214,11 +225,12 @@ class PromptSource(Protocol):
 class RecordBuilder(Protocol):
     """Makes the records of one run (needs the started engine: a tokenizer, the model's length)."""
 
-    def make(self, prompt: PromptRecord, output: RequestOutput | None) -> dict[str, Any]:
+    def make(self, prompt: PromptRecord, output: RequestOutput | list[RequestOutput] | None) -> dict[str, Any]:
         """The record answering ``prompt``.
 
         ``output`` is the engine's result, or None for a prompt that never reached the engine
-        (then ``prompt.error`` is set). The record is an error record (see
+        (then ``prompt.error`` is set); for a prompt with ``requests``, the list of their
+        results, in that order. The record is an error record (see
         :meth:`RecordFormat.failed`) when ``prompt.error`` or ``output.error`` is set, or when
         the format's own step fails for this row (e.g. a metric); it never raises for one row.
         The record's key (:meth:`RecordFormat.key`) is ``prompt.id``.

@@ -449,7 +449,9 @@ def _need(options: BaseModel, cls: type[BaseModel]) -> Any:
 @hookimpl
 def batchgen_register_metrics() -> list[MetricSpec]:
     """The built-in metrics: ``exact_match``, ``contains``, ``regex_match``, ``length``, ``json_valid``
-    and ``json_schema_valid``."""
+    and ``json_schema_valid``; and the scoring jobs' (:mod:`batchgen.plugins.scoring_metrics`)."""
+    from batchgen.plugins.scoring_metrics import scoring_metric_specs
+
     return [
         MetricSpec(
             "exact_match",
@@ -487,4 +489,4 @@ def batchgen_register_metrics() -> list[MetricSpec]:
             JsonSchemaValidOptions,
             lambda o: JsonSchemaValid(_need(o, JsonSchemaValidOptions)),
         ),
-    ]
+    ] + scoring_metric_specs()

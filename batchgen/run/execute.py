@@ -173,7 +173,8 @@ def _generate(
     records = job.records
     builder = records.builder(executor)
     prompts = job.source.prompts(executor, job.answered)
-    pending: dict[Any, PromptRecord] = {}
+    # request id -> (its prompt, None) or, for one of a prompt's several requests, (its group, slot)
+    pending: dict[Any, tuple[Any, int | None]] = {}
     error_path = config.output.error_path
     # Group commit: records finishing together (one engine step) share one fsync.
     with JsonlWriter(config.output.path, group_commit=True) as writer, (
@@ -202,16 +203,43 @@ def _generate(
                 if prompt.error is not None:
                     finish(prompt, None)
                     continue
-                pending[prompt.id] = prompt
-                yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, prompt.params)
+                if prompt.requests is None:
+                    pending[prompt.id] = (prompt, None)
+                    yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, prompt.params)
+                    continue
+                group = _Group(prompt)
+                for slot, request in enumerate(prompt.requests):
+                    if request.request_id in pending:
+                        raise RunFailed(f"two requests of the run have the id {request.request_id!r}")
+                    pending[request.request_id] = (group, slot)
+                    yield request
 
         for output in executor.stream(requests(), on_tokens=progress.on_tokens):
-            prompt = pending.pop(output.request_id, None)
-            if prompt is None:
+            entry = pending.pop(output.request_id, None)
+            if entry is None:
                 raise RunFailed(f"the engine returned an unknown request id {output.request_id!r}")
-            finish(prompt, output)
+            target, slot = entry
+            if slot is None:
+                finish(target, output)
+            elif target.arrived(slot, output):
+                finish(target.prompt, target.outputs)
     if pending:
         raise RunFailed(f"the engine finished without returning {len(pending)} request(s), e.g. {next(iter(pending))!r}")
+
+
+class _Group:
+    """The outputs of a prompt with several requests, collected until the last one arrives."""
+
+    def __init__(self, prompt: PromptRecord) -> None:
+        self.prompt = prompt
+        self.outputs: list[Any] = [None] * len(prompt.requests or ())
+        self.left = len(self.outputs)
+
+    def arrived(self, slot: int, output: Any) -> bool:
+        """Keep ``output`` in ``slot``; True once every request's output is in."""
+        self.outputs[slot] = output
+        self.left -= 1
+        return self.left == 0
 
 
 def _check_error_rate(new_records: dict[str, int], limit: float, last_failed: str) -> None:

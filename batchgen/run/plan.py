@@ -89,8 +89,27 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     Building the source loads or opens the data (raises DataError / ConfigError).
     """
     source_kind, record_kind = kinds(config)
+    if config.generation.scores:  # generation.mode loglikelihood / perplexity: a scoring job
+        return _scoring(config, source_kind, record_kind, metric_columns, metrics)
     return (_SOURCES[source_kind](config, processors, metric_columns),
             _RECORDS[record_kind](config, metrics))
+
+
+def _scoring(config: RunConfig, source_kind: SourceKind, record_kind: RecordKind,
+             metric_columns: dict[str, Iterable[str]] | None,
+             metrics: Sequence[tuple[MetricRef, Any]]) -> tuple[PromptSource, RecordFormat]:
+    """The scoring rows and records of a ``loglikelihood`` / ``perplexity`` job (dataset rows and
+    batchgen-style records only)."""
+    if source_kind is not DATASET_ROWS:
+        raise ConfigError([ConfigIssue("data.format", f"generation.mode '{config.generation.mode}' scores the rows "
+                                       f"of a dataset; data.format '{config.data.format}' is not one")])
+    if record_kind is not BATCHGEN_RECORDS:
+        raise ConfigError([ConfigIssue("output.format", f"generation.mode '{config.generation.mode}' writes "
+                                       f"batchgen records; use output.format '{BATCHGEN_RECORDS.name}' or 'auto'")])
+    from batchgen.run.scoring_records import ScoringRecords
+    from batchgen.run.scoring_rows import ScoringRows
+
+    return ScoringRows(config, metric_columns), ScoringRecords(config.generation.mode, metrics)
 
 
 # What each kind is built as (imported when picked: a job needs one source and one format).
@@ -124,6 +143,16 @@ def _response_lines(config: RunConfig, metrics: Sequence[tuple[MetricRef, Any]])
 _SOURCES: dict[SourceKind, Callable[..., PromptSource]] = {DATASET_ROWS: _dataset_rows, BATCH_LINES: _batch_lines}
 _RECORDS: dict[RecordKind, Callable[..., RecordFormat]] = {BATCHGEN_RECORDS: _batchgen_records,
                                                            RESPONSE_LINES: _response_lines}
+
+
+def _metric_refs(config: RunConfig) -> list[MetricRef]:
+    """The job's metrics: ``metrics:``, or those a scoring job implies when it lists none
+    (:func:`batchgen.plugins.scoring_metrics.implied_metrics`)."""
+    if config.metrics or not config.generation.scores:
+        return list(config.metrics)
+    from batchgen.plugins.scoring_metrics import implied_metrics
+
+    return [MetricRef(name=name) for name in implied_metrics(config.generation)]
 
 
 class _Issues:
@@ -206,7 +235,7 @@ def plan(
 
         registry = load_registry(config.plugins)
     found = _Issues()
-    metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in config.metrics]
+    metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in _metric_refs(config)]
     found.run(lambda: _configure_metrics(config, registry, metrics))
     processors = []
     if config.generation.sampler is not None:

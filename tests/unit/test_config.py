@@ -62,7 +62,7 @@ def test_wrong_type_names_path_and_value() -> None:
 
 def test_bad_choice_lists_choices_with_suggestion() -> None:
     (error,) = _errors(_with(generation={"mode": "beams"}))
-    assert error == "generation.mode: invalid value 'beams' (did you mean 'beam'?); valid: 'greedy', 'sample', 'beam'"
+    assert error == "generation.mode: invalid value 'beams' (did you mean 'beam'?); valid: 'greedy', 'sample', 'beam', 'loglikelihood', 'perplexity'"
 
 
 def test_scheduling_policy_defaults_to_prefix_order() -> None:
