@@ -136,7 +136,7 @@ def test_choices_as_templates_and_answer_as_text(mc_job, tiny_llm) -> None:
 def test_perplexity_job_equals_loglikelihood_rolling(job_config, tiny_llm, tmp_path) -> None:
     data = _write_jsonl(tmp_path / "texts.jsonl", TEXTS)
     path = _scoring_job(job_config, {"mode": "perplexity"}, data={"source": str(data), "id_column": "tid"},
-                        prompt={"column": "text", "chat_template": False})
+                        prompt={"column": "text"})  # no chat template by default, though the tokenizer has one
     summary, records = _run(path, tiny_llm)
     by_id = {r["id"]: r for r in records}
     rolling = tiny_llm.loglikelihood_rolling([t["text"] for t in TEXTS])
@@ -226,3 +226,12 @@ def test_run_prints_a_results_table(mc_job, capsys: pytest.CaptureFixture[str]) 
     rows = dict(re.findall(r"^\| (acc\w*) +\| +([\d.]+) \|$", out, re.M))
     assert rows == {"acc": f"{summary['metrics']['accuracy']['acc']:.4f}",
                     "acc_norm": f"{summary['metrics']['accuracy_norm']['acc_norm']:.4f}"}
+
+
+def test_validate_notes_a_bad_row_and_says_ok(mc_job, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.cli import main
+
+    rows = [dict(QUESTIONS[0]), dict(QUESTIONS[1], label=9)]
+    assert main(["validate", str(mc_job(rows))]) == 0
+    out = capsys.readouterr().out
+    assert f"note: row id '{rows[1]['qid']}': the answer index 9 is out of range" in out and ": ok (" in out
