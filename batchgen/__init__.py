@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
-    "RequestStats", "EngineStats", "hookimpl", "__version__",
+    "Logprob", "RequestStats", "EngineStats", "hookimpl", "__version__",
 ]
 
 _LAZY = {
@@ -31,6 +31,7 @@ _LAZY = {
     "Request": ("batchgen.engine.outputs", "Request"),
     "RequestOutput": ("batchgen.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("batchgen.engine.outputs", "CompletionOutput"),
+    "Logprob": ("batchgen.engine.outputs", "Logprob"),
     "EngineStats": ("batchgen.engine.outputs", "EngineStats"),
     "RequestStats": ("batchgen.engine.sequence", "RequestStats"),
     "hookimpl": ("batchgen.plugins", "hookimpl"),
@@ -39,7 +40,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.llm import LLM
-    from batchgen.engine.outputs import CompletionOutput, EngineStats, Request, RequestOutput
+    from batchgen.engine.outputs import CompletionOutput, EngineStats, Logprob, Request, RequestOutput
     from batchgen.engine.sequence import RequestStats
     from batchgen.plugins import hookimpl
     from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams

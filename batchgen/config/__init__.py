@@ -22,6 +22,8 @@ The package, one noun a module: :mod:`~batchgen.config.errors`, the sections
 (:mod:`~batchgen.config.sections`, :mod:`~batchgen.config.generation`,
 :mod:`~batchgen.config.engine`), :mod:`~batchgen.config.run_config`,
 :mod:`~batchgen.config.messages` (pydantic's errors in YAML's words),
+:mod:`~batchgen.config.formats` (the one reader of ``data.format`` and ``output.format``:
+``kinds(config)`` picks the prompt source's and the record format's kinds),
 :mod:`~batchgen.config.overrides` (``--set``) and :mod:`~batchgen.config.loading`.
 
 This package imports neither torch nor the engine: ``batchgen validate`` must stay cheap.
