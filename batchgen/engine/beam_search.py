@@ -6,12 +6,17 @@ module is the engine side of it: the log-softmax and top-k over the beams' logit
 logits processors, and the paged cache: a survivor with several children is forked (sharing
 its blocks; only the partial last block is copied, on its next write), a dead beam's blocks are
 freed at once, and the final hypotheses become the group's finished sequences.
+
+:func:`beam_step` takes the engine as a :class:`BeamHost`: the few parts of it a beam step
+touches (the block manager, the scheduler, the output processor, the context length and the
+processor states). :class:`batchgen.engine.core.EngineCore` is one; this module does not
+import it, so the engine core depends on the beam step and not the other way round.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,10 +27,25 @@ from batchgen.sampling.processors import describe_processor
 from batchgen.sampling.stateful import apply_stateful
 
 if TYPE_CHECKING:
-    from batchgen.engine.core import EngineCore
+    from batchgen.engine.block_manager import BlockManager
+    from batchgen.engine.output_processor import OutputProcessor
+    from batchgen.engine.scheduler import Scheduler
 
 
-def beam_step(core: EngineCore, group: SequenceGroup, entries: list[tuple[Sequence, int]],
+class BeamHost(Protocol):
+    """What :func:`beam_step` uses of the engine (``EngineCore`` provides it)."""
+
+    block_manager: BlockManager  # forks a survivor's blocks for its extra children
+    scheduler: Scheduler  # frees a dead beam's and a finished search's sequences
+    output: OutputProcessor  # decodes a final hypothesis
+    max_model_len: int  # the search ends when the context is full
+
+    def states(self, group: SequenceGroup, seq: Sequence) -> list[Any]:
+        """``seq``'s logits-processor states (rebuilt from its tokens when missing)."""
+        ...
+
+
+def beam_step(core: BeamHost, group: SequenceGroup, entries: list[tuple[Sequence, int]],
               logits: torch.Tensor) -> int:
     """Advance ``group``'s search by one token; returns the number of live beams after it.
 

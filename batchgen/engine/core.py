@@ -2,8 +2,9 @@
 
 Each step: the scheduler plans (allocation, copy-on-write, preemption), the model runner runs
 one packed forward, then every sequence that reached its last token gets a new token (the
-sampler, or :func:`batchgen.engine.beam_search.beam_step`), the output processor applies the
-stop rules, and finished requests leave at once, freeing their blocks.
+sampler, or :func:`batchgen.engine.beam_search.beam_step`, which takes the core as its
+``BeamHost``), the output processor applies the stop rules, and finished requests leave at
+once, freeing their blocks.
 
 A request whose logits processors (a constraint, a plugin's sampler) leave it no token fails
 alone: its output carries the error naming the processor, and the rest of the step goes on.
