@@ -104,6 +104,9 @@ def test_builtins_register_through_the_public_hooks() -> None:
         "length",
         "json_valid",
         "json_schema_valid",
+        "accuracy",
+        "accuracy_norm",
+        "perplexity",
     ]
 
 
