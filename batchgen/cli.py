@@ -195,7 +195,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
-    from batchgen.models import quiet_libraries
+    from batchgen.quiet import quiet_libraries
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
@@ -286,7 +286,7 @@ def _report(summary: dict[str, Any], config: Any) -> None:
 def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
     """The model's tokenizer when it is available locally; else (None, why not)."""
     try:
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         resolved = resolve_model(model_name)
         if not Path(resolved.path).is_dir():

@@ -301,7 +301,7 @@ def part_lengths(args, out: Path) -> dict:
 def part_scaling(args, out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path)
     w256 = w256_prompts(tok)

@@ -174,7 +174,7 @@ def main() -> None:
     if args.hf:
         from transformers import AutoModelForCausalLM
 
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         path = resolve_model("smollm2-135m-instruct").path
         del ref, other

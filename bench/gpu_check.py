@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -49,7 +48,31 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script (bench/gpu_check.sh): the repo root holds bench
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_common import (  # noqa: F401 - the stages and the tests use them from here too
+    BENCH_BATCHES,
+    BENCH_BLOCK_SIZE,
+    BENCH_CONTEXTS,
+    BENCH_DTYPES,
+    BENCH_HEAD_SIZES,
+    BENCH_NUM_HEADS,
+    BENCH_NUM_KV_HEADS,
+    NoGpu,
+    ROOT,
+    Stage,
+    TARGET_FRACTION,
+    TARGET_MIN_BATCH,
+    TARGET_MIN_CONTEXT,
+    TARGET_VS_FLASHINFER,
+    bench_points,
+    decode_bytes,
+    gpu_point,
+    is_target,
+    write_json,
+)
+
 
 # --------------------------------------------------------------------------- plan
 # Default budgets in seconds; scaled down together when the deadline is shorter.
@@ -69,16 +92,6 @@ GPU_STAGES = tuple(s for s in STAGES if s != "environment")
 # Seconds a stage's process may run past its budget (start-up, writing) before it is killed.
 GRACE_S = 15.0
 
-BENCH_BATCHES = (1, 16, 64, 256)
-BENCH_CONTEXTS = (512, 1024, 4096, 16384)
-BENCH_HEAD_SIZES = (64, 128)
-BENCH_DTYPES = ("float16", "bfloat16")
-# A Llama-3-8B-like layer (32 query heads over 8 KV heads), 16-token blocks.
-BENCH_NUM_HEADS, BENCH_NUM_KV_HEADS, BENCH_BLOCK_SIZE = 32, 8, 16
-# The targets: at batch >= 64 and context >= 1K, >= 70 % of peak HBM bandwidth and within
-# 1.2x of FlashInfer's time.
-TARGET_MIN_BATCH, TARGET_MIN_CONTEXT = 64, 1024
-TARGET_FRACTION, TARGET_VS_FLASHINFER = 0.70, 1.2
 
 # Peak HBM bandwidth (bytes/s) by device name, from the vendors' data sheets; the first key
 # contained in the name wins, so the more specific names come first.
@@ -116,34 +129,6 @@ def peak_bandwidth(device_name: str, override_tbps: float | None = None,
     if memory_clock_khz and bus_width_bits:
         return 2 * memory_clock_khz * 1e3 * bus_width_bits / 8, "driver: 2 x memory clock x bus width"
     return None, "unknown device"
-
-
-def decode_bytes(batch: int, context: int, num_heads: int, num_kv_heads: int, head_size: int,
-                 block_size: int, dtype_bytes: int) -> int:
-    """Bytes one decode call must move at the least: what the bandwidth figures divide.
-
-    Every K and V row of every sequence's context, once (``2 · batch · context · kv_heads ·
-    head_size`` elements), the query read and the output written (``batch · heads ·
-    head_size`` each), the block-table entries read (``ceil(context / block_size)`` int32 per
-    sequence) and the context lengths (one int32 each). Split-K scratch and re-reads by a kernel
-    are not counted: they are its own cost, not the problem's.
-    """
-    kv = 2 * batch * context * num_kv_heads * head_size * dtype_bytes
-    q_and_out = 2 * batch * num_heads * head_size * dtype_bytes
-    tables = batch * math.ceil(context / block_size) * 4 + batch * 4
-    return kv + q_and_out + tables
-
-
-def bench_points(batches=BENCH_BATCHES, contexts=BENCH_CONTEXTS, heads=BENCH_HEAD_SIZES,
-                 dtypes=BENCH_DTYPES) -> list[dict[str, Any]]:
-    """The bandwidth sweep, target points (batch >= 64, context >= 1K) first."""
-    points = [{"dtype": d, "head_size": h, "batch": b, "context": c}
-              for d in dtypes for h in heads for b in batches for c in contexts]
-    return sorted(points, key=lambda p: not is_target(p))  # stable
-
-
-def is_target(point: dict[str, Any]) -> bool:
-    return point["batch"] >= TARGET_MIN_BATCH and point["context"] >= TARGET_MIN_CONTEXT
 
 
 def plan_stages(selected: list[str], deadline_s: float,
@@ -198,12 +183,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- report
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (a reader or a kill never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
 
 
 def merge_flashinfer(result: dict[str, Any]) -> None:
@@ -284,20 +263,6 @@ def status_of(stage: dict[str, Any]) -> str:
     if "no_gpu" in stage and not stage.get("error"):
         return "NOGPU"
     return "SKIP" if stage.get("skipped") else "PASS" if stage.get("passed") else "FAIL"
-
-
-class NoGpu(Exception):
-    """Raised by :func:`gpu_point` where a stage would make its first CUDA call without a GPU."""
-
-
-def gpu_point(what: str, device: str = "cuda") -> None:
-    """Mark a stage's first CUDA call: without a CUDA device, stop the stage here (the dry run
-    records that it got this far). Does nothing on a GPU, or when ``device`` is the CPU (the
-    tests run stages there)."""
-    import torch
-
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise NoGpu(f"no GPU: stopped before {what}")
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -405,19 +370,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --------------------------------------------------------------------------- stages
-class Stage:
-    """A stage's result dict, written to disk after every update, and its time budget."""
-
-    def __init__(self, path: Path, budget_s: float) -> None:
-        self.path, self.budget_s = path, budget_s
-        self.start = time.perf_counter()
-        self.data: dict[str, Any] = {"passed": False}
-
-    def left(self) -> float:
-        return self.budget_s - (time.perf_counter() - self.start)
-
-    def save(self) -> None:
-        write_json(self.path, self.data)
 
 
 def stage_main(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@
                 is no vLLM on the GPU machine (not in its image; its wheels are far over what a
                 call carries), so no vLLM figures.
 
-Both stages stop with :func:`bench.gpu_check.gpu_point` before their first CUDA call when there
+Both stages stop with :func:`bench.gpu_common.gpu_point` before their first CUDA call when there
 is no GPU (the dry run); ``DEVICE``, ``ATTENTION_BACKEND`` and ``MODEL_OVERRIDES`` let the tests
 run the same code on the CPU with a shrunk model.
 """
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_check import gpu_point
+from bench.gpu_common import gpu_point
 
 DEVICE = "cuda"
 ATTENTION_BACKEND = "cuda"

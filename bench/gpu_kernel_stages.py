@@ -4,7 +4,7 @@
 tests' GPU cases), ``bandwidth`` (the decode kernel's achieved bandwidth beside SDPA's flash
 kernel) and ``flashinfer`` (FlashInfer's paged decode on the same points); see
 ``bench/gpu_check.py``'s docstring for what each measures. Each stops with
-:func:`bench.gpu_check.gpu_point` before its first CUDA call when there is no GPU (the dry run).
+:func:`bench.gpu_common.gpu_point` before its first CUDA call when there is no GPU (the dry run).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.gpu_check import (
+from bench.gpu_common import (
     BENCH_BLOCK_SIZE,
     BENCH_NUM_HEADS,
     BENCH_NUM_KV_HEADS,

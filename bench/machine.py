@@ -56,7 +56,7 @@ def workload(name: str, num_prompts: int | None) -> list[list[int]]:
     elif name == "w256":
         from transformers import AutoTokenizer
 
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         prompts = w256_prompts(AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path))
     else:
@@ -270,7 +270,7 @@ def linear_weights_split(model: str = "smollm2-135m-instruct") -> tuple[int, int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     config = AutoConfig.from_pretrained(resolve_model(model).path)
     with torch.device("meta"):

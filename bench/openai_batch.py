@@ -188,7 +188,7 @@ def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dic
     from transformers import AutoTokenizer
 
     from batchgen.config import validate_config
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
 

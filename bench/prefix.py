@@ -181,7 +181,7 @@ def run_part(args, out: Path, log: Callable[[str], None], vllm_status: Callable[
 
     from transformers import AutoTokenizer
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
     from bench import runner
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path)

@@ -128,7 +128,7 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if peer == "vllm":
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         cores = threads or len(os.sched_getaffinity(0))
         env.update(VLLM_CPU_KVCACHE_SPACE=str(options.pop("kv_gib", 1)),

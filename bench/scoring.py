@@ -221,7 +221,7 @@ def run_part(args, out: Path, log: Callable[[str], None], machine: Callable[[], 
              save: Callable[[str, dict, Path], None], vllm_importable: bool) -> dict:
     from transformers import AutoTokenizer
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     model = resolve_model("smollm2-135m-instruct").path
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -155,7 +155,7 @@ def run_part(args, out: Path, log: Callable[[str], None], machine: Callable[[], 
              save: Callable[[str, dict, Path], None], greedy_agreement: Callable[[list, list], dict]) -> dict:
     from transformers import AutoTokenizer
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
     from bench import runner
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path)
     prompts = json_prompts(tok, args.num_prompts)

@@ -26,7 +26,7 @@ def build(peer: str, options: dict):
     Raises:
         ValueError: an unknown peer name.
     """
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     path = resolve_model("smollm2-135m-instruct").path
     if peer == "batchgen":

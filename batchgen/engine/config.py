@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.models import DEFAULT_MODEL
+from batchgen.model_resolver import DEFAULT_MODEL
 
 __all__ = ["EngineConfig", "DTYPE_NAMES", "ATTENTION_BACKENDS", "LINEAR_BACKENDS",
            "SCHEDULING_POLICIES", "QUANTIZATIONS"]

@@ -117,7 +117,7 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from batchgen import threads
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         if not isinstance(config, EngineConfig):
             config = EngineConfig.from_kwargs(config, **kwargs)

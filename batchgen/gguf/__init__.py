@@ -10,5 +10,5 @@
   and filled from the file (``QuantizedLinear`` layers, or de-quantized ``nn.Linear``).
 
 Where a model name becomes a GGUF file, and what ``quantization: auto`` means, is decided in
-:mod:`batchgen.models`. See ``docs/gguf.md``.
+:mod:`batchgen.model_resolver`. See ``docs/gguf.md``.
 """

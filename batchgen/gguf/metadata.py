@@ -41,7 +41,7 @@ TABLE_FILE = "tensors.json"
 
 def metadata_folder_for(path: Path) -> Path:
     """Where the metadata folder of the GGUF file ``path`` lives (it may not exist yet)."""
-    from batchgen.models import cache_dir
+    from batchgen.cache import cache_dir
 
     path = path.resolve()
     stat = path.stat()
@@ -66,7 +66,8 @@ def metadata_folder(path: Path) -> Path:
     started = time.perf_counter()
     logger.info("reading the config and tokenizer of %s (once per file: 10-25 s for a 50k-token vocabulary; "
                 "then kept in %s)", path.name, target)
-    from batchgen.models import quiet_libraries, remove_stale_temp_folders
+    from batchgen.cache import remove_stale_temp_folders
+    from batchgen.quiet import quiet_libraries
 
     quiet_libraries()
     from transformers import AutoConfig, AutoTokenizer

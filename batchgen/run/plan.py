@@ -203,7 +203,7 @@ def check_model_name(name: str, quantization: str = "auto", device: str = "auto"
 
     Cheap for folders and cached hub ids; converts the embedded GGUF the first time only.
     """
-    from batchgen.models import ModelNotFoundError, check_model
+    from batchgen.model_resolver import ModelNotFoundError, check_model
 
     try:
         check_model(name, quantization, device)

@@ -22,7 +22,7 @@ from tiny_gguf import QTYPE_NAMES, write_llama_gguf
 
 from batchgen.gguf.loader import load_gguf_model
 from batchgen.gguf.metadata import metadata_folder
-from batchgen.models import ModelNotFoundError, resolve_model
+from batchgen.model_resolver import ModelNotFoundError, resolve_model
 
 #: ``quantization: gguf``: the largest logit error, relative to the largest logit, of the tiny
 #: models against their de-quantized fp32 oracle (the int8 rounding of the activations; see

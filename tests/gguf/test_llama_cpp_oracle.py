@@ -65,7 +65,7 @@ def setup():
     from transformers import AutoTokenizer
 
     from batchgen.gguf.loader import load_gguf_model
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     resolved = resolve_model("smollm2-135m-instruct", "gguf", "cpu")
     model = load_gguf_model(resolved.gguf_file, resolved.path, dtype=torch.float32, quantization="gguf")

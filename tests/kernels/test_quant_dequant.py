@@ -60,7 +60,7 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype: Q, source: str) -> None:
 
 
 def _embedded_reader() -> gguf.GGUFReader:
-    from batchgen import models
+    from batchgen import model_resolver as models
     try:
         path = models._embedded_gguf_path(models.EMBEDDED_MODELS[models.DEFAULT_MODEL])
     except models.ModelNotFoundError as exc:

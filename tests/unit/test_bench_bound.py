@@ -13,7 +13,7 @@ from bench import machine
 def test_linear_weights_split_matches_the_config():
     from transformers import AutoConfig
 
-    from batchgen.models import resolve_model
+    from batchgen.model_resolver import resolve_model
 
     c = AutoConfig.from_pretrained(resolve_model("smollm2-135m-instruct").path)
     kv = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgen.models import ModelNotFoundError, _convert_gguf, check_model, remove_stale_temp_folders
+from batchgen.cache import remove_stale_temp_folders
+from batchgen.model_resolver import ModelNotFoundError, _convert_gguf, check_model
 
 
 def _dead_pid() -> int:

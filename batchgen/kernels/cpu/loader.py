@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from batchgen.models import cache_dir
+from batchgen.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

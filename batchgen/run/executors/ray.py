@@ -121,7 +121,7 @@ class RayExecutor:
         # tokenizer loads while the replicas load their engines.
         from transformers import AutoTokenizer
 
-        from batchgen.models import resolve_model
+        from batchgen.model_resolver import resolve_model
 
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(
             self.config.model.name, self.config.engine.quantization, self.config.model.device).path)

@@ -42,7 +42,7 @@ class EngineReplica:
                  factory: Callable[[EngineConfig], Any] | None = None) -> None:
         t0 = time.perf_counter()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from batchgen.models import quiet_libraries
+        from batchgen.quiet import quiet_libraries
 
         quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
         import torch

