@@ -195,11 +195,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
+    from batchgen import quiet
     from batchgen.quiet import quiet_libraries
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
 
+    quiet.QUIET = bool(args.quiet)
     if args.quiet or not sys.stderr.isatty():
         quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:

@@ -28,10 +28,12 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchgen.cache import cache_dir, remove_stale_temp_folders
+from batchgen.quiet import say
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +112,17 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     for stale in remove_stale_temp_folders(target):
         logger.info("removed %s, left by an interrupted conversion", stale)
 
+    started = time.perf_counter()
+    say(f"converting the built-in model's {gguf_path.name} to float32 safetensors in {target} "
+        "(once: about a minute; later runs load the result)")
     if hf_logging.is_progress_bar_enabled():
         _convert_gguf_files(gguf_path, target)
-        return
-    # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
-    # de-quantisation bar with plain tqdm, which its own switch does not reach.
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-        _convert_gguf_files(gguf_path, target)
+    else:
+        # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
+        # de-quantisation bar with plain tqdm, which its own switch does not reach.
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            _convert_gguf_files(gguf_path, target)
+    say(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f} s")
 
 
 def _convert_gguf_files(gguf_path: Path, target: Path) -> None:

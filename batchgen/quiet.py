@@ -1,8 +1,13 @@
-"""Quiet libraries: the progress bars and info logs of transformers and the HF hub off."""
+"""Quiet: the progress bars and info logs of the libraries under us off, and batchgen's own
+one-off notices (``say``) on stderr unless the run is quiet."""
 
 from __future__ import annotations
 
 import os
+import sys
+
+#: Set by ``batchgen ... --quiet``: :func:`say` prints nothing.
+QUIET = False
 
 
 def quiet_libraries() -> None:
@@ -16,3 +21,10 @@ def quiet_libraries() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover - transformers is a dependency
         pass
+
+
+def say(text: str) -> None:
+    """One ``batchgen: <text>`` line on stderr (a long one-off step such as a model conversion,
+    in the CLI and the Python API alike), unless :data:`QUIET` is set."""
+    if not QUIET:
+        print(f"batchgen: {text}", file=sys.stderr, flush=True)
