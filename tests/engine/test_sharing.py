@@ -30,9 +30,9 @@ def test_n4_sampling_prefills_once_shares_blocks_and_reproduces(smollm2_path, w3
     seen_tables: list[list[list[int]]] = []
     original = llm.runner.execute
 
-    def spy(scheduled, sample, copies):
+    def spy(scheduled, sample, copies, *rest):
         seen_tables.append([list(seq.block_table) for seq, _ in scheduled])
-        return original(scheduled, sample, copies)
+        return original(scheduled, sample, copies, *rest)
 
     llm.runner.execute = spy
     out = llm.generate([prompt], params)[0]
