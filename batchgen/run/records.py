@@ -70,6 +70,19 @@ def make_record(prompt: PromptRecord, output: Any | None) -> dict[str, Any]:
     }
 
 
+def score_record(record: dict[str, Any], row: Any, metrics: Sequence[tuple[Any, Any]]) -> dict[str, Any]:
+    """Score an ok ``record`` with each ``(MetricRef, metric)`` under ``record["metrics"]``;
+    the first metric that fails makes it an error record naming its plugin. Returns ``record``."""
+    if record["error"] is None:
+        for ref, metric in metrics:
+            try:
+                record["metrics"][ref.key] = metric.score(record, row)
+            except PluginError as exc:
+                record["error"] = str(exc)
+                break
+    return record
+
+
 class _Builder:
     """Makes and scores the records of one run."""
 
@@ -77,15 +90,7 @@ class _Builder:
         self.metrics = metrics
 
     def make(self, prompt: PromptRecord, output: Any | None) -> dict[str, Any]:
-        record = make_record(prompt, output)
-        if record["error"] is None:
-            for ref, metric in self.metrics:
-                try:
-                    record["metrics"][ref.key] = metric.score(record, prompt.row)
-                except PluginError as exc:
-                    record["error"] = str(exc)
-                    break
-        return record
+        return score_record(make_record(prompt, output), prompt.row, self.metrics)
 
 
 class BatchgenRecords:

@@ -33,8 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batchgen.io.protocols import EngineView, PromptRecord
-from batchgen.plugins import PluginError
-from batchgen.run.records import BatchgenRecords
+from batchgen.run.records import BatchgenRecords, score_record
 
 __all__ = ["ScoringRecords", "results_table"]
 
@@ -57,15 +56,7 @@ class _Builder:
         self.metrics = metrics
 
     def make(self, prompt: PromptRecord, output: Any) -> dict[str, Any]:
-        record = self._record(prompt, output)
-        if record["error"] is None:
-            for ref, metric in self.metrics:
-                try:
-                    record["metrics"][ref.key] = metric.score(record, prompt.row)
-                except PluginError as exc:
-                    record["error"] = str(exc)
-                    break
-        return record
+        return score_record(self._record(prompt, output), prompt.row, self.metrics)
 
     def _record(self, prompt: PromptRecord, outputs: Any) -> dict[str, Any]:
         head: dict[str, Any] = {"id": prompt.id, "index": prompt.index}
