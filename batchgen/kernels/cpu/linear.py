@@ -57,9 +57,7 @@ def load_linear(isa: str = "native") -> Any:
                                accept=_runs_here, tag="" if isa == "native" else isa)
 
 
-def _runs_here(lib: Any) -> str | None:
-    lib.batchgen_linear_cpu_ok.restype = ctypes.c_int
-    return None if lib.batchgen_linear_cpu_ok() else "built for instructions this CPU lacks"
+_runs_here = loader.runs_here("batchgen_linear_cpu_ok")
 
 
 def _declare(lib: Any) -> None:

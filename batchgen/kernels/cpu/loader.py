@@ -116,6 +116,17 @@ def _compile(cc: str, source: Path, flags: tuple[str, ...], defines: list[str], 
     return None
 
 
+def runs_here(symbol: str) -> Any:
+    """An ``accept`` for :func:`build`: the library's own ``int symbol(void)`` cpuid check says
+    whether this CPU runs the instructions it was built for (else the reason to refuse it)."""
+    def accept(lib: Any) -> str | None:
+        check = getattr(lib, symbol)
+        check.restype = ctypes.c_int
+        return None if check() else "built for instructions this CPU lacks"
+
+    return accept
+
+
 def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: str = "") -> tuple[Any, tuple[str, ...]]:
     """Compile ``source`` (``what`` names it in errors) with the first flag set that works,
     cached on disk, and load it.

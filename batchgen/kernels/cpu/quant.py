@@ -241,9 +241,7 @@ def load_quant(isa: str = "native") -> Any:
                                accept=_runs_here, tag="" if isa == "native" else isa)
 
 
-def _runs_here(lib: Any) -> str | None:
-    lib.batchgen_quant_cpu_ok.restype = ctypes.c_int
-    return None if lib.batchgen_quant_cpu_ok() else "built for instructions this CPU lacks"
+_runs_here = loader.runs_here("batchgen_quant_cpu_ok")
 
 
 def _declare(lib: Any) -> None:
