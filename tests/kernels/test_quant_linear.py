@@ -1,7 +1,8 @@
 """The quantized linear kernel (``kernels/cpu/quant.c`` behind ``QuantizedLinear``).
 
 For every format and every instruction-set build (``native``: AVX512-VNNI where the CPU has it,
-``avx2`` forced, ``plain`` C), at 1, 7, 32 and 300 rows: the kernel equals its arithmetic
+``avx2`` forced, ``avxvnni`` forced (AVX2 with the 256-bit ``vpdpbusd``; where the CPU has
+AVX-VNNI), ``plain`` C), at 1, 7, 32 and 300 rows: the kernel equals its arithmetic
 written out in torch (``quant_arith.py``: the same int8 activations, exact integer dot products,
 the same float32 order) bit for bit, so the builds agree bit for bit; and it lies within the
 stated bound (``quant.activation_error_bound``) of the exact product with the weight as
@@ -25,10 +26,15 @@ from test_quant_dequant import _embedded_reader, quantized
 
 _WHY = quant.unsupported_reason()
 needs_kernel = pytest.mark.skipif(_WHY is not None, reason=f"the quantized CPU kernel cannot run here: {_WHY}")
-ISAS = ("native", "avx2", "plain")
+ISAS = ("native", "avx2", "avxvnni", "plain")
+# the /proc/cpuinfo features a forced build needs (the native build runs wherever the kernel does)
+NEEDS = {"avx2": ("avx2",), "avxvnni": ("avx2", "avx_vnni")}
 
 
 def _isa_or_skip(isa: str) -> None:
+    why = loader.missing_cpu_features(*NEEDS.get(isa, ()))
+    if why is not None:
+        pytest.skip(f"the {isa} build cannot run here: {why}")
     try:
         quant.load_quant(isa)
     except loader.CpuKernelError as exc:
@@ -204,8 +210,21 @@ def test_each_build_runs_the_instructions_it_is_named_for() -> None:
     the builds must say what they run: the native one what this CPU has."""
     flags = loader.cpu_flags() or frozenset()
     expected = ("avx512_vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+                else "avx_vnni" if {"avx2", "avx_vnni"} <= flags
                 else "avx2" if "avx2" in flags else "plain C")
     assert quant.kernel_isa("native") == expected
     assert quant.kernel_isa("plain") == "plain C"
     if "avx2" in flags:
         assert quant.kernel_isa("avx2") == "avx2"
+    if {"avx2", "avx_vnni"} <= flags:
+        assert quant.kernel_isa("avxvnni") == "avx_vnni"
+
+
+@needs_kernel
+@pytest.mark.skipif(not ("avx2" in (loader.cpu_flags() or ()) and loader.missing_cpu_features("avx_vnni")),
+                    reason="needs a CPU with AVX2 but without AVX-VNNI")
+def test_the_avxvnni_build_is_refused_without_avx_vnni() -> None:
+    """Built for AVX-VNNI, the library's own cpuid check refuses it on a CPU without it, so
+    it never runs there (native then is the plain AVX2 build)."""
+    with pytest.raises(loader.CpuKernelError, match="instructions this CPU lacks"):
+        quant.load_quant("avxvnni")

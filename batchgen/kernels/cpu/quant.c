@@ -2,10 +2,11 @@
  * Q4_K, Q6_K), x in float32; integer dot products on the CPU, threaded on pool.h.
  *
  * Built and loaded by batchgen/kernels/cpu/quant.py through loader.py. The same source builds
- * three ways, picked by what the compiler targets: AVX512-VNNI (`vpdpbusd` on 16 output
- * columns), AVX2 (`vpmaddubsw` + `vpmaddwd` on two halves of 8), or plain C. All three compute
- * the same integers exactly and then the same float32 operations in the same order, so they
- * give the same bits (a test builds all three and compares).
+ * four ways, picked by what the compiler targets: AVX512-VNNI (`vpdpbusd` on 16 output
+ * columns), AVX2 with AVX-VNNI (the VEX `vpdpbusd` on two halves of 8: CPUs with AVX-VNNI but
+ * no AVX-512), AVX2 (`vpmaddubsw` + `vpmaddwd` on two halves of 8), or plain C. All four
+ * compute the same integers exactly and then the same float32 operations in the same order, so
+ * they give the same bits (a test builds each and compares).
  *
  * Weight layout ("panels"). quant.py rearranges the file's bytes once, at load, without
  * widening them: output rows (= weight rows, "columns" of y) are taken 16 at a time (a panel,
@@ -63,6 +64,13 @@
 #else
 #define BG_ISA 0
 #endif
+/* The AVX2 build where the compiler also targets AVX-VNNI (-mavxvnni; -march=native on a CPU
+ * that has it): the 256-bit code takes the VEX-encoded vpdpbusd for vpmaddubsw + vpmaddwd. */
+#if BG_ISA == 1 && defined(__AVXVNNI__)
+#define BG_AVXVNNI 1
+#else
+#define BG_AVXVNNI 0
+#endif
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
@@ -71,8 +79,8 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 #define MC 64  /* rows per item at most */
 #define GRAIN_MACS (64 * 1024)
 
-/* 2 = AVX512-VNNI, 1 = AVX2, 0 = plain C */
-int batchgen_quant_isa(void) { return BG_ISA; }
+/* 3 = AVX-VNNI (the AVX2 build with vpdpbusd on 256 bits), 2 = AVX512-VNNI, 1 = AVX2, 0 = plain C */
+int batchgen_quant_isa(void) { return BG_AVXVNNI ? 3 : BG_ISA; }
 
 int batchgen_quant_cpu_ok(void) {
 #if BG_ISA == 2
@@ -81,7 +89,7 @@ int batchgen_quant_cpu_ok(void) {
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx2");
 #elif BG_ISA == 1
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
+  return __builtin_cpu_supports("avx2") && (!BG_AVXVNNI || __builtin_cpu_supports("avxvnni"));
 #else
   return 1;
 #endif
@@ -405,8 +413,13 @@ static inline __attribute__((always_inline)) void unit_dot(const int mr, const u
 /* Without VNNI: vpmaddubsw (u8 x s8 pairs -> int16) then vpmaddwd by 1 (-> int32). A pair is at
  * most 63 * 127 * 2 = 16002 for u <= 63, so int16 cannot saturate; for u <= 15 the pairs of 8
  * groups are summed in int16 first (at most 8 * 3810 = 30480), for u <= 63 of 2 groups (32004).
- * Q8_0's u (up to 255) is split in nibbles. */
+ * Q8_0's u (up to 255) is split in nibbles. (Not reached: the AVX2 builds read the panel
+ * directly, below; the AVX-VNNI one with 4 rows a tile, its 8 accumulators fit in 16 ymm.) */
+#if BG_AVXVNNI
+#define MR 4
+#else
 #define MR 2
+#endif
 static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
                                                            const int8_t *q, int64_t ldq, const int big, vi *out) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -528,6 +541,74 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
 }
 #undef DPW_ALL
 #undef DPW
+#define BG_DIRECT 1
+#elif BG_AVXVNNI
+/* AVX-VNNI: vpdpbusd on 256 bits (VEX), two per row and group (columns 0-7 and 8-15). It adds
+ * each column's 4 products u * q to its int32 lane, exactly (no int16 step, no saturation):
+ * the same integers as the AVX2 pairs below, which never saturate either (u <= 63, |q| <= 127),
+ * so the bits are the same. Q8_0's u (up to 255) goes in whole. */
+static inline __attribute__((always_inline)) __m256i q_bcast(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
+                                                                  const int8_t *q, int64_t ldq, vi *out) {
+  const __m256i m4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+  __m256i a[MR], b[MR];
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int i = 0; i < (kind == K_Q4_32 ? 4 : 8); i++) {
+    const __m256i c0 = _mm256_loadu_si256((const __m256i *)(src + 64 * i));
+    const __m256i c1 = _mm256_loadu_si256((const __m256i *)(src + 64 * i + 32));
+    for (int s = 0; s < (kind == K_Q4_32 ? 2 : 1); s++) {
+      const int g = kind == K_Q4_32 ? i + 4 * s : i;
+      __m256i w0, w1;
+      if (kind == K_Q8) {
+        w0 = _mm256_xor_si256(c0, flip), w1 = _mm256_xor_si256(c1, flip);
+      } else if (kind == K_Q4K_HI || s == 1) {
+        w0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), w1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), m4);
+      } else {
+        w0 = _mm256_and_si256(c0, m4), w1 = _mm256_and_si256(c1, m4);
+      }
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          const __m256i xb = q_bcast(q + r * ldq + 4 * g);
+          a[r] = _mm256_dpbusd_avx_epi32(a[r], w0, xb);
+          b[r] = _mm256_dpbusd_avx_epi32(b[r], w1, xb);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    if (r < mr) out[r] = (vi){a[r], b[r]};
+}
+/* Q6_K (see the AVX-512 version): u = lo | hi << 4 <= 63. */
+static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
+                                                              const int s, const int sh, const int8_t *q,
+                                                              int64_t ldq, vi *out) {
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  __m256i a[MR], b[MR];
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int g = 0; g < 4; g++) {
+    __m256i w[2];
+    for (int half = 0; half < 2; half++) {
+      __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * g + 32 * half));
+      __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
+      l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
+      h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
+      w[half] = _mm256_or_si256(l, h);
+    }
+    for (int r = 0; r < MR; r++) {
+      if (r < mr) {
+        const __m256i xb = q_bcast(q + r * ldq + 4 * g);
+        a[r] = _mm256_dpbusd_avx_epi32(a[r], w[0], xb);
+        b[r] = _mm256_dpbusd_avx_epi32(b[r], w[1], xb);
+      }
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    if (r < mr) out[r] = (vi){a[r], b[r]};
+}
 #define BG_DIRECT 1
 #elif BG_ISA == 1
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,

@@ -9,7 +9,8 @@ weight is resident) and computes ``y = x W^T + b``.
 Two paths compute it:
 
 * the kernel (``quant.c``): each row of ``x`` is quantized to int8 blocks, then integer dot
-  products (AVX512-VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``/``vpmaddwd``, or plain C) are
+  products (AVX512-VNNI ``vpdpbusd``, AVX-VNNI ``vpdpbusd`` on 256 bits, AVX2
+  ``vpmaddubsw``/``vpmaddwd``, or plain C) are
   combined with the blocks' scales in float32, in an order fixed per output element (see
   ``quant.c``'s header): batch-invariant and the same bits on every instruction-set build;
 * the torch reference (:func:`reference_linear`): de-quantize (bit for bit as
@@ -221,14 +222,19 @@ def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_
 
 
 QUANT_SOURCE = Path(__file__).resolve().parent / "quant.c"
-# extra compiler flags of each build: all this CPU has; AVX2 alone (what a CPU without AVX-512
-# runs); plain C (no intrinsics at all; the compiler may still vectorise the loops)
-ISAS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-DBG_QUANT_PLAIN", "-mno-avx2")}
-ISA_NAMES = {2: "avx512_vnni", 1: "avx2", 0: "plain C"}
+# extra compiler flags of each build (after -march=native where the compiler takes it): all this
+# CPU has; AVX2 alone (what a CPU with neither AVX-512 nor AVX-VNNI runs); AVX2 with AVX-VNNI
+# (what an AVX-VNNI CPU without AVX-512 runs: Alder Lake and later; refused by the library's own
+# check where the CPU lacks AVX-VNNI); plain C (no intrinsics at all; the compiler may still
+# vectorise the loops). Native picks the same code as these where the CPU has no more.
+ISAS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+        "avxvnni": ("-mno-avx512f", "-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+        "plain": ("-DBG_QUANT_PLAIN", "-mno-avx2")}
+ISA_NAMES = {3: "avx_vnni", 2: "avx512_vnni", 1: "avx2", 0: "plain C"}
 
 
 def load_quant(isa: str = "native") -> Any:
-    """The compiled quantized-linear library for ``isa`` (``native``, ``avx2`` or ``plain``),
+    """The compiled quantized-linear library for ``isa`` (a key of :data:`ISAS`),
     built on first use and cached on disk like the other kernels.
 
     Raises:
@@ -255,7 +261,7 @@ def _declare(lib: Any) -> None:
 
 
 def kernel_isa(isa: str = "native") -> str:
-    """What the ``isa`` build runs on here: ``avx512_vnni``, ``avx2`` or ``plain C``."""
+    """What the ``isa`` build runs on here: ``avx512_vnni``, ``avx_vnni``, ``avx2`` or ``plain C``."""
     return ISA_NAMES[load_quant(isa).batchgen_quant_isa()]
 
 
@@ -324,8 +330,8 @@ class QuantizedLinear(torch.nn.Module):
         qtype: its ``gguf.GGMLQuantizationType`` (or the integer id).
         out_features, in_features: the weight's shape.
         bias: optional ``[out_features]`` tensor (kept in float32).
-        isa: ``"native"`` (the kernel, with everything this CPU has), ``"avx2"``, ``"plain"``
-            (the kernel's other builds, for tests and benchmarks), or ``"torch"`` (the
+        isa: ``"native"`` (the kernel, with everything this CPU has), ``"avx2"``,
+            ``"avxvnni"``, ``"plain"`` (the kernel's other builds, for tests and benchmarks), or ``"torch"`` (the
             reference: de-quantize, then ``F.linear``). ``native`` falls back to ``torch``, with
             one logged line, where the kernel cannot be built.
 
@@ -338,7 +344,7 @@ class QuantizedLinear(torch.nn.Module):
 
     Raises:
         ValueError: an unsupported type, a byte count or bias that does not match the shape.
-        loader.CpuKernelError: ``isa`` ``avx2`` or ``plain`` asked for where it cannot build.
+        loader.CpuKernelError: a build other than ``native`` asked for where it cannot build or run.
     """
 
     def __init__(self, raw, qtype, out_features: int, in_features: int,  # noqa: ANN001
