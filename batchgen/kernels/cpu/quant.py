@@ -331,9 +331,9 @@ class QuantizedLinear(torch.nn.Module):
         out_features, in_features: the weight's shape.
         bias: optional ``[out_features]`` tensor (kept in float32).
         isa: ``"native"`` (the kernel, with everything this CPU has), ``"avx2"``,
-            ``"avxvnni"``, ``"plain"`` (the kernel's other builds, for tests and benchmarks), or ``"torch"`` (the
-            reference: de-quantize, then ``F.linear``). ``native`` falls back to ``torch``, with
-            one logged line, where the kernel cannot be built.
+            ``"avxvnni"``, ``"plain"`` (the kernel's other builds, for tests and benchmarks),
+            or ``"torch"`` (the reference: de-quantize, then ``F.linear``). ``native`` falls
+            back to ``torch``, with one logged line, where the kernel cannot be built.
 
     The bytes are kept rearranged for the kernel (:func:`pack_panels`, a permutation padded to
     whole panels of 16 rows): no float copy of the weight stays resident.
