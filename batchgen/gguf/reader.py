@@ -194,6 +194,31 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: tensor {name!r} is missing from the file") from None
 
+    def release(self, name: str) -> None:
+        """Drop the mapped pages of tensor ``name`` from this process's resident memory (once
+        its bytes have been copied out): they stay in the OS page cache, and a later read of
+        ``data`` maps them again. Without this every page the loader read would stay resident
+        beside its copy, doubling the weights' RSS. The pages at the tensor's two ends, shared
+        with its neighbours, are kept. A no-op where ``madvise`` is missing."""
+        import mmap
+
+        data = self.tensor(name).data
+        whole = data
+        while isinstance(whole.base, np.ndarray):  # the map of the whole file, from byte 0
+            whole = whole.base
+        mapping = getattr(whole, "_mmap", None)
+        if not isinstance(mapping, mmap.mmap) or not hasattr(mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = data.ctypes.data - whole.ctypes.data
+        first = -(-start // page) * page
+        last = (start + data.nbytes) // page * page
+        if last > first:
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+            except (OSError, ValueError):
+                pass
+
     def type_counts(self) -> dict[str, int]:
         """How many tensors of each block type (``{"Q4_K": 120, "F32": 61}``)."""
         counts: dict[str, int] = {}
