@@ -473,7 +473,7 @@ static inline __attribute__((always_inline)) void unit_dot(const int mr, const u
   }
 }
 #else
-#define MR 4
+#define MR 2
 static inline void unit_dot(const int mr, const uint8_t *u, const int groups, const int8_t *q, int64_t ldq,
                             const int big, vi *out) {
   (void)big;
@@ -552,31 +552,35 @@ static inline __attribute__((always_inline)) __m256i q_bcast(const int8_t *p) {
   memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
+#define DP_ROWS(w0, w1, g)                                                               \
+  for (int r = 0; r < MR; r++) {                                                         \
+    if (r < mr) {                                                                        \
+      const __m256i xb = q_bcast(q + r * ldq + 4 * (g));                                 \
+      a[r] = _mm256_dpbusd_avx_epi32(a[r], (w0), xb);                                    \
+      b[r] = _mm256_dpbusd_avx_epi32(b[r], (w1), xb);                                    \
+    }                                                                                    \
+  }
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
                                                                   const int8_t *q, int64_t ldq, vi *out) {
   const __m256i m4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
   __m256i a[MR], b[MR];
   for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
-  for (int i = 0; i < (kind == K_Q4_32 ? 4 : 8); i++) {
-    const __m256i c0 = _mm256_loadu_si256((const __m256i *)(src + 64 * i));
-    const __m256i c1 = _mm256_loadu_si256((const __m256i *)(src + 64 * i + 32));
-    for (int s = 0; s < (kind == K_Q4_32 ? 2 : 1); s++) {
-      const int g = kind == K_Q4_32 ? i + 4 * s : i;
+  /* group g = 4h + t, chunk t (Q4_0/Q4_1) or g: fixed trip counts, whatever `kind` */
+  for (int h = 0; h < 2; h++) {
+    for (int t = 0; t < 4; t++) {
+      const int g = 4 * h + t, chunk = kind == K_Q4_32 ? t : g;
+      const __m256i c0 = _mm256_loadu_si256((const __m256i *)(src + 64 * chunk));
+      const __m256i c1 = _mm256_loadu_si256((const __m256i *)(src + 64 * chunk + 32));
       __m256i w0, w1;
       if (kind == K_Q8) {
         w0 = _mm256_xor_si256(c0, flip), w1 = _mm256_xor_si256(c1, flip);
-      } else if (kind == K_Q4K_HI || s == 1) {
-        w0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), m4), w1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), m4);
-      } else {
-        w0 = _mm256_and_si256(c0, m4), w1 = _mm256_and_si256(c1, m4);
+      } else { /* the nibble by a shift count, not a branch: `kind` is not a constant for Q4_K
+                * (its units alternate low and high), and on a branch GCC loads and spills
+                * every chunk first */
+        const __m128i sh = _mm_cvtsi32_si128(kind == K_Q4K_HI || (kind == K_Q4_32 && h == 1) ? 4 : 0);
+        w0 = _mm256_and_si256(_mm256_srl_epi16(c0, sh), m4), w1 = _mm256_and_si256(_mm256_srl_epi16(c1, sh), m4);
       }
-      for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-          const __m256i xb = q_bcast(q + r * ldq + 4 * g);
-          a[r] = _mm256_dpbusd_avx_epi32(a[r], w0, xb);
-          b[r] = _mm256_dpbusd_avx_epi32(b[r], w1, xb);
-        }
-      }
+      DP_ROWS(w0, w1, g)
     }
   }
   for (int r = 0; r < MR; r++)
@@ -598,17 +602,12 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
       h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
       w[half] = _mm256_or_si256(l, h);
     }
-    for (int r = 0; r < MR; r++) {
-      if (r < mr) {
-        const __m256i xb = q_bcast(q + r * ldq + 4 * g);
-        a[r] = _mm256_dpbusd_avx_epi32(a[r], w[0], xb);
-        b[r] = _mm256_dpbusd_avx_epi32(b[r], w[1], xb);
-      }
-    }
+    DP_ROWS(w[0], w[1], g)
   }
   for (int r = 0; r < MR; r++)
     if (r < mr) out[r] = (vi){a[r], b[r]};
 }
+#undef DP_ROWS
 #define BG_DIRECT 1
 #elif BG_ISA == 1
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
