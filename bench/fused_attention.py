@@ -2,12 +2,12 @@
 ``python -m bench.fused_attention --out FILE [--dtype bfloat16] [--repeats 3] [--merge]``.
 
 Runs :mod:`bench.profile_step` (W32 greedy, 2 threads by default) alternately with the attention
-layers left as HF's (``unfused``: :func:`batchgen.engine.fused_attention.fuse_attention` turned
-off; RMSNorms and gated MLPs still fused, linear layers still packed) and fused (the default
-path), ``--repeats`` times each, each run in a fresh process. Records each run's decode-step
-median and its split (attention ops, linear layers, ``model_other`` = forward minus both), and
-per variant the medians over the runs with their min-max spread, and the ratios. ``--merge``
-adds this dtype's entry to an existing FILE. The RoPE + cache C pass of the fused layer is no
+layers left as HF's (``unfused``: :func:`batchgen.engine.fusion.fuse_model` without its
+``attention`` kind; RMSNorms and gated MLPs still fused, linear layers still packed) and fused
+(the default path), ``--repeats`` times each, each run in a fresh process. Records each run's
+decode-step median and its split (attention ops, linear layers, ``model_other`` = forward minus
+both), and per variant the medians over the runs with their min-max spread, and the ratios.
+``--merge`` adds this dtype's entry to an existing FILE. The RoPE + cache C pass of the fused layer is no
 attention op: it counts in ``model_other``, so compare ``attention + model_other``.
 """
 
@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-UNFUSED = ("import runpy, sys; import batchgen.engine.fused_attention as f; "
-           "f.fuse_attention = lambda model: {'attention': 0, 'rejected': 0}; "
+UNFUSED = ("import functools, runpy, sys; import batchgen.engine.fusion as f; "
+           "f.fuse_model = functools.partial(f.fuse_model, kinds=('rms_norm', 'gated_mlp')); "
            "sys.argv[0] = 'profile_step'; runpy.run_module('bench.profile_step', run_name='__main__')")
 KEYS = ("step", "attention", "model_other", "attention+model_other", "linear")
 

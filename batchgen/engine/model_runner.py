@@ -196,27 +196,22 @@ class ModelRunner:
         self.generation_config = getattr(self.model, "generation_config", None)
 
     def _setup_linears(self, name: str) -> str:
-        """Resolve ``linear_backend`` and, for ``cpu``, fuse what a probe shows exact (RMSNorms
-        and gated MLPs: :func:`batchgen.kernels.cpu.fused.fuse_modules`; attention layers:
-        :func:`batchgen.engine.fused_attention.fuse_attention`), then pack the model's
-        remaining linear layers for the C GEMM."""
+        """Resolve ``linear_backend`` and, for ``cpu``, fuse what a probe shows exact (RMSNorms,
+        gated MLPs and attention layers, over ``nn.Linear`` or ``QuantizedLinear`` layers:
+        :func:`batchgen.engine.fusion.fuse_model`), then pack the model's remaining
+        ``nn.Linear`` layers for the C GEMM."""
         from batchgen.kernels.cpu import linear as cpu_linear
 
         backend, why = cpu_linear.resolve(name, self.device, self.dtype)
         if backend == "cpu":
-            from batchgen.kernels.cpu import fused as cpu_fused
+            from batchgen.engine import fusion
 
-            from batchgen.engine import fused_attention
-
-            # before packing: these pack gate+up and q+k+v as one GEMM each
-            fused = cpu_fused.fuse_modules(self.model)
-            fused_attn = fused_attention.fuse_attention(self.model)
+            fused = fusion.fuse_model(self.model)  # before packing: it merges gate+up and q+k+v
             count = cpu_linear.pack_linears(self.model)
             path = f", bfloat16 through {cpu_linear.bf16_path()}" if self.dtype == torch.bfloat16 else ""
             logger.info("linear backend cpu: %d layers packed for the C GEMM%s; fused %d RMSNorms, "
                         "%d gated MLPs and %d attention layers (%d candidates left as they were)",
-                        count, path, fused["rms_norm"], fused["gated_mlp"], fused_attn["attention"],
-                        fused["rejected"] + fused_attn["rejected"])
+                        count, path, fused["rms_norm"], fused["gated_mlp"], fused["attention"], fused["rejected"])
         elif why is not None and self.device.type == "cpu":
             # the C kernels would have carried the step: say plainly why they do not
             logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])

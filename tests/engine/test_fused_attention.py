@@ -1,4 +1,5 @@
-"""The fused attention layer of the CPU path (``engine/fused_attention.py``).
+"""The fused attention layer of the CPU path (``engine/fused_attention.py``, fused by
+``engine/fusion.py``).
 
 On the real SmolLM2 every one of its 30 attention layers is fused, and a run with them fused
 gives the tokens and log-probabilities of the run without (same C GEMM, attention backend and
@@ -9,6 +10,7 @@ A machine where the C ops cannot be built skips with that reason.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,8 +18,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import fused_attention, paged_attention
-from batchgen.engine.fused_attention import FusedAttention, fuse_attention
+from batchgen.engine import fusion, paged_attention
+from batchgen.engine.fused_attention import FusedAttention
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu import linear as cpu_linear
 
@@ -31,7 +33,8 @@ W32 = Path(__file__).resolve().parents[2] / "bench" / "w32.jsonl"
 def _generate(path: str, prompts: list[list[int]], fuse: bool, dtype: str) -> tuple[LLM, list]:
     with pytest.MonkeyPatch.context() as mp:
         if not fuse:
-            mp.setattr(fused_attention, "fuse_attention", lambda model: {"attention": 0, "rejected": 0})
+            without_attention = functools.partial(fusion.fuse_model, kinds=("rms_norm", "gated_mlp"))
+            mp.setattr(fusion, "fuse_model", without_attention)
         # a small step budget: prompts prefill in chunks beside other sequences' decodes
         llm = LLM(path, dtype=dtype, linear_backend="cpu", block_size=16, max_num_batched_tokens=96)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=1))
@@ -61,6 +64,13 @@ def test_fused_attention_gives_the_unfused_tokens_and_logprobs_bit_for_bit(smoll
     assert [o.logprobs for o in fused] == [o.logprobs for o in unfused]
 
 
+def _fuse_attention_only(model: torch.nn.Module) -> dict[str, int]:
+    """The attention fusion alone: ``{"attention": fused, "rejected": left}``."""
+    counts = fusion.fuse_model(model, kinds=("attention",))
+    assert counts["rms_norm"] == counts["gated_mlp"] == 0
+    return {"attention": counts["attention"], "rejected": counts["rejected"]}
+
+
 def _load(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -71,12 +81,12 @@ def _load(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 def test_a_tiny_llama_is_fused_and_its_layer_reproduces_the_original(tiny_model, dtype) -> None:
     model = _load(tiny_model("llama", head_dim=16), dtype)
     original = model.model.layers[1].self_attn
-    counts = fuse_attention(model)
+    counts = _fuse_attention_only(model)
     assert counts == {"attention": 2, "rejected": 0}
     fused = model.model.layers[1].self_attn
     assert isinstance(fused, FusedAttention) and fused.num_heads == 4 and fused.num_kv_heads == 2
     # beyond the probe: another step (all decodes), in the model's own call
-    probe = fused_attention._Probe(fused_attention._rotary_embedding(model), 64, 2, 2, 16, dtype)
+    probe = fusion._Probe(fusion._rotary_embedding(model), 64, 2, 2, 16, dtype)
     probe.meta.num_decode_tokens = 0
     probe.meta.prefill_block_tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     probe.meta.prefill_query_start_loc = torch.tensor([0, 1, 5], dtype=torch.int32)
@@ -84,7 +94,7 @@ def test_a_tiny_llama_is_fused_and_its_layer_reproduces_the_original(tiny_model,
     (want, none), want_cache = probe.run(original, 1)
     (got, _), got_cache = probe.run(fused, 1)
     assert none is None
-    tol = fused_attention.PROBE_TOL[dtype] * float(want.float().abs().max())
+    tol = fusion.PROBE_TOL[dtype] * float(want.float().abs().max())
     assert float((got.float() - want.float()).abs().max()) <= tol
     assert float((got_cache.float() - want_cache.float()).abs().max()) <= tol
 
@@ -92,7 +102,7 @@ def test_a_tiny_llama_is_fused_and_its_layer_reproduces_the_original(tiny_model,
 def test_qwen3_q_and_k_norms_fail_the_probe(tiny_model) -> None:
     model = _load(tiny_model("qwen3", head_dim=16))
     assert hasattr(model.model.layers[0].self_attn, "q_norm")
-    assert fuse_attention(model) == {"attention": 0, "rejected": 2}
+    assert _fuse_attention_only(model) == {"attention": 0, "rejected": 2}
     assert not any(isinstance(m, FusedAttention) for m in model.modules())
 
 
@@ -111,13 +121,13 @@ def test_another_rotary_fails_the_probe(tiny_model, monkeypatch) -> None:
 
     model = _load(tiny_model("llama", head_dim=16))
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", _interleaved_rope)
-    assert fuse_attention(model) == {"attention": 0, "rejected": 2}
+    assert _fuse_attention_only(model) == {"attention": 0, "rejected": 2}
     assert isinstance(model.model.layers[0].self_attn, modeling_llama.LlamaAttention)
 
 
 def test_fused_attention_needs_the_engine(tiny_model) -> None:
     model = _load(tiny_model("llama", head_dim=16))
-    fuse_attention(model)
+    _fuse_attention_only(model)
     layer = model.model.layers[0].self_attn
     with pytest.raises(RuntimeError, match="only inside the batchgen engine"):
         layer(hidden_states=torch.zeros(1, 2, 64), position_embeddings=None)

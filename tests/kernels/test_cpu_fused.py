@@ -1,16 +1,15 @@
-"""The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, the greedy pick, module fusion.
+"""The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, RoPE with the cache write,
+the greedy pick.
 
 Each op is checked against its torch reference (``kernels/cpu/reference.py``, the torch ops it
 replaces), in float32 and, for RMSNorm and SiLU·up, bfloat16 and float16, including the edges
 of its ``exp`` (overflow, underflow, NaN) and argmax ties across vector lanes; rows are
-bit-identical at any thread count and alone or in a batch. Module fusion is checked on tiny HF
-models, including one whose norm and activation differ (Gemma), which the probe must leave
-alone. A machine where the library cannot be built skips with that reason.
+bit-identical at any thread count and alone or in a batch. The layers built on them and the
+model's fusion are the engine's (tests/engine/test_fusion.py, test_fused_attention.py). A
+machine where the library cannot be built skips with that reason.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 
 import cpu_reference as reference
 from batchgen.kernels.cpu import fused as cpu_fused
-from batchgen.kernels.cpu.fused import FusedGatedMLP, FusedRMSNorm, fuse_modules
 from batchgen.sampling.params import SamplingParams
 from batchgen.sampling.sampler import Sampler, SamplingRow
 
@@ -189,47 +187,6 @@ def test_sampler_fused_greedy_picks_what_torch_picks() -> None:
     torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), rtol=0, atol=4e-6)
     asked = Sampler(fused_greedy=True)(logits, rows(logprobs=2))  # top logprobs: torch's path
     assert asked.top_logprobs[0] is not None and len(asked.top_logprobs[0]) == 2
-
-
-def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
-
-
-@needs_lib
-def test_fuse_modules_on_a_llama(tiny_model) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from batchgen.kernels.cpu.linear import pack_linears
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 9, 31, 77, 120, 7]])
-    before = _logits(model, ids)
-    gate = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
-    counts = fuse_modules(model)
-    assert counts == {"rms_norm": 2 * 2 + 1, "gated_mlp": 2, "rejected": 0}
-    assert isinstance(model.model.norm, FusedRMSNorm)
-    assert isinstance(model.model.layers[1].mlp, FusedGatedMLP)
-    assert gate() is None  # the unpacked gate weight is not kept
-    assert pack_linears(model) == 2 * 4 + 1  # what is left: q k v o per layer, and lm_head
-    after = _logits(model, ids)
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
-    assert torch.equal(after.argmax(-1), before.argmax(-1))
-
-
-@needs_lib
-def test_fuse_modules_leaves_other_semantics_alone(tiny_model) -> None:
-    """Gemma's norm scales by 1 + weight and its MLP uses GELU: the probe rejects both."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model("gemma", head_dim=16), dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 9, 31, 77]])
-    before = _logits(model, ids)
-    counts = fuse_modules(model)
-    assert counts["rms_norm"] == counts["gated_mlp"] == 0
-    assert counts["rejected"] == 2 * 2 + 1 + 2
-    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in model.modules())
-    assert torch.equal(_logits(model, ids), before)
 
 
 def _rope_case(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_size: int, seed: int = 0):

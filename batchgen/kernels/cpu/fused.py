@@ -8,21 +8,18 @@ pass per op removes that: on SmolLM2 at 32 sequences the model's non-linear, non
 went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 ms
 (``bench.profile_step``).
 
-- :func:`fuse_modules` replaces, in a float32, bfloat16 or float16 CPU model, each RMSNorm by a
-  :class:`FusedRMSNorm` and each gated MLP (``down(silu(gate(x)) * up(x))``) by a
-  :class:`FusedGatedMLP`, whose gate and up projections run as one packed GEMM
-  (:class:`~batchgen.kernels.cpu.linear.PackedLinear`) followed by the fused SiLU·up. Modules
-  are recognised by their attributes, then **checked**: a candidate is replaced only if the
-  fused version reproduces the module's own output on a probe input. A variant with other
-  semantics (Gemma's ``1 + weight`` norm, another activation) fails the check and stays as is.
+- :func:`rms_norm` and :func:`silu_mul` (the gated MLP's ``silu(gate) * up``) over the rows of
+  their input;
 - :func:`rope_and_cache` rotates the query and key heads of a fused q/k/v projection's output
   in place (HF's rotate-half ``apply_rotary_pos_emb``) and writes the key and value heads into
   the paged cache (``reshape_and_cache``): about a dozen torch ops per attention layer in one
-  pass. Its user, :class:`~batchgen.engine.fused_attention.FusedAttention`, lives in the engine
-  (it attends through the engine's attention dispatch) and is fused, checked the same way, by
-  :func:`~batchgen.engine.fused_attention.fuse_attention`.
+  pass;
 - :func:`greedy` returns each row's argmax with its log-probability, in two passes over the
   logits instead of torch's argmax plus logsumexp (five passes and three temporaries).
+
+Their users are the engine's: the fused layers (:mod:`batchgen.engine.fused_layers`,
+:mod:`batchgen.engine.fused_attention`), put in a model's place where a probe shows them exact
+by :func:`batchgen.engine.fusion.fuse_model`, and the sampler's greedy pick.
 
 Numerics: results equal torch's within float32 rounding (sums in another order; ``exp`` is a
 polynomial within about 2e-7 relative of the true value). In bfloat16 and float16 the
@@ -48,15 +45,11 @@ from typing import Any
 import torch
 
 from . import loader
-from .linear import DTYPES, PackedLinear, as_rows
+from .linear import DTYPES, as_rows
 
 logger = logging.getLogger(__name__)
 
 FUSED_SOURCE = Path(__file__).resolve().parent / "fused.c"
-PROBE_ROWS = 5
-# how far a fused module may be from the one it replaces on the probe, relative to the output's
-# scale: float32 rounding, or about two units in the last place of a 16-bit type
-PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 _unavailable: str | None = None
 
 
@@ -264,120 +257,6 @@ def _greedy_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return ids, maxes, lse
 
 
-class FusedRMSNorm(torch.nn.Module):
-    """An RMSNorm (``weight * x / sqrt(mean(x²) + eps)``) in one C pass; keeps the weight."""
-
-    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
-        super().__init__()
-        self.weight = weight
-        self.variance_epsilon = float(eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.variance_epsilon)
-
-
-class FusedGatedMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))`` as one packed GEMM for gate and up, the fused
-    SiLU·up, then the packed down projection."""
-
-    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear) -> None:
-        super().__init__()
-        both = torch.nn.Linear(gate.in_features, gate.out_features + up.out_features,
-                               bias=gate.bias is not None, device="meta")
-        both.weight = torch.nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]), requires_grad=False)
-        if gate.bias is not None:
-            both.bias = torch.nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)
-        self.gate_up_proj = PackedLinear(both)
-        self.down_proj = PackedLinear(down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-
 def supported(dtype: torch.dtype) -> bool:
     """Whether the library runs ``dtype`` here (float32; bfloat16 and float16 with AVX2, F16C)."""
     return dtype is torch.float32 or (dtype in DTYPES and bool(load_fused().batchgen_fused_has_16()))
-
-
-def _norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float] | None:
-    """(weight, eps) if ``module`` looks like an RMSNorm over a CPU weight the library runs."""
-    if not type(module).__name__.endswith("RMSNorm"):
-        return None
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
-            or not supported(weight.dtype) or weight.device.type != "cpu"
-            or not weight.is_contiguous() or not isinstance(eps, float)):
-        return None
-    return weight, eps
-
-
-def _mlp_candidate(module: torch.nn.Module) -> bool:
-    """Whether ``module`` has CPU ``gate_proj``/``up_proj``/``down_proj`` linears of one dtype
-    the library runs, that fit together, and an ``act_fn`` (whether it is SiLU is left to the
-    probe)."""
-    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(p) is torch.nn.Linear for p in parts) or not hasattr(module, "act_fn"):
-        return False
-    gate, up, down = parts
-    dtype = gate.weight.dtype
-    if not supported(dtype) or any(p.weight.dtype != dtype or p.weight.device.type != "cpu" for p in parts):
-        return False
-    return (gate.in_features == up.in_features and gate.out_features == up.out_features
-            == down.in_features and (gate.bias is None) == (up.bias is None))
-
-
-def _reproduces(original: torch.nn.Module, fused: torch.nn.Module, width: int, dtype: torch.dtype) -> bool:
-    """Whether ``fused`` gives ``original``'s output on a probe input (rounding aside)."""
-    gen = torch.Generator().manual_seed(0)
-    probe = (torch.randn(1, PROBE_ROWS, width, generator=gen) * 2.0).to(dtype)
-    with torch.no_grad():
-        want = original(probe)
-        got = fused(probe)
-    if not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype:
-        return False
-    rtol = PROBE_RTOL[dtype]
-    want, got = want.float(), got.float()
-    return bool(torch.allclose(got, want, rtol=rtol, atol=rtol * 0.1 * float(want.abs().max()) + 1e-6))
-
-
-def fuse_modules(model: torch.nn.Module) -> dict[str, int]:
-    """Replace the RMSNorms and gated MLPs of a float32, bfloat16 or float16 CPU ``model`` by
-    fused ones.
-
-    Each candidate is replaced only if its fused version reproduces it on a probe input (see
-    the module docstring); the gate and up weights are dropped once packed. Call before
-    :func:`~batchgen.kernels.cpu.linear.pack_linears`, which packs the linears left.
-
-    Returns:
-        ``{"rms_norm": fused norms, "gated_mlp": fused MLPs, "rejected": candidates that
-        failed the probe}``.
-
-    Raises:
-        loader.CpuKernelError: the library cannot be built here.
-    """
-    load_fused()
-    counts = {"rms_norm": 0, "gated_mlp": 0, "rejected": 0}
-    for name, module in list(model.named_modules()):
-        fused: torch.nn.Module | None = None
-        kind = ""
-        if (norm := _norm_candidate(module)) is not None:
-            fused, kind, width = FusedRMSNorm(*norm), "rms_norm", norm[0].shape[0]
-            dtype = norm[0].dtype
-        elif _mlp_candidate(module):
-            fused = FusedGatedMLP(module.gate_proj, module.up_proj, module.down_proj)
-            kind, width = "gated_mlp", module.gate_proj.in_features
-            dtype = module.gate_proj.weight.dtype
-        if fused is None:
-            continue
-        if not _reproduces(module, fused, width, dtype):
-            counts["rejected"] += 1
-            logger.info("%s (%s) left unfused: the fused %s does not reproduce it",
-                        name, type(module).__name__, kind)
-            continue
-        model.set_submodule(name, fused)
-        counts[kind] += 1
-    return counts

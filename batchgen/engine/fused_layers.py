@@ -1,0 +1,146 @@
+"""The fused layers of the CPU path: :class:`FusedRMSNorm`, :class:`FusedGatedMLP`, and
+:func:`merge_linears`, the one rule by which linear layers over one input become one layer
+(q/k/v, gate/up), for plain ``nn.Linear`` and GGUF's ``QuantizedLinear`` alike.
+
+Which modules of a model become these, and the probes that decide it, are
+:mod:`batchgen.engine.fusion`'s; :class:`~batchgen.engine.fused_attention.FusedAttention` uses
+:func:`merge_linears` too. The C ops the layers call are :mod:`batchgen.kernels.cpu.fused`'s.
+
+Numerics of :func:`merge_linears`: each output column of the merged layer is computed exactly as
+the layer it comes from computes it, so the merged layer gives the separate layers' bits:
+
+- ``nn.Linear`` of one dtype: their weights stacked and packed as one
+  :class:`~batchgen.kernels.cpu.linear.PackedLinear`, whose every output is one chain of
+  multiply-adds over the input features, in order, whatever the other columns (the same
+  chain a PackedLinear of the single layer runs);
+- ``QuantizedLinear`` of one block type: :meth:`QuantizedLinear.concat
+  <batchgen.kernels.cpu.quant.QuantizedLinear.concat>` stacks their weight rows; the kernel
+  quantizes each input row to int8 per block of the type (the same for every layer of that
+  type) and each output depends only on its weight row and that input row;
+- layers of several kinds (a Q4_K_M file's Q4_K q and k beside its Q6_K v): each run of
+  consecutive layers of one kind is merged as above, and a :class:`ConcatLinear` runs the runs
+  and concatenates their outputs along the last dim.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu.linear import DTYPES, PackedLinear
+from batchgen.kernels.cpu.quant import QuantizedLinear
+
+
+def mergeable(layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> bool:
+    """Whether :func:`merge_linears` takes ``layers`` in a model computing in ``dtype``: each a
+    plain CPU ``nn.Linear`` with a ``dtype`` weight (subclasses may change ``forward``) or a
+    ``QuantizedLinear`` (any float input), all of one input width, with a bias on every layer
+    or on none."""
+    if not layers or dtype not in DTYPES:
+        return False
+    for layer in layers:
+        if type(layer) is torch.nn.Linear:
+            if layer.weight.dtype is not dtype or layer.weight.device.type != "cpu":
+                return False
+        elif not isinstance(layer, QuantizedLinear):
+            return False
+    first = layers[0]
+    return all(layer.in_features == first.in_features and (layer.bias is None) == (first.bias is None)
+               for layer in layers)
+
+
+def _kind(layer: torch.nn.Module) -> tuple:
+    """What one GEMM can hold: the weight's dtype, or the block type and the kernel build; and
+    the bias presence."""
+    stored = (layer.qtype, layer.isa) if isinstance(layer, QuantizedLinear) else layer.weight.dtype
+    return type(layer), stored, layer.bias is None
+
+
+def _merge_run(run: list[torch.nn.Module]) -> torch.nn.Module:
+    """One layer for consecutive layers of one kind."""
+    first = run[0]
+    if isinstance(first, QuantizedLinear):
+        return first if len(run) == 1 else QuantizedLinear.concat(run)
+    if len(run) == 1:
+        return PackedLinear(first)
+    both = torch.nn.Linear(first.in_features, sum(layer.out_features for layer in run),
+                           bias=first.bias is not None, device="meta")
+    both.weight = torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in run]), requires_grad=False)
+    if first.bias is not None:
+        both.bias = torch.nn.Parameter(torch.cat([layer.bias.detach() for layer in run]), requires_grad=False)
+    return PackedLinear(both)
+
+
+def merge_linears(layers: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """One layer whose output is the outputs of ``layers`` side by side along the last dim,
+    bit for bit what each gives alone (see the module docstring): a ``PackedLinear``, a
+    ``QuantizedLinear``, or a :class:`ConcatLinear` over one of those per run of consecutive
+    layers of one kind. One layer is packed (``nn.Linear``) or kept as it is
+    (``QuantizedLinear``). The layers themselves are not kept.
+
+    Raises:
+        ValueError: layers that :func:`mergeable` refuses for their own dtype.
+    """
+    layers = list(layers)
+    dtype = next((layer.weight.dtype for layer in layers if type(layer) is torch.nn.Linear), torch.float32)
+    if not mergeable(layers, dtype):
+        raise ValueError("merge_linears needs CPU nn.Linear layers of one dtype the C GEMM runs or "
+                         "QuantizedLinear layers, of one input width, with a bias on all or none; got "
+                         + ", ".join(type(layer).__name__ for layer in layers))
+    runs: list[list[torch.nn.Module]] = []
+    for layer in layers:
+        if runs and _kind(runs[-1][-1]) == _kind(layer):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    parts = [_merge_run(run) for run in runs]
+    return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+
+
+class ConcatLinear(torch.nn.Module):
+    """Linear layers over one input, run one after the other, their outputs concatenated along
+    the last dim (contiguous, so a fused q/k/v output keeps rows of unit column stride)."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An RMSNorm (``weight * x / sqrt(mean(x²) + eps)``) in one C pass
+    (:func:`~batchgen.kernels.cpu.fused.rms_norm`); keeps the weight."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_fused.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate and up merged into one layer
+    (:func:`merge_linears`), the fused SiLU·up (:func:`~batchgen.kernels.cpu.fused.silu_mul`),
+    then the down projection (packed, or kept quantized). The layers given are not kept."""
+
+    def __init__(self, gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = merge_linears([gate, up])
+        self.down_proj = merge_linears([down])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))

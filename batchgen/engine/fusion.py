@@ -1,0 +1,283 @@
+"""The model's fusion on the CPU path: which of its layers are replaced by fused ones, and why.
+
+:func:`fuse_model` runs once per model, when ``linear_backend="cpu"`` (the model runner calls it
+before :func:`~batchgen.kernels.cpu.linear.pack_linears` packs the linear layers left). In a
+float32, bfloat16 or float16 CPU model it replaces
+
+- each RMSNorm (a module named ``*RMSNorm`` with a 1-D ``weight`` and ``variance_epsilon`` or
+  ``eps``) by a :class:`~batchgen.engine.fused_layers.FusedRMSNorm` (one C pass instead of six
+  torch ops);
+- each gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``) by a
+  :class:`~batchgen.engine.fused_layers.FusedGatedMLP`: gate and up as one GEMM, then the fused
+  SiLU·up;
+- each HF Llama-like attention layer (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
+  ``head_dim``, ``layer_idx``, ``scaling``; a model with one rotary embedding over the whole
+  head) by a :class:`~batchgen.engine.fused_attention.FusedAttention`: q/k/v as one GEMM, RoPE
+  and the KV-cache write in one C pass, then the paged attention.
+
+Why: in a decode step of a small model each of these is a chain of narrow torch ops over a few
+dozen rows whose dispatch costs more than their arithmetic (figures in ``docs/kernels.md``).
+
+The linear layers of a candidate may be plain CPU ``nn.Linear`` (packed for the C GEMM) or GGUF
+``QuantizedLinear`` (``quantization="gguf"``, kept quantized); the one rule that merges q/k/v or
+gate/up, for both, is :func:`~batchgen.engine.fused_layers.merge_linears`, which gives the
+separate layers' bits. Modules are recognised by their attributes, then **checked**: a
+candidate is replaced only if the fused layer reproduces the module's own output on a probe
+input (norms and MLPs: random rows; attention: hidden states with the model's own rotary
+``cos``/``sin``, a mixed decode + prefill step over a small probe cache, the original run
+through batchgen's attention interface, its output and the K/V it writes compared). A variant
+of other semantics (Gemma's ``1 + weight`` norm, another activation, Qwen3's per-head q/k norms,
+partial or interleaved rotary) fails the probe and stays as it is.
+
+Numerics: RMSNorm and SiLU·up equal torch's within float32 rounding, or one unit in the last
+place of a 16-bit type (:mod:`batchgen.kernels.cpu.fused`); the fused attention computes what
+the unfused layer does on the CPU path bit for bit, and merging linears changes no bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+
+from batchgen.engine import paged_attention
+from batchgen.engine.fused_attention import FusedAttention
+from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
+from batchgen.kernels.cpu import fused as cpu_fused
+
+logger = logging.getLogger(__name__)
+
+#: The kinds of fusion, in the keys of :func:`fuse_model`'s counts.
+KINDS = ("rms_norm", "gated_mlp", "attention")
+
+PROBE_ROWS = 5
+# How far a fused norm or MLP may be from the module it replaces on the probe, relative to the
+# output's scale: float32 rounding, or about two units in the last place of a 16-bit type.
+PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+# The attention probe step: block size 4; one decode (context 6: five cached tokens, then the
+# new one) and one prefill chunk of 4 tokens after 2 cached ones (context 6).
+PROBE_BLOCK_SIZE = 4
+PROBE_NUM_BLOCKS = 4
+PROBE_POSITIONS = (5, 2, 3, 4, 5)
+PROBE_SLOTS = (5, 10, 11, 12, 13)
+# How far the fused attention's output and K/V may be from the original's on the probe,
+# relative to the largest magnitude: the packed GEMM's rounding, amplified by the softmax
+# (measured on SmolLM2: 2.6e-5 in float32, 2.2e-3 in bfloat16, 5.2e-4 in float16). Another
+# semantics (a per-head norm, another rotary) is off by the order of the values themselves.
+PROBE_TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype the model computes in: that of its first floating-point parameter (a GGUF
+    model's quantized weights are buffers; its norms are parameters), or None."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float] | None:
+    """(weight, eps) if ``module`` looks like an RMSNorm over a CPU weight the C ops run."""
+    if not type(module).__name__.endswith("RMSNorm"):
+        return None
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
+            or not cpu_fused.supported(weight.dtype) or weight.device.type != "cpu"
+            or not weight.is_contiguous() or not isinstance(eps, float)):
+        return None
+    return weight, eps
+
+
+def _mlp_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``module`` has ``gate_proj``/``up_proj``/``down_proj`` linears that merge (see
+    :func:`~batchgen.engine.fused_layers.mergeable`) and fit together, and an ``act_fn``
+    (whether it is SiLU is left to the probe)."""
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not hasattr(module, "act_fn") or not all(mergeable([p], dtype) for p in parts):
+        return False
+    gate, up, down = parts
+    return mergeable([gate, up], dtype) and gate.out_features == up.out_features == down.in_features
+
+
+def _attention_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``module`` has the attributes of an HF rotate-half attention layer whose linears
+    merge, with shapes that fit (whether it *is* one is left to the probe)."""
+    parts = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(mergeable([p], dtype) for p in parts):
+        return False
+    head_dim, layer, scaling = (getattr(module, name, None) for name in ("head_dim", "layer_idx", "scaling"))
+    if not isinstance(head_dim, int) or not isinstance(layer, int) or not isinstance(scaling, (int, float)):
+        return False
+    q, k, v, o = parts
+    if head_dim <= 0 or head_dim % 2 or not mergeable([q, k, v], dtype):
+        return False
+    return (k.out_features == v.out_features
+            and q.out_features % head_dim == 0 and k.out_features % head_dim == 0
+            and (q.out_features // head_dim) % (k.out_features // head_dim) == 0
+            and o.in_features == q.out_features)
+
+
+def _reproduces(original: torch.nn.Module, fused: torch.nn.Module, width: int, dtype: torch.dtype) -> bool:
+    """Whether the fused norm or MLP gives ``original``'s output on a probe input (rounding
+    aside)."""
+    gen = torch.Generator().manual_seed(0)
+    probe = (torch.randn(1, PROBE_ROWS, width, generator=gen) * 2.0).to(dtype)
+    with torch.no_grad():
+        want = original(probe)
+        got = fused(probe)
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype:
+        return False
+    rtol = PROBE_RTOL[dtype]
+    want, got = want.float(), got.float()
+    return bool(torch.allclose(got, want, rtol=rtol, atol=rtol * 0.1 * float(want.abs().max()) + 1e-6))
+
+
+def _rotary_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's one rotary embedding module (HF's ``*RotaryEmbedding``), or None when it has
+    none or several (local and global ones: which layer uses which is the model's business)."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    return found[0] if len(found) == 1 else None
+
+
+def _full_rotary(config: Any) -> bool:
+    """Whether the config rotates the whole head (no ``partial_rotary_factor`` below 1)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    factor = getattr(text, "partial_rotary_factor", None)
+    rope = getattr(text, "rope_parameters", None)
+    if factor is None and isinstance(rope, dict):
+        factor = rope.get("partial_rotary_factor")
+    return factor is None or float(factor) == 1.0
+
+
+class _Probe:
+    """The attention probe step: hidden states, the model's cos/sin at the probe positions, a
+    probe cache (filled with the same random values before each run) and its metadata."""
+
+    def __init__(self, rotary: torch.nn.Module, hidden: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        from batchgen.kernels import torch_attention
+
+        gen = torch.Generator().manual_seed(0)
+        tokens = len(PROBE_POSITIONS)
+        self.hidden_states = (torch.randn(1, tokens, hidden, generator=gen) * 2.0).to(dtype)
+        positions = torch.tensor([PROBE_POSITIONS])
+        with torch.no_grad():
+            self.cos, self.sin = rotary(self.hidden_states, positions)
+        self.position_ids = positions
+        shape = (num_layers, 2, PROBE_NUM_BLOCKS, PROBE_BLOCK_SIZE, num_kv_heads, head_dim)
+        self.initial = torch.randn(shape, generator=gen).to(dtype)
+        self.meta = paged_attention.AttentionMetadata(
+            kv_cache=self.initial.clone(),
+            slot_mapping=torch.tensor(PROBE_SLOTS, dtype=torch.int64),
+            num_decode_tokens=1,
+            decode_block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+            decode_context_lens=torch.tensor([6], dtype=torch.int32),
+            prefill_block_tables=torch.tensor([[2, 3]], dtype=torch.int32),
+            prefill_query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+            prefill_context_lens=torch.tensor([6], dtype=torch.int32),
+            ops=torch_attention.get_torch_ops(),
+            workspace=torch_attention.Workspace(),
+        )
+
+    def run(self, module: torch.nn.Module, layer: int) -> tuple[Any, torch.Tensor]:
+        """``module``'s output and the K/V it left in layer ``layer``'s probe cache."""
+        self.meta.kv_cache.copy_(self.initial)
+        with torch.no_grad():
+            out = module(hidden_states=self.hidden_states, attention_mask=None, position_ids=self.position_ids,
+                         cache=None, use_cache=False, position_embeddings=(self.cos, self.sin),
+                         batchgen_metadata=self.meta)
+        return out, self.meta.kv_cache[layer].clone()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``got`` is ``want`` within ``PROBE_TOL[dtype]`` of ``want``'s largest magnitude."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    got, want = got.float(), want.float()
+    return bool((got - want).abs().max() <= PROBE_TOL[dtype] * want.abs().max() + 1e-6)
+
+
+def _attention_reproduces(original: torch.nn.Module, fused: FusedAttention, probe: _Probe,
+                          dtype: torch.dtype) -> bool:
+    """Whether ``fused`` gives ``original``'s output and K/V on the probe (rounding aside)."""
+    try:
+        want, want_cache = probe.run(original, fused.layer_idx)
+        got, got_cache = probe.run(fused, fused.layer_idx)
+    except Exception as exc:  # noqa: BLE001 - a layer that cannot take the probe is not replaced
+        # e.g. cos/sin narrower than the head (partial rotary), or a layer of another kind
+        logger.debug("the attention probe failed: %s", exc)
+        return False
+    if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor):
+        return False
+    return _close(got[0], want[0], dtype) and _close(got_cache, want_cache, dtype)
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, fused: torch.nn.Module,
+             ok: bool, kind: str, counts: dict[str, int]) -> None:
+    """Put ``fused`` in ``module``'s place if the probe said ``ok``; count either way."""
+    if not ok:
+        counts["rejected"] += 1
+        logger.info("%s (%s) left unfused: the fused %s does not reproduce it", name, type(module).__name__, kind)
+        return
+    model.set_submodule(name, fused)
+    counts[kind] += 1
+
+
+def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str, int]) -> None:
+    candidates = [(name, m) for name, m in model.named_modules() if _attention_candidate(m, dtype)]
+    if not candidates:
+        return
+    rotary = _rotary_embedding(model)
+    if rotary is None or not _full_rotary(model.config):
+        counts["rejected"] += len(candidates)
+        logger.info("%d attention layers left unfused: the model's rotary embedding is not one "
+                    "full-head rotate-half", len(candidates))
+        return
+    probes: dict[tuple[int, int, int], _Probe] = {}
+    num_layers = 1 + max(m.layer_idx for _, m in candidates)
+    for name, module in candidates:
+        fused = FusedAttention(module)
+        key = (module.q_proj.in_features, fused.num_kv_heads, fused.head_dim)
+        if key not in probes:
+            probes[key] = _Probe(rotary, key[0], num_layers, fused.num_kv_heads, fused.head_dim, dtype)
+        _replace(model, name, module, fused, _attention_reproduces(module, fused, probes[key], dtype),
+                 "attention", counts)
+
+
+def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str, int]:
+    """Replace the RMSNorms, gated MLPs and attention layers of a float32, bfloat16 or float16
+    CPU ``model`` (loaded with batchgen's attention, ``attn_implementation="batchgen_paged"``)
+    by fused ones where the probe shows them equal (see the module docstring). The replaced
+    layers' weights are dropped once merged. Call before
+    :func:`~batchgen.kernels.cpu.linear.pack_linears`, which packs the linears left.
+
+    Args:
+        kinds: which of :data:`KINDS` to fuse (the others stay as they are).
+
+    Returns:
+        ``{"rms_norm": fused norms, "gated_mlp": fused MLPs, "attention": fused attention
+        layers, "rejected": candidates that failed the probe}``.
+
+    Raises:
+        ValueError: a kind not in :data:`KINDS`.
+        batchgen.kernels.cpu.CpuKernelError: the fused ops' library cannot be built here.
+    """
+    kinds = set(kinds)
+    if kinds - set(KINDS):
+        raise ValueError(f"unknown fusion kinds {sorted(kinds - set(KINDS))}; known: {', '.join(KINDS)}")
+    cpu_fused.load_fused()
+    counts = dict.fromkeys((*KINDS, "rejected"), 0)
+    dtype = model_dtype(model)
+    if dtype is None or not cpu_fused.supported(dtype):
+        return counts
+    for name, module in list(model.named_modules()):
+        if "rms_norm" in kinds and (norm := _norm_candidate(module)) is not None:
+            fused: torch.nn.Module = FusedRMSNorm(*norm)
+            _replace(model, name, module, fused, _reproduces(module, fused, norm[0].shape[0], norm[0].dtype),
+                     "rms_norm", counts)
+        elif "gated_mlp" in kinds and _mlp_candidate(module, dtype):
+            fused = FusedGatedMLP(module.gate_proj, module.up_proj, module.down_proj)
+            _replace(model, name, module, fused, _reproduces(module, fused, module.gate_proj.in_features, dtype),
+                     "gated_mlp", counts)
+    if "attention" in kinds:
+        _fuse_attention(model, dtype, counts)
+    return counts

@@ -1,0 +1,107 @@
+"""The model's fusion on the CPU path (``engine/fusion.py``) and its norm and MLP layers
+(``engine/fused_layers.py``); the attention layer has its own tests
+(tests/engine/test_fused_attention.py), GGUF's quantized layers too (tests/gguf/test_gguf_fusion.py).
+
+Norms and gated MLPs of a tiny Llama are fused and the model's logits stay within float32
+rounding; Gemma's norm (``1 + weight``) and GELU MLP fail the probe and stay. Merging
+``nn.Linear`` layers gives each output column the bits the packed layer alone gives. A machine
+where the C ops cannot be built skips with that reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from batchgen.engine import fusion
+from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, merge_linears, mergeable
+from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu import linear as cpu_linear
+from batchgen.kernels.cpu.linear import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not cpu_fused.available() or cpu_linear.unsupported_reason(torch.float32, torch.device("cpu")) is not None,
+    reason="the CPU linear kernel or the fused CPU ops cannot be built here")
+
+NORMS_AND_MLPS = ("rms_norm", "gated_mlp")
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _load(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_norms_and_mlps_of_a_llama_are_fused(tiny_model) -> None:
+    model = _load(tiny_model("llama"))
+    ids = torch.tensor([[5, 9, 31, 77, 120, 7]])
+    before = _logits(model, ids)
+    gate = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
+    counts = fusion.fuse_model(model, kinds=NORMS_AND_MLPS)
+    assert counts == {"rms_norm": 2 * 2 + 1, "gated_mlp": 2, "attention": 0, "rejected": 0}
+    assert isinstance(model.model.norm, FusedRMSNorm)
+    mlp = model.model.layers[1].mlp
+    assert isinstance(mlp, FusedGatedMLP) and isinstance(mlp.gate_up_proj, PackedLinear)
+    assert mlp.gate_up_proj.out_features == 2 * 128
+    assert gate() is None  # the unpacked gate weight is not kept
+    assert pack_linears(model) == 2 * 4 + 1  # what is left: q k v o per layer, and lm_head
+    after = _logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+def test_other_semantics_are_left_alone(tiny_model) -> None:
+    """Gemma's norm scales by 1 + weight and its MLP uses GELU: the probe rejects both."""
+    model = _load(tiny_model("gemma", head_dim=16))
+    ids = torch.tensor([[5, 9, 31, 77]])
+    before = _logits(model, ids)
+    counts = fusion.fuse_model(model, kinds=NORMS_AND_MLPS)
+    assert counts["rms_norm"] == counts["gated_mlp"] == 0
+    assert counts["rejected"] == 2 * 2 + 1 + 2
+    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in model.modules())
+    assert torch.equal(_logits(model, ids), before)
+
+
+def test_kinds_left_out_stay_and_unknown_kinds_are_refused(tiny_model) -> None:
+    model = _load(tiny_model("llama"))
+    assert fusion.fuse_model(model, kinds=("gated_mlp",))["rms_norm"] == 0
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+    assert all(isinstance(layer.mlp, FusedGatedMLP) for layer in model.model.layers)
+    with pytest.raises(ValueError, match="unknown fusion kinds.*'rope'"):
+        fusion.fuse_model(model, kinds=("rms_norm", "rope"))
+
+
+def _linear(out_features: int, in_features: int, seed: int, bias: bool = False) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(in_features, out_features, bias=bias).eval()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_merged_linears_give_each_packed_layers_bits(rows) -> None:
+    """q/k/v-shaped ``nn.Linear`` layers (with biases, widths off the 16-column panels) merged
+    into one PackedLinear: each column block equals that layer packed alone, bit for bit."""
+    layers = [_linear(48, 40, 0, bias=True), _linear(24, 40, 1, bias=True), _linear(24, 40, 2, bias=True)]
+    alone = [PackedLinear(layer) for layer in layers]
+    merged = merge_linears(layers)
+    assert isinstance(merged, PackedLinear) and merged.out_features == 96
+    x = torch.randn(1, rows, 40, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(merged(x), torch.cat([layer(x) for layer in alone], dim=-1))
+
+
+def test_linears_that_do_not_merge() -> None:
+    a, b = _linear(8, 16, 0), _linear(8, 16, 1, bias=True)
+    assert not mergeable([a, b], torch.float32)  # a bias on one only
+    assert not mergeable([a, _linear(8, 32, 2)], torch.float32)  # other input widths
+    assert not mergeable([a], torch.bfloat16)  # not the model's dtype
+    assert not mergeable([_linear(8, 16, 3).double()], torch.float64)  # no C GEMM for it
+    assert not mergeable([torch.nn.Identity()], torch.float32)
+    assert mergeable([a, _linear(4, 16, 4)], torch.float32)
+    with pytest.raises(ValueError, match="merge_linears needs"):
+        merge_linears([a, b])
