@@ -134,15 +134,20 @@ def anon(what="Anonymous:"):
     with open("/proc/self/smaps_rollup") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(what))
 
-def peak():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak():  # resident high-water mark since reset_peak()
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 write_llama_gguf({str(tmp_path / "warm.gguf")!r}, linear_type="Q4_K")  # imports and kernels warm
 from batchgen.gguf.metadata import metadata_folder
 load_gguf_model({str(tmp_path / "warm.gguf")!r}, metadata_folder(__import__("pathlib").Path({str(tmp_path / "warm.gguf")!r})), dtype=torch.float32)
 ctypes.CDLL("libc.so.6").malloc_trim(0)
 before, rss_before = anon(), anon("Rss:")
+reset_peak()
 model = load_gguf_model({str(path)!r}, {str(folder)!r}, dtype=torch.float32)
 after = anon()
 storages = {{t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.buffers(), *model.parameters()]}}
