@@ -3,7 +3,9 @@
 Peers, on the same shapes, rows and threads (batchgen's pool; torch on one thread):
 
 * ``quant``: :class:`batchgen.kernels.cpu.quant.QuantizedLinear`, this CPU's build
-  (AVX512-VNNI where it has it); ``quant_avx2``: the same layer on the AVX2 build;
+  (AVX512-VNNI where it has it); ``quant_<isa>``: the same layer on the other builds named by
+  ``--isas`` (default ``avx2,avxvnni``: AVX2 alone, and AVX2 with AVX-VNNI's 256-bit
+  ``vpdpbusd``), each where it runs here; the JSON's ``peer_isas`` says what each peer ran;
 * ``fp32`` / ``bf16``: :class:`batchgen.kernels.cpu.linear.PackedLinear` on float32 / bfloat16
   weights of the same shape (bfloat16 input).
 
@@ -151,15 +153,17 @@ def peaks(threads_list: list[int], seconds: float = 0.3) -> dict:
     return out
 
 
-def make_peers(spec: dict, with_avx2: bool, float_peers: bool = True, fast: bool = False) -> dict:
+def make_peers(spec: dict, isas: tuple[str, ...], float_peers: bool = True, fast: bool = False) -> dict:
+    """The peers of one layer: ``quant`` (native), ``quant_<isa>`` for each of ``isas``, and the
+    float layers unless not ``float_peers``."""
     from batchgen.kernels.cpu.linear import PackedLinear
     from batchgen.kernels.cpu.quant import QuantizedLinear
 
     n, k, qt = spec["n"], spec["k"], spec["qtype"]
     raw = random_raw(qt, n, k, seed=n + k, fast=fast)
     peers = {"quant": QuantizedLinear(raw, qt, n, k)}
-    if with_avx2:
-        peers["quant_avx2"] = QuantizedLinear(raw, qt, n, k, isa="avx2")
+    for isa in isas:
+        peers[f"quant_{isa}"] = QuantizedLinear(raw, qt, n, k, isa=isa)
     if float_peers:
         lin = torch.nn.Linear(k, n, bias=False)
         peers["fp32"] = PackedLinear(lin)
@@ -167,10 +171,16 @@ def make_peers(spec: dict, with_avx2: bool, float_peers: bool = True, fast: bool
     return peers
 
 
-def layers_part(rows_list, threads: int, repeats: int, block_seconds: float, with_avx2: bool) -> list[dict]:
+def layers_part(rows_list, threads: int, repeats: int, block_seconds: float, isas: tuple[str, ...],
+                only: set[str] | None = None) -> list[dict]:
+    """Each layer of :func:`layer_specs` (those named ``model:layer`` or ``model:layer:QTYPE`` in
+    ``only``, if given) against its peers at each row count."""
     out = []
     for spec in layer_specs():
-        peers = make_peers(spec, with_avx2)
+        names = {f"{spec['model']}:{spec['layer']}", f"{spec['model']}:{spec['layer']}:{spec['qtype'].name}"}
+        if only and not names & only:
+            continue
+        peers = make_peers(spec, isas)
         for m in rows_list:
             x = torch.randn(m, spec["k"])
             xb = x.to(torch.bfloat16)
@@ -203,11 +213,11 @@ def sweep_part(rows_list, threads: int, repeats: int) -> list[dict]:
         "llama_1b_q8_0": ([{"n": n, "k": k, "qtype": Q.Q8_0} for _ in range(8) for n, k in LLAMA_1B.values()], 2),
     }
     for model, (specs, float_every) in models.items():
-        quant = [make_peers(s, False, float_peers=False, fast=True)["quant"] for s in specs]
+        quant = [make_peers(s, (), float_peers=False, fast=True)["quant"] for s in specs]
         # the float peers on every float_every-th layer (the 1B in float32 would not fit beside the rest)
         fl = None
         if model != "llama_1b_q8_0":
-            fl = [make_peers({**s, "qtype": Q.Q4_0}, False, float_peers=True, fast=True) for s in specs[::float_every]]
+            fl = [make_peers({**s, "qtype": Q.Q4_0}, (), float_peers=True, fast=True) for s in specs[::float_every]]
             for p in fl:
                 del p["quant"]
         for m in rows_list:
@@ -249,7 +259,8 @@ def plot(result: dict, path: Path) -> None:
     threads = max(r["threads"] for r in result["layers"])
     groups = [("smollm2", "Q4_1"), ("llama_1b", "Q4_K"), ("llama_1b", "Q8_0")]
     fig, axes = plt.subplots(1, len(groups), figsize=(15, 4.6), sharey=True)
-    colors = {"quant": "tab:green", "quant_avx2": "tab:olive", "fp32": "tab:blue", "bf16": "tab:purple"}
+    colors = {"quant": "tab:green", "quant_avxvnni": "tab:cyan", "quant_avx2": "tab:olive",
+              "fp32": "tab:blue", "bf16": "tab:purple"}
     for ax, (model, qt) in zip(axes, groups):
         rows = [r for r in result["layers"] if r["threads"] == threads and r["model"] == model
                 and (r["qtype"] == qt or (qt == "Q4_K" and r["qtype"] == "Q6_K") or (model == "smollm2"))]
@@ -261,7 +272,8 @@ def plot(result: dict, path: Path) -> None:
                 for m in ROWS:
                     hit = [r for r in rows if r["layer"] == layer and r["qtype"] == q and r["rows"] == m]
                     vals.append(hit[0]["peers"].get(peer, {}).get("gops", 0) if hit else 0)
-            ax.bar([j + (i - 1.5) * 0.2 for j in x], vals, width=0.2, color=colors[peer], label=peer)
+            width = 0.8 / len(colors)
+            ax.bar([j + (i - (len(colors) - 1) / 2) * width for j in x], vals, width=width, color=colors[peer], label=peer)
         ax.set_xticks(list(x))
         ax.set_xticklabels([f"{layer}\n{m}" if m == ROWS[0] else str(m) for layer, _ in labels for m in ROWS],
                            fontsize=7)
@@ -286,6 +298,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--block-seconds", type=float, default=0.1)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--layers", default="", help="only these layers, as model:layer or model:layer:QTYPE "
+                    "(e.g. llama_1b:qkv:Q8_0), comma-separated; default all")
+    ap.add_argument("--isas", default="avx2,avxvnni",
+                    help="the kernel's other builds (quant.ISAS) timed beside the native one, where they run here")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     args = ap.parse_args()
     png = args.out.with_suffix(".png")
@@ -301,19 +317,26 @@ def main() -> None:
     torch.manual_seed(0)
     threads_list = [int(t) for t in args.threads.split(",")]
     rows_list = [int(r) for r in args.rows.split(",")]
-    with_avx2 = True
-    try:
-        quant.load_quant("avx2")
-    except loader.CpuKernelError:
-        with_avx2 = False
+    isas = []
+    for isa in filter(None, args.isas.split(",")):
+        try:
+            quant.load_quant(isa)  # ValueError for a name quant.ISAS lacks
+        except loader.CpuKernelError as exc:
+            print(f"no quant_{isa} peer: {str(exc).splitlines()[0]}", flush=True)
+            continue
+        isas.append(isa)
+    isas = tuple(isas)
     result: dict = {"cpu": cpu_name(), "kernel_isa": quant.kernel_isa(), "cores": os.cpu_count(),
+                    "peer_isas": {"quant": quant.kernel_isa(), **{f"quant_{i}": quant.kernel_isa(i) for i in isas}},
                     "loadavg_before": os.getloadavg(), "threads": threads_list, "rows": rows_list,
                     "repeats": args.repeats, "block_seconds": args.block_seconds, "layers": [], "sweeps": []}
     result["peaks"] = peaks(threads_list)
+    print("builds:", result["peer_isas"], flush=True)
     print("ceilings:", {k: round(v, 1) for k, v in result["peaks"].items() if v}, flush=True)
     for t in threads_list:
         loader.set_num_threads(t)
-        result["layers"] += layers_part(rows_list, t, args.repeats, args.block_seconds, with_avx2)
+        result["layers"] += layers_part(rows_list, t, args.repeats, args.block_seconds, isas,
+                                        set(filter(None, args.layers.split(","))))
         if not args.no_sweep:
             result["sweeps"] += sweep_part(rows_list, t, args.repeats)
         args.out.parent.mkdir(parents=True, exist_ok=True)
