@@ -16,6 +16,7 @@ against HF's MLP the tokens are the same and the logprobs within 1e-5.
 from __future__ import annotations
 
 import functools
+
 import numpy as np
 import pytest
 import torch
@@ -26,12 +27,15 @@ from batchgen.engine import fusion
 from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_layers import ConcatLinear, FusedGatedMLP, merge_linears, mergeable
 from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import quant
 from batchgen.kernels.cpu.linear import PackedLinear
 from batchgen.kernels.cpu.quant import QuantizedLinear
 
-pytestmark = pytest.mark.skipif(not cpu_fused.available() or quant.unsupported_reason() is not None,
-                                reason="the fused CPU ops or the quantized kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    not cpu_fused.available() or quant.unsupported_reason() is not None
+    or cpu_linear.unsupported_reason(torch.float32, torch.device("cpu")) is not None,
+    reason="the fused CPU ops, the quantized kernel or the CPU linear kernel cannot be built here")
 
 #: (every projection's type, overrides by tensor name): one type throughout, and Q4_K with
 #: Q6_K attn_v and ffn_up (as Q4_K_M files mix them; here up too, so that gate/up mix).
@@ -46,19 +50,19 @@ def _quantized(qtype: str, out_features: int, in_features: int, seed: int, bias:
     return QuantizedLinear(stored, gguf_type, out_features, in_features, b)
 
 
-@pytest.mark.parametrize("types, runs", [(("Q8_0", "Q8_0", "Q8_0"), 1), (("Q4_1", "Q4_1", "Q4_1"), 1),
-                                         (("Q4_K", "Q4_K", "Q6_K"), 2), (("Q6_K", "Q4_K", "Q6_K"), 3)])
+@pytest.mark.parametrize("types, num_runs", [(("Q8_0", "Q8_0", "Q8_0"), 1), (("Q4_1", "Q4_1", "Q4_1"), 1),
+                                             (("Q4_K", "Q4_K", "Q6_K"), 2), (("Q6_K", "Q4_K", "Q6_K"), 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merged_quantized_layers_give_the_separate_layers_bits(types, runs, dtype) -> None:
+def test_merged_quantized_layers_give_the_separate_layers_bits(types, num_runs, dtype) -> None:
     """q/k/v-shaped layers (GQA widths, with biases) merged: one QuantizedLinear per run of one
     type; outputs equal the separate layers' concatenated, bit for bit, at 1 to 33 rows."""
     layers = [_quantized(t, width, 256, seed, bias=True) for seed, (t, width) in enumerate(zip(types, (256, 64, 64)))]
     assert mergeable(layers, dtype)
     merged = merge_linears(layers)
-    if runs == 1:
+    if num_runs == 1:
         assert isinstance(merged, QuantizedLinear) and merged.qtype.name == types[0]
     else:
-        assert isinstance(merged, ConcatLinear) and len(merged.parts) == runs
+        assert isinstance(merged, ConcatLinear) and len(merged.parts) == num_runs
     assert merged.out_features == 384
     for rows in (1, 5, 33):
         x = (torch.randn(1, rows, 256, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
