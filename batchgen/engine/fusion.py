@@ -44,6 +44,7 @@ import torch
 from batchgen.engine import paged_attention
 from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
+from batchgen.gguf.loader import release_freed_memory
 from batchgen.kernels.cpu import fused as cpu_fused
 
 logger = logging.getLogger(__name__)
@@ -220,10 +221,22 @@ def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, fused: 
         return
     model.set_submodule(name, fused)
     counts[kind] += 1
+    release_freed_memory()  # the replaced layer's weights, and a merge's transient copies
+
+
+def _modules(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()``, each looked up when its turn comes: a module replaced
+    meanwhile (or inside a replaced one) is skipped, and no list keeps a replaced layer, and
+    its weights, alive until the walk ends."""
+    for name in [n for n, _ in model.named_modules()]:
+        try:
+            yield name, model.get_submodule(name)
+        except AttributeError:
+            continue
 
 
 def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str, int]) -> None:
-    candidates = [(name, m) for name, m in model.named_modules() if _attention_candidate(m, dtype)]
+    candidates = [name for name, m in model.named_modules() if _attention_candidate(m, dtype)]
     if not candidates:
         return
     rotary = _rotary_embedding(model)
@@ -233,8 +246,9 @@ def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str
                     "full-head rotate-half", len(candidates))
         return
     probes: dict[tuple[int, int, int], _Probe] = {}
-    num_layers = 1 + max(m.layer_idx for _, m in candidates)
-    for name, module in candidates:
+    num_layers = 1 + max(model.get_submodule(name).layer_idx for name in candidates)
+    for name in candidates:
+        module = model.get_submodule(name)
         fused = FusedAttention(module)
         key = (module.q_proj.in_features, fused.num_kv_heads, fused.head_dim)
         if key not in probes:
@@ -269,7 +283,7 @@ def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str
     dtype = model_dtype(model)
     if dtype is None or not cpu_fused.supported(dtype):
         return counts
-    for name, module in list(model.named_modules()):
+    for name, module in _modules(model):
         if "rms_norm" in kinds and (norm := _norm_candidate(module)) is not None:
             fused: torch.nn.Module = FusedRMSNorm(*norm)
             _replace(model, name, module, fused, _reproduces(module, fused, norm[0].shape[0], norm[0].dtype),
