@@ -398,10 +398,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="n and beam widths of the sharing part; 4 is also taken from the throughput runs")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch / OpenMP threads per peer (default 1; machine: every CPU this process may use)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="machine, contention: the dtype of every peer's weights and KV cache")
-    ap.add_argument("--workload", default="w32", choices=["w32", "w256"],
-                    help="machine: W32 (--num-prompts of it) or W256 (--scaling-prompts of it)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "all"],
+                    help="machine, contention: the dtype of every peer's weights and KV cache; machine "
+                         "'all': batchgen float32, bfloat16 and GGUF-native, vLLM float32 and bfloat16 and "
+                         "llama.cpp in one row, greedy with EOS ignored (bench/gguf_rows.py)")
+    ap.add_argument("--workload", default="w32", choices=["w32", "w256", "1b-q4_k", "1b-q8_0"],
+                    help="machine: W32 (--num-prompts of it) or W256 (--scaling-prompts of it); 1b-q4_k, "
+                         "1b-q8_0: a random 1B Llama in GGUF at each of --batches")
+    ap.add_argument("--batches", default="1,8,64", help="machine, 1B workloads: the batch sizes (prompts per row)")
     ap.add_argument("--vllm-block-sizes", default="32,128",
                     help="machine: one vLLM peer per block size (its CPU default is 128; 'best': the fastest "
                          "of the W32 greedy row of the same dtype)")
@@ -432,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads_given, args.threads = args.threads, args.threads or 1
     args.vllm_block_sizes = [b if b == "best" else int(b) for b in args.vllm_block_sizes.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
     args.peers = [p for p in args.peers.split(",") if p]
     args.scoring_dtypes = [d for d in args.scoring_dtypes.split(",") if d]
     bad = [m for m in args.modes if m not in MODES]

@@ -18,6 +18,8 @@ Every peer gets the same KV budget (1 GiB). Sampling runs without a per-request 
 build fails with one). Rows are keyed ``<workload>/<mode>/<dtype><--tag>`` in
 ``bench/results/machine.json``; a rerun of a key replaces it, other keys stay.
 
+``--dtype all`` (and the 1B workloads) run the GGUF rows instead: see :mod:`bench.gguf_rows`.
+
 ``python -m bench --parts contention`` runs batchgen at its defaults on W32 greedy with nothing
 else running, then beside one and two CPU-bound processes (``python -c 'while True: pass'``),
 interleaved per repeat; ``contention.json`` has tokens/s of each and the quiet / busy ratios.
@@ -109,8 +111,15 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict,
     args.out_dir = out
     use_vllm, why = (False, "disabled with --no-vllm") if args.no_vllm else vllm_status()
     log(f"vLLM: {'available' if use_vllm else 'not run'}: {why}")
-    prompts = workload(args.workload, args.num_prompts if args.workload == "w32" else args.scaling_prompts)
     threads = args.threads_given or default_threads()
+    if args.dtype == "all" or args.workload.startswith("1b-"):  # the GGUF rows: every dtype and llama.cpp
+        from bench import gguf_rows
+
+        gguf_rows.part(args, result, lambda name: workload(name, args.num_prompts if name == "w32"
+                                                           else args.scaling_prompts),
+                       log, machine, strip, lambda res: save("machine", res, out), threads)
+        return result
+    prompts = workload(args.workload, args.num_prompts if args.workload == "w32" else args.scaling_prompts)
     for mode_name in args.modes:
         mode = dict(modes[mode_name], request_seed=False) if modes[mode_name]["kind"] == "sample" else modes[mode_name]
         peers = peers_for(args, mode, args.dtype, use_vllm)
@@ -195,18 +204,21 @@ def _row_order(key: str) -> tuple:
     return [order.get(part, 9) for part in key.split("/")], key
 
 
-def plot(out: Path) -> None:
-    """``machine.png``: tokens/s per peer for each row of ``machine.json`` (median, min-max)."""
+def plot(out: Path) -> bool:
+    """``machine.png``: tokens/s per peer for each plain row of ``machine.json`` (median,
+    min-max); False when there is none."""
     path = out / "machine.json"
     if not path.is_file():
-        return
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = json.loads(path.read_text())["rows"]
-    keys = [k for k in sorted(rows, key=_row_order) if rows[k]["max_tokens"] == 64]
+    keys = [k for k in sorted(rows, key=_row_order) if rows[k]["max_tokens"] == 64 and rows[k]["dtype"] != "all"]
+    if not keys:
+        return False
     cols = min(4, len(keys))
     nrows = -(-len(keys) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 3.6 * nrows), squeeze=False)
@@ -228,6 +240,7 @@ def plot(out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "machine.png", dpi=110)
     plt.close(fig)
+    return True
 
 
 def _fmt(summary: dict) -> str:
@@ -342,7 +355,7 @@ def summary_lines(out: Path) -> list[str]:
                   "| workload | mode | dtype | threads | repeats | batchgen | batchgen 1 thread | HF generate | "
                   "vLLM (block) | batchgen / vLLM | batchgen / HF | defaults / 1 thread |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for key in sorted(rows, key=_row_order):
+        for key in sorted((k for k in rows if rows[k]["dtype"] != "all"), key=_row_order):
             r = rows[key]
             peers, ratios, best = r["peers"], r["ratios"], r.get("best_vllm")
 

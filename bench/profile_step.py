@@ -56,14 +56,20 @@ class TimedOps:
         return timed
 
 
-def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
-    """Time every linear layer (``nn.Linear`` or batchgen's ``PackedLinear``) into
-    ``clock["linear"]``, inside a profiler range: a C kernel called through ctypes is no aten
-    op, so the profiler sees it only through the range."""
+def _is_linear(module: torch.nn.Module) -> bool:
+    """``nn.Linear``, or batchgen's ``PackedLinear`` or ``QuantizedLinear`` (GGUF blocks)."""
     from batchgen.kernels.cpu.linear import PackedLinear
+    from batchgen.kernels.cpu.quant import QuantizedLinear
 
+    return type(module) is torch.nn.Linear or isinstance(module, (PackedLinear, QuantizedLinear))
+
+
+def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
+    """Time every linear layer (:func:`_is_linear`) into ``clock["linear"]``, inside a profiler
+    range: a C kernel called through ctypes is no aten op, so the profiler sees it only through
+    the range."""
     for module in model.modules():
-        if type(module) is torch.nn.Linear or isinstance(module, PackedLinear):
+        if _is_linear(module):
             inner = module.forward
 
             def timed(x: torch.Tensor, inner: Callable = inner) -> torch.Tensor:
@@ -77,10 +83,7 @@ def time_linears(model: torch.nn.Module, clock: dict[str, float]) -> None:
 
 def linear_weights(model: torch.nn.Module) -> int:
     """``in x out`` summed over the model's linear layers (those :func:`time_linears` times)."""
-    from batchgen.kernels.cpu.linear import PackedLinear
-
-    return sum(m.in_features * m.out_features for m in model.modules()
-               if type(m) is torch.nn.Linear or isinstance(m, PackedLinear))
+    return sum(m.in_features * m.out_features for m in model.modules() if _is_linear(m))
 
 
 def wrap(obj: Any, attr: str, clock: dict[str, float], key: str) -> None:
@@ -104,10 +107,16 @@ def main() -> None:
     ap.add_argument("--profiled-steps", type=int, default=3)
     ap.add_argument("--mode", choices=["greedy", "beam4"], default="greedy")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a model name or a .gguf path")
+    ap.add_argument("--quantization", default=None, choices=["auto", "gguf", "none"],
+                    help="the engine's quantization (default: its own, auto); gguf: the weights kept in their "
+                         "GGUF blocks, linear layers then counted in int8 GOP/s")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = dict(dtype=args.dtype, block_size=16, kv_cache_memory=2**30, max_num_seqs=256,
                   max_num_batched_tokens=2048, num_threads=args.threads)
+    if args.quantization:
+        engine["quantization"] = args.quantization
     from batchgen import LLM, BeamSearchParams, SamplingParams
     from bench.workload import w32_prompts
 
@@ -117,7 +126,9 @@ def main() -> None:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     prompts = w32_prompts()[: args.num_prompts]
-    llm = LLM("smollm2-135m-instruct", **engine)
+    llm = LLM(args.model, **engine)
+    # another model's vocabulary may be smaller than SmolLM2's: W32's ids wrap into it
+    prompts = [[t % llm.runner.vocab_size for t in p] for p in prompts]
     clock: dict[str, float] = defaultdict(float)
     llm.runner.ops = TimedOps(llm.runner.ops, clock)
     time_linears(llm.runner.model, clock)
@@ -189,7 +200,7 @@ def main() -> None:
     total_med = statistics.median(totals) if totals else 0.0
 
     # Pass 2: torch.profiler over a few decode steps of a fresh, identical run.
-    llm2 = LLM("smollm2-135m-instruct", **engine)
+    llm2 = LLM(args.model, **engine)
     llm2.runner.ops = TimedOps(llm2.runner.ops, defaultdict(float))
     time_linears(llm2.runner.model, defaultdict(float))
     inner2 = llm2.step
@@ -237,6 +248,8 @@ def main() -> None:
         "linear_backend": llm.runner.linear_backend,
         "threads": args.threads,
         "dtype": args.dtype,
+        "model": args.model,
+        "quantization": llm.runner.source.quantization,
         "decode_steps_timed": len(decode),
         "decode_rows_median": statistics.median(s["seqs"] for s in decode) if decode else 0,
         "linear_weights": weights,

@@ -490,10 +490,17 @@ def build(out: Path) -> None:
                       load(out, "linear_kernel"))
     from bench import machine
 
+    gguf_lines: list[str] = []
     if (out / "machine.json").is_file():
-        machine.plot(out)
-        made.append("machine.png")
-    scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out)
+        from bench import gguf_rows
+
+        if machine.plot(out):
+            made.append("machine.png")
+        rows = json.loads((out / "machine.json").read_text())["rows"]
+        if gguf_rows.plot(rows, out):
+            made.append("machine_gguf.png")
+        gguf_lines = gguf_rows.summary_lines(rows)
+    scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out) + gguf_lines
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
     struct_text = structured.summary_md(struct)
     (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref)

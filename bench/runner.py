@@ -22,6 +22,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("BENCH_VLLM_PYTHON", "/tmp/vllm-venv/bin/python"))
+LLAMA_PYTHON = Path(os.environ.get("BENCH_LLAMA_PYTHON", "/tmp/llama-venv/bin/python"))
+
+
+def llama_cpp_python() -> str:
+    """The interpreter that runs the llama.cpp peer: ``BENCH_LLAMA_PYTHON`` when set, else this
+    one if it imports ``llama_cpp`` (the ``gguf-oracle`` extra), else ``/tmp/llama-venv``'s."""
+    import importlib.util
+
+    if "BENCH_LLAMA_PYTHON" not in os.environ and importlib.util.find_spec("llama_cpp") is not None:
+        return sys.executable
+    return str(LLAMA_PYTHON)
 
 
 class WorkerError(RuntimeError):
@@ -108,7 +119,8 @@ def tail(path: Path, n: int = 600) -> str:
 
 
 def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worker:
-    """Start peer ``peer`` (``batchgen``, ``hf_generate``, ``hf_generate_batch`` or ``vllm``).
+    """Start peer ``peer`` (``batchgen``, ``hf_generate``, ``hf_generate_batch``, ``vllm`` or
+    ``llama_cpp``).
 
     ``options["as"]`` runs another configuration of a peer under its own name (for example
     ``batchgen_nocache`` as ``batchgen`` with ``enable_prefix_caching: false``).
@@ -116,7 +128,8 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
     peer at its defaults: no ``OMP_NUM_THREADS`` in its environment, torch's thread count
     untouched (batchgen then takes ``num_threads: auto``, the CPUs the process may use).
     ``options["dtype"]`` is the weights' and KV cache's dtype (``float32``, ``bfloat16``);
-    for vLLM also ``block_size`` (None: its default, 128 on CPU) and ``kv_gib``.
+    for vLLM also ``block_size`` (None: its default, 128 on CPU) and ``kv_gib``; for llama.cpp
+    ``gguf`` (the file), ``n_ctx`` and ``n_seq_max`` (``bench/peers/llama_cpp_worker.py``).
     """
     options = dict(options)
     name, peer = peer, options.pop("as", peer)
@@ -136,6 +149,10 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
         cmd = [str(VLLM_PYTHON), str(REPO / "bench" / "peers" / "vllm_worker.py"),
                resolve_model("smollm2-135m-instruct").path, json.dumps(options)]
+    elif peer == "llama_cpp":
+        gguf = options.pop("gguf")
+        cmd = [llama_cpp_python(), str(REPO / "bench" / "peers" / "llama_cpp_worker.py"), gguf,
+               json.dumps({**options, "threads": threads})]
     else:
         cmd = [sys.executable, "-m", "bench.worker", peer, json.dumps({**options, "threads": threads})]
     log = open(log_path, "w")

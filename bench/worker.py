@@ -20,6 +20,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_mib() -> float:
+    """Resident set size of this process now, in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def build(peer: str, options: dict):
     """The peer object named ``peer``.
 
@@ -55,8 +61,12 @@ def main() -> None:
         torch.set_num_threads(threads)
     from bench.peers import UnsupportedMode
 
+    import transformers  # noqa: F401 - every peer's imports, before the model: what the RSS counts from
+
+    before = rss_mib()
     peer = build(peer_name, options)
-    print("@@READY " + json.dumps({**peer.setup(), "rss_after_load_mib": peak_rss_mib()}), flush=True)
+    print("@@READY " + json.dumps({**peer.setup(), "rss_before_load_mib": before,
+                                   "rss_after_load_mib": peak_rss_mib()}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue

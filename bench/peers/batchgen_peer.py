@@ -1,7 +1,8 @@
 """batchgen's ``LLM.generate`` on the paged cache, with per-step KV accounting.
 
-Setup: ``LLM("smollm2-135m-instruct", dtype="float32" (or as given), block_size=16, kv_cache_memory=1 GiB,
-max_num_seqs=256, max_num_batched_tokens=2048)`` (prefix caching on and attention backend
+Setup: ``LLM("smollm2-135m-instruct" (or a ``.gguf`` path as given), dtype="float32" (or as given),
+block_size=16, kv_cache_memory=1 GiB, max_num_seqs=256, max_num_batched_tokens=2048,
+quantization=<the engine's default, or as given>)`` (prefix caching on and attention backend
 ``auto``, the defaults; on this CPU ``auto`` is the C decode kernel). A fresh
 ``LLM`` is built for every timed run, so no run finds the previous run's prompts in the prefix
 cache (the model load is not timed).
@@ -100,10 +101,13 @@ class BatchgenPeer:
                  kv_cache_memory: int = 2**30, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "prefix", dtype: str = "float32",
-                 json_schema: dict | None = None, lengths: list[int] | None = None) -> None:
+                 json_schema: dict | None = None, lengths: list[int] | None = None,
+                 quantization: str | None = None) -> None:
         self.kwargs = dict(dtype=dtype, block_size=block_size, kv_cache_memory=kv_cache_memory,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy)
+        if quantization is not None:  # None: the engine's default (``auto``)
+            self.kwargs["quantization"] = quantization
         self.model = model
         #: With a schema every request is constrained to it (structured outputs), warm-up included.
         self.json_schema = json_schema
@@ -128,6 +132,7 @@ class BatchgenPeer:
                 "bytes_per_block": self.llm.runner.cache_shape.bytes_per_block,
                 "attention_backend": self.llm.runner.attention_backend,
                 "linear_backend": self.llm.runner.linear_backend,
+                "quantization": self.llm.runner.source.quantization,
                 "num_threads": self.llm.runner.num_threads,
                 "torch_threads": torch.get_num_threads(),
                 "structured_outputs": {"json": self.json_schema} if self.json_schema is not None else None,

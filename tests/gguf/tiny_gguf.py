@@ -33,7 +33,8 @@ def _byte_alphabet() -> list[str]:
 
 
 def vocabulary(size: int) -> tuple[list[str], list[str]]:
-    """``size`` tokens (2 specials, the 256 bytes, then merges "Ġ"+letter...) and the merges."""
+    """``size`` tokens (3 specials, the 256 bytes, then merges "Ġ"+letter..., then as many
+    unused ``<|unused{n}|>`` tokens as a larger ``size`` needs) and the merges."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + _byte_alphabet()
     merges = []
@@ -45,6 +46,7 @@ def vocabulary(size: int) -> tuple[list[str], list[str]]:
             if first + second not in tokens:
                 merges.append(f"{first} {second}")
                 tokens.append(first + second)
+    tokens += [f"<|unused{n}|>" for n in range(size - len(tokens))]
     return tokens[:size], merges
 
 

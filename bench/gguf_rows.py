@@ -1,0 +1,292 @@
+"""The GGUF rows of the machine part: batchgen's GGUF-native path against its float paths,
+vLLM and llama.cpp, and a 1B model where memory matters.
+
+``python -m bench --parts machine --dtype all`` (W32 or W256, ``--workload``) runs, interleaved
+per repeat, both cores each, greedy with EOS ignored (every peer generates exactly
+``max_tokens`` per prompt, so all do the same work):
+
+* ``batchgen`` (float32, the de-quantized model: ``quantization: none``), ``batchgen_bf16``
+  and ``batchgen_gguf`` (the embedded Q4_1 file kept quantized: ``quantization: gguf``,
+  float32 activations and KV cache);
+* ``vllm_bs<B>`` and ``vllm_bf16_bs<B>``: vLLM's CPU build in float32 and bfloat16 (block size
+  the first of ``--vllm-block-sizes``);
+* ``llama_cpp``: llama.cpp on the same Q4_1 file, all sequences in one ``llama_decode`` per step
+  over a unified KV cache (``bench/peers/llama_cpp_worker.py``).
+
+``--workload 1b-q4_k`` or ``1b-q8_0`` (with ``--batches 1,8,64``) runs a Llama-3.2-1B-shaped
+model (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, vocabulary 32000, tied
+embedding: 1.03 B parameters) with random weights, written once to ``/tmp/bench-models`` as a
+GGUF file in that one block type with the ``gguf`` package's writer
+(``tests/gguf/tiny_gguf.py``). Each batch size is a row: that many random 128-token prompts,
+``max_tokens`` each; peers ``batchgen_gguf`` and ``llama_cpp`` (``--peers`` adds ``batchgen``,
+the de-quantized float32 model). batchgen's KV cache is sized to the row (all sequences at
+their full length, rounded up), so peak RSS compares with file + KV cache.
+
+Rows go into ``machine.json`` keyed ``<workload>/greedy_ignore_eos/all<--tag>`` and
+``<1b-qtype>/b<batch>/greedy_ignore_eos<--tag>``; each records both peers' ratios to
+``batchgen_gguf`` as well as to ``batchgen``, and, for the 1B rows, the file's size, the KV
+bytes and peak RSS over (file + KV).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import runner
+
+GIB = 2**30
+MIB = 2**20
+MODELS = Path(os.environ.get("BENCH_MODELS", "/tmp/bench-models"))
+ONE_B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=32000)
+ONE_B_PROMPT_TOKENS = 128
+MODE = {"kind": "greedy", "ignore_eos": True}
+
+
+def one_b_model(qtype: str) -> Path:
+    """The 1B random Llama in ``qtype`` (``Q4_K`` or ``Q8_0``), written on first use."""
+    path = MODELS / f"llama-1b-random-{qtype.lower()}.gguf"
+    if not path.is_file():
+        sys.path.insert(0, str(runner.REPO / "tests" / "gguf"))
+        from tiny_gguf import write_llama_gguf
+
+        MODELS.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_llama_gguf(tmp, linear_type=qtype, embed_type=qtype, oracle=False, **ONE_B)
+        tmp.rename(path)
+    return path
+
+
+def random_prompts(n: int, vocab: int, length: int = ONE_B_PROMPT_TOKENS, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids drawn uniformly from the non-special ids."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, elem: int = 4) -> int:
+    """K and V of one token in every layer (batchgen's float32 cache)."""
+    return 2 * layers * kv_heads * head_dim * elem
+
+
+def embedded_gguf() -> str:
+    from batchgen.model_resolver import resolve_model
+
+    return resolve_model("smollm2-135m-instruct", "gguf", "cpu").gguf_file
+
+
+def all_peers(args: Any, kv_cells: int) -> dict[str, dict]:
+    """The peers of a SmolLM2 row (module docstring), filtered by ``--peers``."""
+    bs = next((b for b in args.vllm_block_sizes if b != "best"), 128)
+    peers = {
+        "batchgen": {"as": "batchgen", "kv_cache_memory": GIB, "dtype": "float32", "quantization": "none",
+                     "threads": 0},
+        "batchgen_bf16": {"as": "batchgen", "kv_cache_memory": GIB, "dtype": "bfloat16", "quantization": "none",
+                          "threads": 0},
+        "batchgen_gguf": {"as": "batchgen", "kv_cache_memory": GIB, "dtype": "float32", "quantization": "gguf",
+                          "threads": 0},
+        f"vllm_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "float32", "block_size": bs},
+        f"vllm_bf16_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "bfloat16", "block_size": bs},
+        "llama_cpp": {"as": "llama_cpp", "gguf": embedded_gguf(), "n_ctx": kv_cells, "n_seq_max": 256},
+    }
+    return _filter(peers, args)
+
+
+def one_b_peers(args: Any, path: Path, batch: int, max_tokens: int) -> tuple[dict[str, dict], int]:
+    """The peers of a 1B row and batchgen's KV cache bytes (all ``batch`` sequences at full
+    length, rounded up to whole 16-token blocks, plus one block per sequence)."""
+    head_dim = ONE_B["hidden"] // ONE_B["heads"]
+    blocks = batch * (math.ceil((ONE_B_PROMPT_TOKENS + max_tokens) / 16) + 1)
+    kv = blocks * 16 * kv_bytes_per_token(ONE_B["layers"], ONE_B["kv_heads"], head_dim)
+    common = {"as": "batchgen", "model": str(path), "kv_cache_memory": kv, "dtype": "float32", "threads": 0}
+    peers = {"batchgen_gguf": {**common, "quantization": "gguf"}}
+    if "batchgen" in args.peers:
+        peers["batchgen"] = {**common, "quantization": "none"}
+    peers["llama_cpp"] = {"as": "llama_cpp", "gguf": str(path), "n_ctx": batch * (ONE_B_PROMPT_TOKENS + max_tokens) + 256,
+                          "n_seq_max": max(batch, 1)}
+    if args.peers:
+        peers = {k: v for k, v in peers.items() if k in args.peers}
+    return peers, kv
+
+
+def _filter(peers: dict[str, dict], args: Any) -> dict[str, dict]:
+    if not args.peers:
+        return peers
+    return {k: v for k, v in peers.items() if k in args.peers or k.split("_bs")[0] in args.peers}
+
+
+def _row(res: dict, prompts: list[list[int]], args: Any, threads: int, machine: dict, started: str,
+         **extra: Any) -> dict:
+    ours = res.get("batchgen_gguf", {}).get("runs")
+    same = None
+    if ours:
+        first = ours[0]["outputs"]
+        same = {k: sum(a == b for a, b in zip(first, v["runs"][0]["outputs"]))
+                for k, v in res.items() if k != "batchgen_gguf" and v.get("runs")}
+    ratios = {"batchgen": runner.ratios(res, "batchgen"), "batchgen_gguf": runner.ratios(res, "batchgen_gguf")}
+    return {"num_prompts": len(prompts), "mode": MODE, "dtype": "all", "max_tokens": args.max_tokens,
+            "threads": threads, "repeats": args.repeats_greedy, "peers": res, "ratios": ratios["batchgen"],
+            "ratios_to_gguf": ratios["batchgen_gguf"], "identical_outputs_vs_gguf": same,
+            "machine": machine, "started": started,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
+
+
+def part(args: Any, result: dict, prompts_of: Callable[[str], list[list[int]]], log: Callable[[str], None],
+         machine: dict, strip: Callable[[dict], None], save: Callable[[dict], None], threads: int) -> None:
+    """Run the rows ``--workload`` and ``--dtype all`` ask for into ``result["rows"]``."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if args.workload.startswith("1b-"):
+        qtype = args.workload.split("-", 1)[1].upper()
+        path = one_b_model(qtype)
+        file_bytes = path.stat().st_size
+        log(f"machine {args.workload}: {path} ({file_bytes / MIB:.0f} MiB), batches {args.batches}")
+        for batch in args.batches:
+            prompts = random_prompts(batch, ONE_B["vocab"])
+            peers, kv = one_b_peers(args, path, batch, args.max_tokens)
+            key = f"{args.workload}/b{batch}/greedy_ignore_eos{args.tag}"
+            log(f"machine {key}: {list(peers)} x {args.repeats_greedy} repeats, KV {kv / MIB:.0f} MiB")
+            res = runner.interleaved(peers, prompts, MODE, args.max_tokens, args.repeats_greedy, args.log_dir,
+                                     threads, run_timeout=args.run_timeout, on_event=log)
+            rss = {k: v.get("peak_rss_mib") for k, v in res.items()}
+            grown = {k: v - res[k]["setup"]["rss_before_load_mib"] for k, v in rss.items()
+                     if v and "rss_before_load_mib" in res[k].get("setup", {})}
+            result["rows"][key] = _row(res, prompts, args, threads, machine, started, workload=args.workload,
+                                       batch=batch, gguf=str(path), file_bytes=file_bytes, kv_cache_bytes=kv,
+                                       peak_rss_mib=rss, peak_rss_over_file_plus_kv={
+                                           k: v * MIB / (file_bytes + kv) for k, v in rss.items() if v},
+                                       peak_rss_above_start_mib=grown, peak_rss_above_start_over_file_plus_kv={
+                                           k: v * MIB / (file_bytes + kv) for k, v in grown.items()})
+            strip(res)
+            save(result)
+            _log_ratios(result["rows"][key], log)
+        return
+    prompts = prompts_of(args.workload)
+    cells = sum(len(p) + args.max_tokens for p in prompts) + 256
+    peers = all_peers(args, cells)
+    key = f"{args.workload}/greedy_ignore_eos/all{args.tag}"
+    log(f"machine {key}: {len(prompts)} prompts, {threads} threads, {list(peers)} x {args.repeats_greedy} repeats")
+    res = runner.interleaved(peers, prompts, MODE, args.max_tokens, args.repeats_greedy, args.log_dir, threads,
+                             run_timeout=args.run_timeout, on_event=log)
+    result["rows"][key] = _row(res, prompts, args, threads, machine, started, workload=args.workload,
+                               gguf=embedded_gguf(), best_vllm=None)
+    strip(res)
+    save(result)
+    _log_ratios(result["rows"][key], log)
+
+
+def _log_ratios(row: dict, log: Callable[[str], None]) -> None:
+    for name, r in row["ratios_to_gguf"].items():
+        log(f"  batchgen_gguf / {name}: {r['of_medians']:.2f}x (paired {[round(x, 2) for x in r['paired_all']]})")
+
+
+def _cell(peers: dict, name: str) -> str:
+    rec = peers.get(name)
+    if rec is None:
+        return "not run"
+    s = rec.get("summary", {})
+    if not s.get("ok"):
+        return rec.get("status", "failed")[:60]
+    return f"{s['tokens_per_s_median']:.1f} ({s['tokens_per_s_min']:.1f}-{s['tokens_per_s_max']:.1f})"
+
+
+def _ratio(r: dict | None) -> str:
+    if not r:
+        return "–"
+    paired = r.get("paired_all") or []
+    spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
+    return f"{r['of_medians']:.2f}×{spread}"
+
+
+def gguf_keys(rows: dict) -> list[str]:
+    """The GGUF rows of ``machine.json``: SmolLM2 rows first (W32, W256), then the 1B ones by
+    type and batch."""
+    keys = [k for k in rows if rows[k]["dtype"] == "all"]
+    return sorted(keys, key=lambda k: (rows[k]["workload"].startswith("1b-"), rows[k]["workload"],
+                                       rows[k].get("batch", 0), k))
+
+
+def summary_lines(rows: dict) -> list[str]:
+    """The GGUF section of ``summary.md``: tokens/s of every peer, batchgen_gguf's ratios, and
+    for the 1B rows peak RSS against file + KV cache."""
+    keys = gguf_keys(rows)
+    if not keys:
+        return []
+    lines = ["## GGUF-native (greedy, EOS ignored: every peer generates max_tokens per prompt)", "",
+             "Generated tokens/s, median (min-max) over interleaved repeats, both cores per peer; ratios "
+             "batchgen_gguf / peer of the medians, (min-max) of the per-repeat ratios.", "",
+             "| row | batchgen fp32 | batchgen bf16 | batchgen gguf | vLLM fp32 | vLLM bf16 | llama.cpp | "
+             "gguf / fp32 | gguf / bf16 | gguf / vLLM fp32 | gguf / llama.cpp | fp32 / vLLM fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key in keys:
+        r = rows[key]
+        peers, to_gguf = r["peers"], r["ratios_to_gguf"]
+        vllm = next((k for k in peers if k.startswith("vllm_bs")), None)
+        vllm16 = next((k for k in peers if k.startswith("vllm_bf16")), None)
+        label = f"{key} ({r['num_prompts']} prompts x {r['max_tokens']})"
+        lines.append(f"| {label} | {_cell(peers, 'batchgen')} | {_cell(peers, 'batchgen_bf16')} | "
+                     f"{_cell(peers, 'batchgen_gguf')} | {_cell(peers, vllm or '')} | {_cell(peers, vllm16 or '')} | "
+                     f"{_cell(peers, 'llama_cpp')} | {_ratio(to_gguf.get('batchgen'))} | "
+                     f"{_ratio(to_gguf.get('batchgen_bf16'))} | {_ratio(to_gguf.get(vllm))} | "
+                     f"{_ratio(to_gguf.get('llama_cpp'))} | {_ratio(r['ratios'].get(vllm))} |")
+    lines.append("")
+    mem = [k for k in keys if "file_bytes" in rows[k]]
+    if mem:
+        lines += ["Memory of the 1B rows: peak RSS of each peer's process (load included), and its growth from "
+                  "before the model loads (the interpreter and libraries imported: torch and transformers for "
+                  "batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
+                  "cache (sized to the row).", "",
+                  "| row | file MiB | KV MiB | batchgen gguf peak RSS MiB (× file+KV) | its growth from start | "
+                  "llama.cpp peak RSS MiB (× file+KV) | its growth from start |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for key in mem:
+            r = rows[key]
+            rss, over = r["peak_rss_mib"], r["peak_rss_over_file_plus_kv"]
+            grown, grown_over = r.get("peak_rss_above_start_mib", {}), r.get("peak_rss_above_start_over_file_plus_kv", {})
+
+            def m(name: str, values: dict, ratios: dict) -> str:
+                return f"{values[name]:.0f} ({ratios[name]:.2f}×)" if values.get(name) else "–"
+            lines.append(f"| {key} | {r['file_bytes'] / MIB:.0f} | {r['kv_cache_bytes'] / MIB:.0f} | "
+                         f"{m('batchgen_gguf', rss, over)} | {m('batchgen_gguf', grown, grown_over)} | "
+                         f"{m('llama_cpp', rss, over)} | {m('llama_cpp', grown, grown_over)} |")
+        lines.append("")
+    return lines
+
+
+def plot(rows: dict, out: Path) -> bool:
+    """``machine_gguf.png``: tokens/s per peer for each GGUF row (median, min-max)."""
+    keys = gguf_keys(rows)
+    if not keys:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(keys))
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
+        peers = {k: v["summary"] for k, v in rows[key]["peers"].items() if v.get("summary", {}).get("ok")}
+        names = list(peers)
+        med = [peers[n]["tokens_per_s_median"] for n in names]
+        err = [[m - peers[n]["tokens_per_s_min"] for n, m in zip(names, med)],
+               [peers[n]["tokens_per_s_max"] - m for n, m in zip(names, med)]]
+        colors = ["#1f5fa8" if n == "batchgen_gguf" else "#6a9fd4" if n.startswith("batchgen") else
+                  "#d4762a" if n.startswith("vllm") else "#3a9a4a" if n == "llama_cpp" else "#888" for n in names]
+        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
+        ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
+        ax.set_title(f"{key}\n{rows[key]['num_prompts']} prompts x {rows[key]['max_tokens']}, "
+                     f"{rows[key]['threads']} threads", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("generated tokens/s")
+    fig.tight_layout()
+    fig.savefig(out / "machine_gguf.png", dpi=110)
+    plt.close(fig)
+    return True
