@@ -11,7 +11,7 @@ each), then the prefill sequences (one chunk each).
 
 :func:`attend` is the one place that attends over the cache. On the CPU path
 (``linear_backend="cpu"``) most attention layers do not reach :func:`paged_attention_forward`:
-:mod:`batchgen.engine.fused_attention` replaces them, where a probe shows it exact, by a
+:func:`batchgen.engine.fusion.fuse_model` replaces them, where a probe shows it exact, by a
 :class:`~batchgen.engine.fused_attention.FusedAttention` that runs one q/k/v GEMM and RoPE plus
 the cache write in one C pass, then calls :func:`attend` too.
 """
