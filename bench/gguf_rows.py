@@ -10,15 +10,16 @@ per repeat, both cores each, greedy with EOS ignored (every peer generates exact
   float32 activations and KV cache);
 * ``vllm_bs<B>`` and ``vllm_bf16_bs<B>``: vLLM's CPU build in float32 and bfloat16 (block size
   the first of ``--vllm-block-sizes``);
-* ``llama_cpp``: llama.cpp on the same Q4_1 file, all sequences in one ``llama_decode`` per step
-  over a unified KV cache (``bench/peers/llama_cpp_worker.py``).
+* ``llama_cpp`` and ``llama_cpp_split``: llama.cpp on the same Q4_1 file, all sequences in one
+  ``llama_decode`` per step (``bench/peers/llama_cpp_worker.py``), over a unified KV cache and
+  over one KV stream per sequence (:func:`llama_cpp_peers` says why both).
 
 ``--workload 1b-q4_k`` or ``1b-q8_0`` (with ``--batches 1,8,64``) runs a Llama-3.2-1B-shaped
 model (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, vocabulary 32000, tied
 embedding: 1.03 B parameters) with random weights, written once to ``/tmp/bench-models`` as a
 GGUF file in that one block type with the ``gguf`` package's writer
-(``tests/gguf/tiny_gguf.py``). Each batch size is a row: that many random 128-token prompts,
-``max_tokens`` each; peers ``batchgen_gguf`` and ``llama_cpp`` (``--peers`` adds ``batchgen``,
+(``tests/gguf/tiny_gguf.py``). Each batch size is a row: that many random 32-token prompts,
+``max_tokens`` each; peers ``batchgen_gguf``, ``llama_cpp`` and ``llama_cpp_split`` (``--peers`` adds ``batchgen``,
 the de-quantized float32 model). batchgen's KV cache is sized to the row (all sequences at
 their full length, rounded up), so peak RSS compares with file + KV cache.
 
@@ -43,7 +44,7 @@ GIB = 2**30
 MIB = 2**20
 MODELS = Path(os.environ.get("BENCH_MODELS", "/tmp/bench-models"))
 ONE_B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=32000)
-ONE_B_PROMPT_TOKENS = 128
+ONE_B_PROMPT_TOKENS = 32
 MODE = {"kind": "greedy", "ignore_eos": True}
 
 
@@ -80,7 +81,21 @@ def embedded_gguf() -> str:
     return resolve_model("smollm2-135m-instruct", "gguf", "cpu").gguf_file
 
 
-def all_peers(args: Any, kv_cells: int) -> dict[str, dict]:
+def llama_cpp_peers(gguf: str, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
+    """llama.cpp with a unified KV cache (``llama_cpp``: one pool of cells for all sequences,
+    sized to their sum) and with one KV stream per sequence (``llama_cpp_split``, each of the
+    longest sequence's length). With a unified cache every sequence's attention runs over every
+    cell (masked), so a step costs about sequences x all cells: 2.2x the split cache's at 64
+    sequences of W32 (398 against 179 ms a step), quadratic beyond."""
+    n = min(len(prompts), 256)
+    longest = max(map(len, prompts)) + max_tokens + 8
+    return {"llama_cpp": {"as": "llama_cpp", "gguf": gguf, "n_seq_max": n, "kv_unified": True,
+                          "n_ctx": sum(len(p) + max_tokens for p in prompts[:n]) + 256},
+            "llama_cpp_split": {"as": "llama_cpp", "gguf": gguf, "n_seq_max": n, "kv_unified": False,
+                                "n_ctx": n * longest}}
+
+
+def all_peers(args: Any, prompts: list[list[int]]) -> dict[str, dict]:
     """The peers of a SmolLM2 row (module docstring), filtered by ``--peers``."""
     bs = next((b for b in args.vllm_block_sizes if b != "best"), 128)
     peers = {
@@ -92,7 +107,7 @@ def all_peers(args: Any, kv_cells: int) -> dict[str, dict]:
                           "threads": 0},
         f"vllm_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "float32", "block_size": bs},
         f"vllm_bf16_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "bfloat16", "block_size": bs},
-        "llama_cpp": {"as": "llama_cpp", "gguf": embedded_gguf(), "n_ctx": kv_cells, "n_seq_max": 256},
+        **llama_cpp_peers(embedded_gguf(), prompts, args.max_tokens),
     }
     return _filter(peers, args)
 
@@ -107,8 +122,8 @@ def one_b_peers(args: Any, path: Path, batch: int, max_tokens: int) -> tuple[dic
     peers = {"batchgen_gguf": {**common, "quantization": "gguf"}}
     if "batchgen" in args.peers:
         peers["batchgen"] = {**common, "quantization": "none"}
-    peers["llama_cpp"] = {"as": "llama_cpp", "gguf": str(path), "n_ctx": batch * (ONE_B_PROMPT_TOKENS + max_tokens) + 256,
-                          "n_seq_max": max(batch, 1)}
+    cpp = llama_cpp_peers(str(path), [[0] * ONE_B_PROMPT_TOKENS] * batch, max_tokens)
+    peers.update(cpp if batch > 1 else {"llama_cpp": cpp["llama_cpp"]})  # one sequence: the same either way
     if args.peers:
         peers = {k: v for k, v in peers.items() if k in args.peers}
     return peers, kv
@@ -166,8 +181,7 @@ def part(args: Any, result: dict, prompts_of: Callable[[str], list[list[int]]], 
             _log_ratios(result["rows"][key], log)
         return
     prompts = prompts_of(args.workload)
-    cells = sum(len(p) + args.max_tokens for p in prompts) + 256
-    peers = all_peers(args, cells)
+    peers = all_peers(args, prompts)
     key = f"{args.workload}/greedy_ignore_eos/all{args.tag}"
     log(f"machine {key}: {len(prompts)} prompts, {threads} threads, {list(peers)} x {args.repeats_greedy} repeats")
     res = runner.interleaved(peers, prompts, MODE, args.max_tokens, args.repeats_greedy, args.log_dir, threads,
@@ -189,17 +203,13 @@ def _cell(peers: dict, name: str) -> str:
     if rec is None:
         return "not run"
     s = rec.get("summary", {})
-    if not s.get("ok"):
-        return rec.get("status", "failed")[:60]
-    return f"{s['tokens_per_s_median']:.1f} ({s['tokens_per_s_min']:.1f}-{s['tokens_per_s_max']:.1f})"
+    return runner.fmt_summary(s) if s.get("ok") else rec.get("status", "failed")[:60]
 
 
-def _ratio(r: dict | None) -> str:
-    if not r:
-        return "–"
-    paired = r.get("paired_all") or []
-    spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
-    return f"{r['of_medians']:.2f}×{spread}"
+def color(name: str) -> str:
+    """The plot's colour of a peer."""
+    return ("#1f5fa8" if name == "batchgen_gguf" else "#6a9fd4" if name.startswith("batchgen") else
+            "#d4762a" if name.startswith("vllm") else "#3a9a4a" if name.startswith("llama_cpp") else "#888")
 
 
 def gguf_keys(rows: dict) -> list[str]:
@@ -219,9 +229,10 @@ def summary_lines(rows: dict) -> list[str]:
     lines = ["## GGUF-native (greedy, EOS ignored: every peer generates max_tokens per prompt)", "",
              "Generated tokens/s, median (min-max) over interleaved repeats, both cores per peer; ratios "
              "batchgen_gguf / peer of the medians, (min-max) of the per-repeat ratios.", "",
-             "| row | batchgen fp32 | batchgen bf16 | batchgen gguf | vLLM fp32 | vLLM bf16 | llama.cpp | "
-             "gguf / fp32 | gguf / bf16 | gguf / vLLM fp32 | gguf / llama.cpp | fp32 / vLLM fp32 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| row | batchgen fp32 | batchgen bf16 | batchgen gguf | vLLM fp32 | vLLM bf16 | llama.cpp unified KV | "
+             "llama.cpp split KV | gguf / fp32 | gguf / bf16 | gguf / vLLM fp32 | gguf / llama.cpp unified | "
+             "gguf / llama.cpp split | fp32 / vLLM fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key in keys:
         r = rows[key]
         peers, to_gguf = r["peers"], r["ratios_to_gguf"]
@@ -230,9 +241,10 @@ def summary_lines(rows: dict) -> list[str]:
         label = f"{key} ({r['num_prompts']} prompts x {r['max_tokens']})"
         lines.append(f"| {label} | {_cell(peers, 'batchgen')} | {_cell(peers, 'batchgen_bf16')} | "
                      f"{_cell(peers, 'batchgen_gguf')} | {_cell(peers, vllm or '')} | {_cell(peers, vllm16 or '')} | "
-                     f"{_cell(peers, 'llama_cpp')} | {_ratio(to_gguf.get('batchgen'))} | "
-                     f"{_ratio(to_gguf.get('batchgen_bf16'))} | {_ratio(to_gguf.get(vllm))} | "
-                     f"{_ratio(to_gguf.get('llama_cpp'))} | {_ratio(r['ratios'].get(vllm))} |")
+                     f"{_cell(peers, 'llama_cpp')} | {_cell(peers, 'llama_cpp_split')} | "
+                     f"{runner.fmt_ratio(to_gguf.get('batchgen'))} | {runner.fmt_ratio(to_gguf.get('batchgen_bf16'))} | "
+                     f"{runner.fmt_ratio(to_gguf.get(vllm))} | {runner.fmt_ratio(to_gguf.get('llama_cpp'))} | "
+                     f"{runner.fmt_ratio(to_gguf.get('llama_cpp_split'))} | {runner.fmt_ratio(r['ratios'].get(vllm))} |")
     lines.append("")
     mem = [k for k in keys if "file_bytes" in rows[k]]
     if mem:
@@ -241,7 +253,7 @@ def summary_lines(rows: dict) -> list[str]:
                   "batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
                   "cache (sized to the row).", "",
                   "| row | file MiB | KV MiB | batchgen gguf peak RSS MiB (× file+KV) | its growth from start | "
-                  "llama.cpp peak RSS MiB (× file+KV) | its growth from start |",
+                  "llama.cpp (unified) peak RSS MiB (× file+KV) | its growth from start |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for key in mem:
             r = rows[key]
@@ -255,38 +267,3 @@ def summary_lines(rows: dict) -> list[str]:
                          f"{m('llama_cpp', rss, over)} | {m('llama_cpp', grown, grown_over)} |")
         lines.append("")
     return lines
-
-
-def plot(rows: dict, out: Path) -> bool:
-    """``machine_gguf.png``: tokens/s per peer for each GGUF row (median, min-max)."""
-    keys = gguf_keys(rows)
-    if not keys:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(4, len(keys))
-    nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.6 * nrows), squeeze=False)
-    for ax in axes.flat[len(keys):]:
-        ax.set_visible(False)
-    for ax, key in zip(axes.flat, keys):
-        peers = {k: v["summary"] for k, v in rows[key]["peers"].items() if v.get("summary", {}).get("ok")}
-        names = list(peers)
-        med = [peers[n]["tokens_per_s_median"] for n in names]
-        err = [[m - peers[n]["tokens_per_s_min"] for n, m in zip(names, med)],
-               [peers[n]["tokens_per_s_max"] - m for n, m in zip(names, med)]]
-        colors = ["#1f5fa8" if n == "batchgen_gguf" else "#6a9fd4" if n.startswith("batchgen") else
-                  "#d4762a" if n.startswith("vllm") else "#3a9a4a" if n == "llama_cpp" else "#888" for n in names]
-        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
-        ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
-        ax.set_title(f"{key}\n{rows[key]['num_prompts']} prompts x {rows[key]['max_tokens']}, "
-                     f"{rows[key]['threads']} threads", fontsize=8)
-    for row in axes:
-        row[0].set_ylabel("generated tokens/s")
-    fig.tight_layout()
-    fig.savefig(out / "machine_gguf.png", dpi=110)
-    plt.close(fig)
-    return True

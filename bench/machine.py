@@ -204,9 +204,15 @@ def _row_order(key: str) -> tuple:
     return [order.get(part, 9) for part in key.split("/")], key
 
 
-def plot(out: Path) -> bool:
-    """``machine.png``: tokens/s per peer for each plain row of ``machine.json`` (median,
-    min-max); False when there is none."""
+def _color(name: str) -> str:
+    return ("#1f5fa8" if name == "batchgen" else "#6a9fd4" if name.startswith("batchgen") else
+            "#d4762a" if name.startswith("vllm") else "#888")
+
+
+def plot(out: Path, keys: list[str] | None = None, name: str = "machine.png",
+         color: Callable[[str], str] = _color) -> bool:
+    """``machine.png``: tokens/s per peer for each of ``keys`` of ``machine.json`` (default: the
+    plain rows, at 64 tokens), median and min-max, one panel a row; False when there is none."""
     path = out / "machine.json"
     if not path.is_file():
         return False
@@ -216,12 +222,13 @@ def plot(out: Path) -> bool:
     import matplotlib.pyplot as plt
 
     rows = json.loads(path.read_text())["rows"]
-    keys = [k for k in sorted(rows, key=_row_order) if rows[k]["max_tokens"] == 64 and rows[k]["dtype"] != "all"]
+    if keys is None:
+        keys = [k for k in sorted(rows, key=_row_order) if rows[k]["max_tokens"] == 64 and rows[k]["dtype"] != "all"]
     if not keys:
         return False
     cols = min(4, len(keys))
     nrows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.6 * nrows), squeeze=False)
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
     for ax, key in zip(axes.flat, keys):
@@ -230,30 +237,16 @@ def plot(out: Path) -> bool:
         med = [peers[n]["tokens_per_s_median"] for n in names]
         err = [[m - peers[n]["tokens_per_s_min"] for n, m in zip(names, med)],
                [peers[n]["tokens_per_s_max"] - m for n, m in zip(names, med)]]
-        colors = ["#1f5fa8" if n == "batchgen" else "#6a9fd4" if n.startswith("batchgen") else
-                  "#d4762a" if n.startswith("vllm") else "#888" for n in names]
-        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
+        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=[color(n) for n in names])
         ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=7)
-        ax.set_title(f"{key}\n{rows[key]['num_prompts']} prompts, {rows[key]['threads']} threads", fontsize=8)
+        ax.set_title(f"{key}\n{rows[key]['num_prompts']} prompts x {rows[key]['max_tokens']}, "
+                     f"{rows[key]['threads']} threads", fontsize=8)
     for row in axes:
         row[0].set_ylabel("generated tokens/s")
     fig.tight_layout()
-    fig.savefig(out / "machine.png", dpi=110)
+    fig.savefig(out / name, dpi=110)
     plt.close(fig)
     return True
-
-
-def _fmt(summary: dict) -> str:
-    return (f"{summary['tokens_per_s_median']:.1f} ({summary['tokens_per_s_min']:.1f}-"
-            f"{summary['tokens_per_s_max']:.1f})")
-
-
-def _ratio(r: dict | None) -> str:
-    if not r:
-        return "–"
-    paired = r.get("paired_all") or []
-    spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
-    return f"{r['of_medians']:.2f}×{spread}"
 
 
 def ceiling_rows(out: Path) -> list[dict]:
@@ -363,7 +356,7 @@ def summary_lines(out: Path) -> list[str]:
                 if not name or name not in peers:
                     return "not run"
                 s = peers[name].get("summary", {})
-                return _fmt(s) if s.get("ok") else peers[name].get("status", "failed")[:60]
+                return runner.fmt_summary(s) if s.get("ok") else peers[name].get("status", "failed")[:60]
             one = ratios.get("batchgen_1t")
             block = f" ({best.split('_bs')[1]})" if best else ""
             mode = key.split("/")[1] + (f" ({key.split(r['dtype'], 1)[1].lstrip('_')})" if not key.endswith(r["dtype"]) else "")
@@ -372,16 +365,16 @@ def summary_lines(out: Path) -> list[str]:
             lines.append(f"| {r['workload'].upper()} ({r['num_prompts']}) | {mode} | {r['dtype']} | "
                          f"{r['threads']} | {r['repeats']} | {cell('batchgen')} | {cell('batchgen_1t')} | "
                          f"{cell('hf_generate')} | {cell(best)}{block} | "
-                         f"{_ratio(ratios.get(best) if best else None)} | {_ratio(ratios.get('hf_generate'))} | "
-                         f"{_ratio(one)} |")
+                         f"{runner.fmt_ratio(ratios.get(best) if best else None)} | {runner.fmt_ratio(ratios.get('hf_generate'))} | "
+                         f"{runner.fmt_ratio(one)} |")
         lines.append("")
     cont = out / "contention.json"
     if cont.is_file():
         c = json.loads(cont.read_text())
         s = c["summary"]
         lines += [f"Beside CPU-bound processes ({c['workload']}, batchgen at its defaults, "
-                  f"{c.get('setup', {}).get('num_threads')} threads): quiet {_fmt(s['0'])} tok/s; "
-                  + "; ".join(f"{b} busy loop{'s' if b != '1' else ''} {_fmt(s[b])} tok/s, quiet / busy "
+                  f"{c.get('setup', {}).get('num_threads')} threads): quiet {runner.fmt_summary(s['0'])} tok/s; "
+                  + "; ".join(f"{b} busy loop{'s' if b != '1' else ''} {runner.fmt_summary(s[b])} tok/s, quiet / busy "
                               f"{s[b]['slowdown_median']:.2f}× (per repeat {min(s[b]['slowdown_paired']):.2f}-"
                               f"{max(s[b]['slowdown_paired']):.2f})" for b in ("1", "2")) + ".", ""]
     bounds = flop_bound_rows(out)

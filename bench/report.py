@@ -497,7 +497,7 @@ def build(out: Path) -> None:
         if machine.plot(out):
             made.append("machine.png")
         rows = json.loads((out / "machine.json").read_text())["rows"]
-        if gguf_rows.plot(rows, out):
+        if machine.plot(out, keys=gguf_rows.gguf_keys(rows), name="machine_gguf.png", color=gguf_rows.color):
             made.append("machine_gguf.png")
         gguf_lines = gguf_rows.summary_lines(rows)
     scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out) + gguf_lines

@@ -253,3 +253,18 @@ def ratios(results: dict, ours: str = "batchgen") -> dict:
                      "paired_median": statistics.median(paired) if paired else None,
                      "paired_all": paired}
     return out
+
+
+def fmt_summary(summary: dict) -> str:
+    """A peer's tokens/s as ``median (min-max)``."""
+    return (f"{summary['tokens_per_s_median']:.1f} ({summary['tokens_per_s_min']:.1f}-"
+            f"{summary['tokens_per_s_max']:.1f})")
+
+
+def fmt_ratio(r: dict | None) -> str:
+    """A :func:`ratios` entry as ``of medians× (min-max of the per-repeat ratios)``; – when absent."""
+    if not r:
+        return "–"
+    paired = r.get("paired_all") or []
+    spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
+    return f"{r['of_medians']:.2f}×{spread}"

@@ -45,7 +45,8 @@ def _rss() -> float:
 class LlamaCppBatched:
     """One llama.cpp model and context; :meth:`generate` runs greedy over many prompts."""
 
-    def __init__(self, path: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int = 2048) -> None:
+    def __init__(self, path: str, threads: int, n_ctx: int, n_seq_max: int, n_batch: int = 2048,
+                 kv_unified: bool = True) -> None:
         import llama_cpp as L
 
         self.L = L
@@ -59,7 +60,7 @@ class LlamaCppBatched:
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(512, n_batch)
         cparams.n_seq_max = min(n_seq_max, L.llama_max_parallel_sequences())
-        cparams.kv_unified = True
+        cparams.kv_unified = kv_unified
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
@@ -73,7 +74,7 @@ class LlamaCppBatched:
         self.batch = L.llama_batch_init(n_batch, 0, 1)
         self.setup = {"peer": "llama_cpp", "llama_cpp_python": getattr(L, "__version__", "?"),
                       "gguf": path, "n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": cparams.n_ubatch,
-                      "n_seq_max": self.n_seq_max, "kv_unified": True, "threads": threads,
+                      "n_seq_max": self.n_seq_max, "kv_unified": kv_unified, "threads": threads,
                       "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
                       "one_decode_per_step": True}
 
@@ -157,7 +158,8 @@ def main() -> None:
 
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * resource.getpagesize() / 2**20
-    peer = LlamaCppBatched(path, threads, int(options.get("n_ctx", 16384)), int(options.get("n_seq_max", 256)))
+    peer = LlamaCppBatched(path, threads, int(options.get("n_ctx", 16384)), int(options.get("n_seq_max", 256)),
+                           kv_unified=bool(options.get("kv_unified", True)))
     peer.generate([WARMUP_PROMPT], 4, True)
     print("@@READY " + json.dumps({**peer.setup, "rss_before_load_mib": before, "rss_after_load_mib": _rss()}),
           flush=True)

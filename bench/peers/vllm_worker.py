@@ -68,7 +68,7 @@ def main() -> None:
                 result.append(seqs)
             return result
         if mode["kind"] == "greedy":
-            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=bool(mode.get("ignore_eos")))
         else:
             # A per-request seed makes vLLM 0.32's CPU path fail ("CPU Generator does not use
             # offset", in gpu_model_runner._bookkeeping_sync); mode["request_seed"] = False
