@@ -220,9 +220,39 @@ def gguf_keys(rows: dict) -> list[str]:
                                        rows[k].get("batch", 0), k))
 
 
-def summary_lines(rows: dict) -> list[str]:
-    """The GGUF section of ``summary.md``: tokens/s of every peer, batchgen_gguf's ratios, and
-    for the 1B rows peak RSS against file + KV cache."""
+def ceiling_lines(out: Path) -> list[str]:
+    """The decode step's quantized linear layers in int8 GOP/s (``profile_2t_gguf*.json``, from
+    ``bench.profile_step --quantization gguf``) against the int8 ceiling (``vpdpbusd`` or
+    ``vpmaddubsw`` at 2 threads: the ``peaks`` of the ``bench.quant_kernel`` run made on the
+    same CPU, ``quant_kernel_epyc.json`` else ``quant_kernel.json``)."""
+    import json
+
+    kernel = next((json.loads(f.read_text()) for f in (out / "quant_kernel_epyc.json", out / "quant_kernel.json")
+                   if f.is_file()), None)
+    lines = []
+    for prof in sorted(out.glob("profile_2t_gguf*.json")):
+        p = json.loads(prof.read_text())
+        if kernel is None or not p.get("linear_gflops_median"):
+            continue
+        peaks = kernel.get("peaks", {})
+        name, ceiling = max(((k, v) for k, v in peaks.items() if k.startswith("int8") and k.endswith("_2t")),
+                            key=lambda kv: kv[1], default=(None, None))
+        if ceiling is None:
+            continue
+        lines.append(f"Decode step's quantized linear layers, {Path(p.get('model', '?')).name}, 2 threads "
+                     f"({p['decode_rows_median']} rows): {p['linear_gflops_median']:.0f} GOP/s, "
+                     f"{p['linear_gflops_median'] / ceiling * 100:.0f} % of the int8 ceiling "
+                     f"({name}: {ceiling:.0f} GOP/s on {kernel.get('cpu', '?')}); linear layers "
+                     f"{p['timers_share'].get('linear', 0) * 100:.0f} % of the step, attention "
+                     f"{p['timers_share'].get('attention', 0) * 100:.0f} %.")
+        lines.append("")
+    return lines
+
+
+def summary_lines(rows: dict, out: Path | None = None) -> list[str]:
+    """The GGUF section of ``summary.md``: tokens/s of every peer, batchgen_gguf's ratios, for
+    the 1B rows peak RSS against file + KV cache, and the step's linear layers against the
+    int8 ceiling (:func:`ceiling_lines`)."""
     keys = gguf_keys(rows)
     if not keys:
         return []
@@ -253,8 +283,9 @@ def summary_lines(rows: dict) -> list[str]:
                   "batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
                   "cache (sized to the row).", "",
                   "| row | file MiB | KV MiB | batchgen gguf peak RSS MiB (× file+KV) | its growth from start | "
-                  "llama.cpp (unified) peak RSS MiB (× file+KV) | its growth from start |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "llama.cpp (unified) peak RSS MiB (× file+KV) | its growth from start | batchgen fp32 "
+                  "(de-quantized) peak RSS MiB |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for key in mem:
             r = rows[key]
             rss, over = r["peak_rss_mib"], r["peak_rss_over_file_plus_kv"]
@@ -264,6 +295,7 @@ def summary_lines(rows: dict) -> list[str]:
                 return f"{values[name]:.0f} ({ratios[name]:.2f}×)" if values.get(name) else "–"
             lines.append(f"| {key} | {r['file_bytes'] / MIB:.0f} | {r['kv_cache_bytes'] / MIB:.0f} | "
                          f"{m('batchgen_gguf', rss, over)} | {m('batchgen_gguf', grown, grown_over)} | "
-                         f"{m('llama_cpp', rss, over)} | {m('llama_cpp', grown, grown_over)} |")
+                         f"{m('llama_cpp', rss, over)} | {m('llama_cpp', grown, grown_over)} | "
+                         f"{m('batchgen', rss, over)} |")
         lines.append("")
-    return lines
+    return lines + (ceiling_lines(out) if out is not None else [])

@@ -136,8 +136,10 @@ def main() -> None:
     wrap(llm.runner, "prepare", clock, "prepare")
     wrap(llm.runner, "copy_blocks", clock, "copy_blocks")
     wrap(llm.runner, "_forward", clock, "forward")
-    wrap(llm, "sampler", clock, "sampling")  # the Sampler instance is called as llm.sampler(...)
-    wrap(llm, "_beam_step", clock, "sampling")  # beam search's top-k, forks and frees
+    wrap(llm.engine, "sampler", clock, "sampling")  # the Sampler instance the engine core calls
+    from batchgen.engine import core
+
+    wrap(core, "beam_step", clock, "sampling")  # beam search's top-k, forks and frees
 
     steps: list[dict[str, float]] = []
     inner_step = llm.step

@@ -499,7 +499,7 @@ def build(out: Path) -> None:
         rows = json.loads((out / "machine.json").read_text())["rows"]
         if machine.plot(out, keys=gguf_rows.gguf_keys(rows), name="machine_gguf.png", color=gguf_rows.color):
             made.append("machine_gguf.png")
-        gguf_lines = gguf_rows.summary_lines(rows)
+        gguf_lines = gguf_rows.summary_lines(rows, out)
     scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out) + gguf_lines
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
     struct_text = structured.summary_md(struct)

@@ -63,6 +63,10 @@ def main() -> None:
 
     import transformers  # noqa: F401 - every peer's imports, before the model: what the RSS counts from
 
+    if peer_name == "batchgen":
+        from bench.peers.batchgen_peer import BatchgenPeer
+
+        BatchgenPeer.preload()
     before = rss_mib()
     peer = build(peer_name, options)
     print("@@READY " + json.dumps({**peer.setup(), "rss_before_load_mib": before,

@@ -117,6 +117,18 @@ class BatchgenPeer:
         self.llm: Any = None
         self._fresh()
 
+    @staticmethod
+    def preload() -> None:
+        """Import what building an engine imports before it reads a model (batchgen's engine,
+        transformers' model classes of the Llama family, the tokenizers), so that a worker's
+        RSS measured after this and before the model counts libraries, not the model."""
+        import transformers.models.llama.modeling_llama  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        import batchgen.engine.llm  # noqa: F401
+        import batchgen.engine.model_runner  # noqa: F401
+        import batchgen.kernels.cpu.quant  # noqa: F401
+
     def _fresh(self) -> None:
         from batchgen import LLM, SamplingParams
 
