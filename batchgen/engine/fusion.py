@@ -46,6 +46,7 @@ from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
 from batchgen.gguf.loader import release_freed_memory
 from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu.quant import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,10 @@ def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, fused: 
         return
     model.set_submodule(name, fused)
     counts[kind] += 1
-    release_freed_memory()  # the replaced layer's weights, and a merge's transient copies
+    if any(isinstance(m, QuantizedLinear) for m in fused.modules()):
+        # a merge's transient copies of GGUF blocks: handed back at once, so the peak stays
+        # near the weights' bytes (float layers are packed later, by pack_linears)
+        release_freed_memory()
 
 
 def _modules(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
