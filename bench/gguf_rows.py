@@ -279,8 +279,8 @@ def summary_lines(rows: dict, out: Path | None = None) -> list[str]:
     mem = [k for k in keys if "file_bytes" in rows[k]]
     if mem:
         lines += ["Memory of the 1B rows: peak RSS of each peer's process (load included), and its growth from "
-                  "before the model loads (the interpreter and libraries imported: torch and transformers for "
-                  "batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
+                  "before the model loads (the interpreter and libraries imported: torch, transformers and "
+                  "batchgen's engine for batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
                   "cache (sized to the row).", "",
                   "| row | file MiB | KV MiB | batchgen gguf peak RSS MiB (× file+KV) | its growth from start | "
                   "llama.cpp (unified) peak RSS MiB (× file+KV) | its growth from start | batchgen fp32 "
