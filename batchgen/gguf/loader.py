@@ -22,6 +22,7 @@ file does not provide is an error naming the file and the tensor.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -197,19 +198,27 @@ def _rebuild_buffers(model: torch.nn.Module, config: Any) -> None:
             model.set_submodule(name, fresh)
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``: about 1 ms a
+    call), or None without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def release_freed_memory() -> None:
     """Hand the memory freed while loading back to the OS (glibc's ``malloc_trim``): each
     tensor passes through a few transient copies (the bytes read, the panel layout) of up to
     tens of MB, which glibc keeps in its heap once freed; without this a model's resident memory
     stays about 1.2x its weights after the load. A no-op without glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: torch.dtype,
