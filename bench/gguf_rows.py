@@ -109,7 +109,7 @@ def all_peers(args: Any, prompts: list[list[int]]) -> dict[str, dict]:
         f"vllm_bf16_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "bfloat16", "block_size": bs},
         **llama_cpp_peers(embedded_gguf(), prompts, args.max_tokens),
     }
-    return _filter(peers, args)
+    return runner.select_peers(peers, args.peers)
 
 
 def one_b_peers(args: Any, path: Path, batch: int, max_tokens: int) -> tuple[dict[str, dict], int]:
@@ -124,15 +124,7 @@ def one_b_peers(args: Any, path: Path, batch: int, max_tokens: int) -> tuple[dic
         peers["batchgen"] = {**common, "quantization": "none"}
     cpp = llama_cpp_peers(str(path), [[0] * ONE_B_PROMPT_TOKENS] * batch, max_tokens)
     peers.update(cpp if batch > 1 else {"llama_cpp": cpp["llama_cpp"]})  # one sequence: the same either way
-    if args.peers:
-        peers = {k: v for k, v in peers.items() if k in args.peers}
-    return peers, kv
-
-
-def _filter(peers: dict[str, dict], args: Any) -> dict[str, dict]:
-    if not args.peers:
-        return peers
-    return {k: v for k, v in peers.items() if k in args.peers or k.split("_bs")[0] in args.peers}
+    return runner.select_peers(peers, args.peers), kv
 
 
 def _row(res: dict, prompts: list[list[int]], args: Any, threads: int, machine: dict, started: str,
@@ -198,14 +190,6 @@ def _log_ratios(row: dict, log: Callable[[str], None]) -> None:
         log(f"  batchgen_gguf / {name}: {r['of_medians']:.2f}x (paired {[round(x, 2) for x in r['paired_all']]})")
 
 
-def _cell(peers: dict, name: str) -> str:
-    rec = peers.get(name)
-    if rec is None:
-        return "not run"
-    s = rec.get("summary", {})
-    return runner.fmt_summary(s) if s.get("ok") else rec.get("status", "failed")[:60]
-
-
 def color(name: str) -> str:
     """The plot's colour of a peer."""
     return ("#1f5fa8" if name == "batchgen_gguf" else "#6a9fd4" if name.startswith("batchgen") else
@@ -269,12 +253,11 @@ def summary_lines(rows: dict, out: Path | None = None) -> list[str]:
         vllm = next((k for k in peers if k.startswith("vllm_bs")), None)
         vllm16 = next((k for k in peers if k.startswith("vllm_bf16")), None)
         label = f"{key} ({r['num_prompts']} prompts x {r['max_tokens']})"
-        lines.append(f"| {label} | {_cell(peers, 'batchgen')} | {_cell(peers, 'batchgen_bf16')} | "
-                     f"{_cell(peers, 'batchgen_gguf')} | {_cell(peers, vllm or '')} | {_cell(peers, vllm16 or '')} | "
-                     f"{_cell(peers, 'llama_cpp')} | {_cell(peers, 'llama_cpp_split')} | "
-                     f"{runner.fmt_ratio(to_gguf.get('batchgen'))} | {runner.fmt_ratio(to_gguf.get('batchgen_bf16'))} | "
-                     f"{runner.fmt_ratio(to_gguf.get(vllm))} | {runner.fmt_ratio(to_gguf.get('llama_cpp'))} | "
-                     f"{runner.fmt_ratio(to_gguf.get('llama_cpp_split'))} | {runner.fmt_ratio(r['ratios'].get(vllm))} |")
+        cells = [runner.fmt_cell(peers, name) for name in
+                 ("batchgen", "batchgen_bf16", "batchgen_gguf", vllm, vllm16, "llama_cpp", "llama_cpp_split")]
+        ratios = [runner.fmt_ratio(to_gguf.get(name)) for name in
+                  ("batchgen", "batchgen_bf16", vllm, "llama_cpp", "llama_cpp_split")]
+        lines.append(f"| {label} | " + " | ".join(cells + ratios) + f" | {runner.fmt_ratio(r['ratios'].get(vllm))} |")
     lines.append("")
     mem = [k for k in keys if "file_bytes" in rows[k]]
     if mem:

@@ -77,9 +77,7 @@ def peers_for(args: Any, mode: dict, dtype: str, use_vllm: bool) -> dict[str, di
             if bs == "best":  # the fastest block size of this dtype's W32 greedy row
                 bs = best_block_size(args.out_dir, dtype)
             peers[f"vllm_bs{bs}"] = {"as": "vllm", "kv_gib": 1, "dtype": dtype, "block_size": bs}
-    if args.peers:
-        peers = {k: v for k, v in peers.items() if k in args.peers or k.split("_bs")[0] in args.peers}
-    return peers
+    return runner.select_peers(peers, args.peers)
 
 
 def best_block_size(out: Path, dtype: str) -> int:
@@ -353,10 +351,7 @@ def summary_lines(out: Path) -> list[str]:
             peers, ratios, best = r["peers"], r["ratios"], r.get("best_vllm")
 
             def cell(name: str | None) -> str:
-                if not name or name not in peers:
-                    return "not run"
-                s = peers[name].get("summary", {})
-                return runner.fmt_summary(s) if s.get("ok") else peers[name].get("status", "failed")[:60]
+                return runner.fmt_cell(peers, name)
             one = ratios.get("batchgen_1t")
             block = f" ({best.split('_bs')[1]})" if best else ""
             mode = key.split("/")[1] + (f" ({key.split(r['dtype'], 1)[1].lstrip('_')})" if not key.endswith(r["dtype"]) else "")

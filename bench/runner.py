@@ -129,7 +129,8 @@ def start_worker(peer: str, options: dict, log_dir: Path, threads: int) -> Worke
     untouched (batchgen then takes ``num_threads: auto``, the CPUs the process may use).
     ``options["dtype"]`` is the weights' and KV cache's dtype (``float32``, ``bfloat16``);
     for vLLM also ``block_size`` (None: its default, 128 on CPU) and ``kv_gib``; for llama.cpp
-    ``gguf`` (the file), ``n_ctx`` and ``n_seq_max`` (``bench/peers/llama_cpp_worker.py``).
+    ``gguf`` (the file), ``n_ctx``, ``n_seq_max`` and ``kv_unified``
+    (``bench/peers/llama_cpp_worker.py``).
     """
     options = dict(options)
     name, peer = peer, options.pop("as", peer)
@@ -253,6 +254,23 @@ def ratios(results: dict, ours: str = "batchgen") -> dict:
                      "paired_median": statistics.median(paired) if paired else None,
                      "paired_all": paired}
     return out
+
+
+def select_peers(peers: dict[str, dict], names: list[str]) -> dict[str, dict]:
+    """The peers ``names`` asks for (all when empty): by name, or by the name before a
+    ``_bs<B>`` block-size suffix (``vllm`` takes every ``vllm_bs<B>``)."""
+    if not names:
+        return peers
+    return {k: v for k, v in peers.items() if k in names or k.split("_bs")[0] in names}
+
+
+def fmt_cell(peers: dict, name: str | None) -> str:
+    """A table cell for peer ``name`` of a result: its tokens/s (:func:`fmt_summary`), why it
+    has none, or ``not run``."""
+    if not name or name not in peers:
+        return "not run"
+    s = peers[name].get("summary", {})
+    return fmt_summary(s) if s.get("ok") else peers[name].get("status", "failed")[:60]
 
 
 def fmt_summary(summary: dict) -> str:
