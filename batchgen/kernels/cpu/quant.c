@@ -493,6 +493,20 @@ static inline void unit_dot(const int mr, const uint8_t *u, const int groups, co
  *   K_Q8:     Q8_0: chunk g is group g, u = w + 128 (flip the sign bit)
  *   K_Q4K_LO / K_Q4K_HI: Q4_K: chunk i's low (even sub-block) or high (odd) nibbles are group i */
 enum { K_Q4_32, K_Q8, K_Q4K_LO, K_Q4K_HI };
+#if BG_ISA == 1
+/* Q6_K on 256 bits (the AVX2 and AVX-VNNI builds): half `half` (columns 0-7 or 8-15) of group
+ * g's quants, the nibble `s` of ql chunk g and the two bits at `sh` of qh chunk g,
+ * u = lo | hi << 4 <= 63. */
+static inline __attribute__((always_inline)) __m256i q6_half(const uint8_t *ql, const uint8_t *qh, const int g,
+                                                             const int half, const int s, const int sh) {
+  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * g + 32 * half));
+  __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
+  l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
+  h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
+  return _mm256_or_si256(l, h);
+}
+#endif
 #if BG_ISA == 2
 #define DPW(r, wv, g)                                                                  \
   if (mr > r)                                                                          \
@@ -590,18 +604,10 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
                                                               int64_t ldq, vi *out) {
-  const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
   __m256i a[MR], b[MR];
   for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
   for (int g = 0; g < 4; g++) {
-    __m256i w[2];
-    for (int half = 0; half < 2; half++) {
-      __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * g + 32 * half));
-      __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
-      l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
-      h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
-      w[half] = _mm256_or_si256(l, h);
-    }
+    const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
     DP_ROWS(w[0], w[1], g)
   }
   for (int r = 0; r < MR; r++)
@@ -669,20 +675,13 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
                                                               int64_t ldq, vi *out) {
-  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int g0 = 0; g0 < 4; g0 += 2) {
     __m256i p0[MR], p1[MR];
     for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
     for (int g = g0; g < g0 + 2; g++) {
-      __m256i w[2];
-      for (int half = 0; half < 2; half++) {
-        __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * g + 32 * half));
-        __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
-        l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
-        h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
-        w[half] = _mm256_or_si256(l, h);
-      }
+      const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
       for (int r = 0; r < MR; r++) {
         if (r < mr) {
           int32_t xv;
