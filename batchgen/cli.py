@@ -12,8 +12,9 @@ Commands:
 * ``batchgen --version``.
 
 Exit status: 0 ok; 1 runtime failure; 2 config or usage error (argparse's own usage errors
-included, and an output in use by another run); 3 the run finished but no record succeeded, or
-``--max-error-rate`` stopped it; 128 + the signal's number when a signal stopped it (130 for
+included, and an output in use by another run); 3 the run finished but no record succeeded,
+``--max-error-rate`` stopped it, or more rows failed than ``--max-failed-rows`` allows (0 by
+default for a scoring job; ``validate`` applies it to the rows it samples); 128 + the signal's number when a signal stopped it (130 for
 SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr as one ``batchgen: error: ...`` line,
 never a traceback.
 """
@@ -37,6 +38,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM gives 143
 
 # Rows rendered by ``validate`` to catch template errors before a run.
 VALIDATE_ROWS = 5
+# Rows a scoring job's ``validate`` checks (its answers against its choices), before the model loads.
+VALIDATE_SCORING_ROWS = 20
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", metavar="CONFIG", help="the run's YAML file")
+        failed_rows_arg(p)
         p.add_argument(
             "--set",
             dest="overrides",
@@ -56,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
             default=[],
             metavar="KEY=VALUE",
             help="override a config key, e.g. --set data.limit=5 (VALUE is parsed as YAML); repeatable",
+        )
+
+    def failed_rows_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--max-failed-rows", type=_count, default=None, metavar="N",
+            help="exit 3 when more than N rows failed (their error records are written); default 0 for "
+            "a scoring job (generation.mode loglikelihood/perplexity), no limit for a generation job",
         )
 
     def run_args(p: argparse.ArgumentParser, ids: str) -> None:
@@ -99,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set engine.max_num_seqs=64 (VALUE is parsed as YAML); repeatable",
     )
+    failed_rows_arg(batch)
     run_args(batch, "custom_ids")
 
     validate = sub.add_parser("validate", help="check a config without running the model")
@@ -128,6 +140,16 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows (0 or more), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows (0 or more), got {text!r}")
     return value
 
 
@@ -236,8 +258,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         _note(f"{signal.Signals(stop.received).name} arrived once every record was written: the run is "
               "complete, and the summary says 'completed'")
     if not args.quiet:
-        _report(summary, config)
+        _report(summary, config, job)
     records = summary["records"]
+    status = _failed_rows(records, job, args.max_failed_rows)
+    if status is not None:
+        return status
     if records["total"] and not records["ok"]:
         example = records.get("first_error") or {}
         _error(
@@ -255,7 +280,27 @@ def _files(config: Any) -> str:
     return str(config.output.path)
 
 
-def _report(summary: dict[str, Any], config: Any) -> None:
+def _failed_rows(records: dict[str, Any], job: Any, given: int | None) -> int | None:
+    """Say how many rows failed and why (the most common reason); EXIT_RECORDS_FAILED when they
+    break ``--max-failed-rows`` (see :mod:`batchgen.run.failures`), else None."""
+    from batchgen.run.failures import default_limit, describe, over_limit
+
+    failed = records.get("error", 0)
+    if not failed:
+        return None
+    limit = default_limit(job.scoring is not None, given)
+    text = describe(failed, records["total"], records.get("error_reasons") or (), job.records.example)
+    if over_limit(failed, limit):
+        why = " (a metric over a subset of the rows is another metric)" if job.scoring is not None and given is None else ""
+        _error(f"{text}; over --max-failed-rows {limit}{why}: fix the rows, or pass --max-failed-rows {failed} "
+               f"to accept them; the error records are in {_files(job.config)}")
+        return EXIT_RECORDS_FAILED
+    if records["ok"]:
+        _note(text + (f" (within --max-failed-rows {limit})" if limit is not None else ""))
+    return None
+
+
+def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
     records = summary["records"]
     speed = summary["throughput"]
     ok, errors = records["this_run_ok"], records["this_run_error"]
@@ -267,19 +312,19 @@ def _report(summary: dict[str, Any], config: Any) -> None:
         wrote = (f"wrote {records['this_run']} record(s) to {config.output.path} "
                  f"({ok} ok, {errors} error; {records['resumed']} already there)")
     print(f"{wrote} in {summary['timings']['total_s']:.1f}s")
-    if config.generation.scores:  # nothing is generated: what counts is the prompt tokens scored
-        print(f"throughput: {speed['prompt_tokens_per_s']:.1f} prompt tok/s scored, "
+    if job.scoring is not None:  # nothing is generated: what counts is the prompt tokens scored
+        print(f"throughput: {speed['prompt_tokens_per_s']:.1f} tok/s scored, "
               f"{speed['prefill_tokens_per_s']:.1f} tok/s computed (the rest from the prefix cache)")
     else:
         print(
             f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
             f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
         )
-    if config.generation.scores and summary.get("metrics"):  # an evaluation run: lm-eval's results table
+    if job.scoring is not None and summary.get("metrics"):  # an evaluation run: lm-eval's results table
         from batchgen.run.scoring_records import results_table
 
-        print(results_table(summary["metrics"]))
-    for key, values in ({} if config.generation.scores else summary.get("metrics") or {}).items():
+        print(results_table(summary["metrics"], summary.get("metric_rows")))
+    for key, values in ({} if job.scoring is not None else summary.get("metrics") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         print(f"{key}: {shown}")
     print(f"summary: {config.output.summary_file}")
@@ -314,7 +359,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             raise _with_model_issue(exc, data) from None
         job = plan(config, registry, prepare=False, config_path=str(args.config))
         tokenizer, note = _tokenizer_for(config.model.name)
-        preview = job.source.preview(tokenizer, VALIDATE_ROWS)
+        preview = job.source.preview(tokenizer, VALIDATE_ROWS if job.scoring is None else VALIDATE_SCORING_ROWS)
         if preview.issues:
             raise ConfigError([ConfigIssue(path, message) for path, message in preview.issues], str(args.config))
         notes, checked = preview.notes, preview.checked
@@ -339,6 +384,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
+    from batchgen.run.failures import default_limit, over_limit
+
+    limit = default_limit(job.scoring is not None, args.max_failed_rows)
+    if over_limit(preview.failed_rows, limit):
+        _error(f"{args.config}: {checked}: over --max-failed-rows {limit}, so 'batchgen run' would write "
+               f"{'it' if preview.failed_rows == 1 else 'them'} as error records and exit {EXIT_RECORDS_FAILED} "
+               "(see the notes above); fix the rows, or pass --max-failed-rows to accept them")
+        return EXIT_RECORDS_FAILED
     print(f"{args.config}: ok ({checked}, model '{config.model.name}' found, output {config.output.path} is writable)")
     return EXIT_OK
 

@@ -179,11 +179,14 @@ class Preview:
             (validate exits 2 and lists them all, with the config's other errors).
         notes: problems of single rows that a run answers with their own error record (validate
             prints them as ``note:`` lines and still says ok).
+        failed_rows: how many of the rows checked would be error records (validate applies
+            ``--max-failed-rows`` to it, as a run does to its error records).
     """
 
     checked: str
     issues: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failed_rows: int = 0
 
 
 class PromptSource(Protocol):

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, resolved_dict
 from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
-from batchgen.config.formats import RecordKind, SourceKind
+from batchgen.config.formats import RecordKind, ScoringKind, SourceKind, scoring_kind
 from batchgen.plugins import PluginError
 from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
@@ -58,6 +58,8 @@ class Job:
     locks: list[OutputLock] = field(default_factory=list)
     #: The summary of the run this one resumes (None for a fresh run).
     previous: dict[str, Any] | None = None
+    #: The scoring kind of a scoring job (``generation.mode``), None for a generation job.
+    scoring: ScoringKind | None = None
 
     def release(self) -> None:
         """Release the outputs' locks (idempotent; ``execute`` does it when it ends)."""
@@ -89,27 +91,30 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     Building the source loads or opens the data (raises DataError / ConfigError).
     """
     source_kind, record_kind = kinds(config)
-    if config.generation.scores:  # generation.mode loglikelihood / perplexity: a scoring job
-        return _scoring(config, source_kind, record_kind, metric_columns, metrics)
+    scoring = scoring_kind(config.generation)
+    if scoring is not None:  # generation.mode loglikelihood / perplexity: a scoring job
+        return _scoring(config, scoring, source_kind, record_kind, metric_columns, metrics)
     return (_SOURCES[source_kind](config, processors, metric_columns),
             _RECORDS[record_kind](config, metrics))
 
 
-def _scoring(config: RunConfig, source_kind: SourceKind, record_kind: RecordKind,
+def _scoring(config: RunConfig, scoring: ScoringKind, source_kind: SourceKind, record_kind: RecordKind,
              metric_columns: dict[str, Iterable[str]] | None,
              metrics: Sequence[tuple[MetricRef, Any]]) -> tuple[PromptSource, RecordFormat]:
-    """The scoring rows and records of a ``loglikelihood`` / ``perplexity`` job (dataset rows and
-    batchgen-style records only)."""
+    """The scoring rows and records of a job of the kind ``scoring``, built by the kind's scorer
+    (:data:`batchgen.run.scoring_kinds.SCORERS`; dataset rows and batchgen-style records only)."""
     if source_kind is not DATASET_ROWS:
         raise ConfigError([ConfigIssue("data.format", f"generation.mode '{config.generation.mode}' scores the rows "
                                        f"of a dataset; data.format '{config.data.format}' is not one")])
     if record_kind is not BATCHGEN_RECORDS:
         raise ConfigError([ConfigIssue("output.format", f"generation.mode '{config.generation.mode}' writes "
                                        f"batchgen records; use output.format '{BATCHGEN_RECORDS.name}' or 'auto'")])
+    from batchgen.run.scoring_kinds import SCORERS
     from batchgen.run.scoring_records import ScoringRecords
     from batchgen.run.scoring_rows import ScoringRows
 
-    return ScoringRows(config, metric_columns), ScoringRecords(config.generation.mode, metrics)
+    scorer = SCORERS[scoring]
+    return ScoringRows(config, scorer, metric_columns), ScoringRecords(scorer, metrics)
 
 
 # What each kind is built as (imported when picked: a job needs one source and one format).
@@ -146,13 +151,12 @@ _RECORDS: dict[RecordKind, Callable[..., RecordFormat]] = {BATCHGEN_RECORDS: _ba
 
 
 def _metric_refs(config: RunConfig) -> list[MetricRef]:
-    """The job's metrics: ``metrics:``, or those a scoring job implies when it lists none
-    (:func:`batchgen.plugins.scoring_metrics.implied_metrics`)."""
-    if config.metrics or not config.generation.scores:
+    """The job's metrics: ``metrics:``, or those a scoring job's kind implies when it lists none
+    (:meth:`batchgen.config.formats.ScoringKind.implied_metrics`)."""
+    scoring = scoring_kind(config.generation)
+    if config.metrics or scoring is None:
         return list(config.metrics)
-    from batchgen.plugins.scoring_metrics import implied_metrics
-
-    return [MetricRef(name=name) for name in implied_metrics(config.generation)]
+    return [MetricRef(name=name) for name in scoring.implied_metrics(config.generation)]
 
 
 class _Issues:
@@ -254,7 +258,8 @@ def plan(
     for path in (*outputs, config.output.summary_file):
         check_writable(path)
     resolved = resolved_dict(config, registry)
-    job = Job(config, registry, source, records, metrics, records.resume_index(()), config_path, resolved)
+    job = Job(config, registry, source, records, metrics, records.resume_index(()), config_path, resolved,
+              scoring=scoring_kind(config.generation))
     if prepare:
         _prepare(job, force_resume)
     return job
