@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", metavar="CONFIG", help="the run's YAML file")
-        failed_rows_arg(p)
+        _failed_rows_arg(p)
         p.add_argument(
             "--set",
             dest="overrides",
@@ -60,13 +60,6 @@ def _parser() -> argparse.ArgumentParser:
             default=[],
             metavar="KEY=VALUE",
             help="override a config key, e.g. --set data.limit=5 (VALUE is parsed as YAML); repeatable",
-        )
-
-    def failed_rows_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--max-failed-rows", type=_count, default=None, metavar="N",
-            help="exit 3 when more than N rows failed (their error records are written); default 0 for "
-            "a scoring job (generation.mode loglikelihood/perplexity), no limit for a generation job",
         )
 
     def run_args(p: argparse.ArgumentParser, ids: str) -> None:
@@ -110,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set engine.max_num_seqs=64 (VALUE is parsed as YAML); repeatable",
     )
-    failed_rows_arg(batch)
+    _failed_rows_arg(batch)
     run_args(batch, "custom_ids")
 
     validate = sub.add_parser("validate", help="check a config without running the model")
@@ -141,6 +134,14 @@ def _rate(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
     return value
+
+
+def _failed_rows_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-failed-rows", type=_count, default=None, metavar="N",
+        help="exit 3 when more than N rows failed (their error records are written); default 0 for "
+        "a scoring job (generation.mode loglikelihood/perplexity), no limit for a generation job",
+    )
 
 
 def _count(text: str) -> int:
@@ -281,22 +282,19 @@ def _files(config: Any) -> str:
 
 
 def _failed_rows(records: dict[str, Any], job: Any, given: int | None) -> int | None:
-    """Say how many rows failed and why (the most common reason); EXIT_RECORDS_FAILED when they
-    break ``--max-failed-rows`` (see :mod:`batchgen.run.failures`), else None."""
-    from batchgen.run.failures import default_limit, describe, over_limit
+    """Say how many rows failed and why; EXIT_RECORDS_FAILED when they break
+    ``--max-failed-rows`` (:func:`batchgen.run.failures.verdict`), else None."""
+    from batchgen.run.failures import verdict
 
-    failed = records.get("error", 0)
-    if not failed:
+    said = verdict(records, job.scoring is not None, given, job.records.example, _files(job.config))
+    if said is None:
         return None
-    limit = default_limit(job.scoring is not None, given)
-    text = describe(failed, records["total"], records.get("error_reasons") or (), job.records.example)
-    if over_limit(failed, limit):
-        why = " (a metric over a subset of the rows is another metric)" if job.scoring is not None and given is None else ""
-        _error(f"{text}; over --max-failed-rows {limit}{why}: fix the rows, or pass --max-failed-rows {failed} "
-               f"to accept them; the error records are in {_files(job.config)}")
+    text, over = said
+    if over:
+        _error(text)
         return EXIT_RECORDS_FAILED
     if records["ok"]:
-        _note(text + (f" (within --max-failed-rows {limit})" if limit is not None else ""))
+        _note(text)
     return None
 
 

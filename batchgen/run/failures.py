@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["Reasons", "default_limit", "describe", "over_limit", "reason"]
+__all__ = ["Reasons", "default_limit", "describe", "over_limit", "reason", "verdict"]
 
 _PARENTHESES = re.compile(r"\([^()]*\)")
 _QUOTED = re.compile(r"(?<!\w)'[^']*'(?!\w)|\"[^\"]*\"")
@@ -72,3 +72,19 @@ def describe(failed: int, total: int, reasons: Iterable[Mapping[str, Any]], exam
         shown = example(top["example"]) if example is not None else str(top["example"])
         text += f"; most often ({top['count']} row{'' if top['count'] == 1 else 's'}): {shown}"
     return text
+
+
+def verdict(records: Mapping[str, Any], scores: bool, given: int | None,
+            example: Callable[[Any], str] | None, files: str) -> tuple[str, bool] | None:
+    """What the end of a run says about its failed rows (the summary's ``records``): None when
+    none failed, else ``(text, over the limit)``."""
+    failed = int(records.get("error") or 0)
+    if not failed:
+        return None
+    limit = default_limit(scores, given)
+    text = describe(failed, int(records.get("total") or failed), records.get("error_reasons") or (), example)
+    if over_limit(failed, limit):
+        why = " (a metric over a subset of the rows is another metric)" if scores and given is None else ""
+        return (f"{text}; over --max-failed-rows {limit}{why}: fix the rows, or pass --max-failed-rows "
+                f"{failed} to accept them; the error records are in {files}"), True
+    return text + (f" (within --max-failed-rows {limit})" if limit is not None else ""), False
