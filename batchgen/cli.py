@@ -261,7 +261,7 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
     if not args.quiet:
         _report(summary, config, job)
     records = summary["records"]
-    status = _failed_rows(records, job, args.max_failed_rows)
+    status = _failed_rows(records, job, args.max_failed_rows, args.quiet)
     if status is not None:
         return status
     if records["total"] and not records["ok"]:
@@ -281,9 +281,10 @@ def _files(config: Any) -> str:
     return str(config.output.path)
 
 
-def _failed_rows(records: dict[str, Any], job: Any, given: int | None) -> int | None:
-    """Say how many rows failed and why; EXIT_RECORDS_FAILED when they break
-    ``--max-failed-rows`` (:func:`batchgen.run.failures.verdict`), else None."""
+def _failed_rows(records: dict[str, Any], job: Any, given: int | None, quiet: bool) -> int | None:
+    """Say how many rows failed and why (an error always, a note unless quiet);
+    EXIT_RECORDS_FAILED when they break ``--max-failed-rows``
+    (:func:`batchgen.run.failures.verdict`), else None."""
     from batchgen.run.failures import verdict
 
     said = verdict(records, job.scoring is not None, given, job.records.example, _files(job.config))
@@ -293,7 +294,7 @@ def _failed_rows(records: dict[str, Any], job: Any, given: int | None) -> int | 
     if over:
         _error(text)
         return EXIT_RECORDS_FAILED
-    if records["ok"]:
+    if records["ok"] and not quiet:
         _note(text)
     return None
 

@@ -15,8 +15,8 @@ theirs (:mod:`batchgen.engine.loglikelihood`), so a job's numbers are the API's.
 for text holds for both: text is scored when it has at least one token (whitespace included, as
 the API and lm-eval's ``hf`` model score it); only text with no tokens of its own is refused.
 
-This module imports neither torch nor the engine at import time (the engine's request helpers
-are imported when the first row is built: they pull in the engine's request types).
+This module imports no torch: of the engine it imports only the torch-free
+:mod:`batchgen.engine.loglikelihood` (docs/architecture.md, "Layering").
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchgen.config.formats import LOGLIKELIHOOD, PERPLEXITY, ScoringKind
+from batchgen.engine import loglikelihood as ll
 from batchgen.io.protocols import EngineView, PromptRecord
 from batchgen.plugins.scoring_metrics import normalized_choice
 
@@ -90,12 +91,6 @@ class Scorer:
         raise NotImplementedError
 
 
-def _engine_helpers() -> Any:
-    from batchgen.engine import loglikelihood  # the engine's request types: imported when a row is built
-
-    return loglikelihood
-
-
 def _answer(rows: Any, row: dict[str, Any], choices: list[str]) -> int | None:
     column = rows.gen.answer
     if column is None:
@@ -115,7 +110,7 @@ class ChoiceScorer(Scorer):
         _answer(rows, prompt.row, rows.choices_of(prompt.row, prompt.index))
 
     def requests(self, rows: Any, prompt: PromptRecord, engine: EngineView) -> None:
-        ll, gen = _engine_helpers(), rows.gen
+        gen = rows.gen
         choices = rows.choices_of(prompt.row, prompt.index)
         answer = _answer(rows, prompt.row, choices)
         requests, counts = [], []
@@ -150,7 +145,6 @@ class RollingScorer(Scorer):
     kind = PERPLEXITY
 
     def requests(self, rows: Any, prompt: PromptRecord, engine: EngineView) -> None:
-        ll = _engine_helpers()
         text = prompt.prompt or ""
         tokens = ll.encode(engine.tokenizer, text)
         if not tokens:

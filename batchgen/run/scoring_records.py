@@ -26,7 +26,7 @@ each ok record as it is made (``accuracy``, ``accuracy_norm``, ``perplexity``: s
 :mod:`batchgen.plugins.scoring_metrics`). Usage counts the prompt tokens of all the row's
 requests, and the cached ones (a shared context counts once per choice in ``prompt_tokens``).
 
-This module imports neither torch nor the engine at import time.
+This module imports no torch (of the engine, only the torch-free :mod:`batchgen.engine.loglikelihood`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from batchgen.engine.loglikelihood import loglikelihood_of
 from batchgen.io.protocols import EngineView, PromptRecord
 from batchgen.run.records import BatchgenRecords, score_record
 from batchgen.run.scoring_kinds import Scorer
@@ -68,8 +69,6 @@ class _Builder:
 
     def _scores(self, prompt: PromptRecord, outputs: Sequence[Any]) -> tuple[dict[str, Any], str | None]:
         """The record's scoring fields, or ``({}, why not)`` when one of its requests failed."""
-        from batchgen.engine.loglikelihood import loglikelihood_of  # the engine's request types
-
         scores = []
         for j, output in enumerate(outputs):
             try:
