@@ -325,7 +325,8 @@ def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
         print(results_table(summary["metrics"], summary.get("metric_rows")))
     for key, values in ({} if job.scoring is not None else summary.get("metrics") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-        print(f"{key}: {shown}")
+        rows = (summary.get("metric_rows") or {}).get(key)
+        print(f"{key}: {shown}" + (f" ({rows['rows']} rows, {rows['failed']} failed)" if rows else ""))
     print(f"summary: {config.output.summary_file}")
 
 

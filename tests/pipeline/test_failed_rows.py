@@ -5,6 +5,7 @@ is given; the reasons are counted with their row values taken out."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ ROWS = [{"qid": f"g{i}", "question": f"What is {i} plus {i}?"} for i in range(4)
 def generation_job(tmp_path: Path, job_config) -> Path:
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return job_config(data={"source": str(data), "id_column": "qid"}, metrics=[],
+    return job_config(data={"source": str(data), "id_column": "qid"}, metrics=[{"name": "length"}],
                       prompt={"column": "question", "template": None, "chat_template": False},
                       generation={"mode": "greedy", "max_tokens": 2})
 
@@ -28,7 +29,9 @@ def test_a_generation_job_with_failed_rows_still_exits_0_and_says_why(generation
     from batchgen.cli import main
 
     assert main(["run", str(generation_job)]) == 0
-    final = capsys.readouterr().err.strip().splitlines()[-1]
+    captured = capsys.readouterr()
+    assert re.search(r"^length: .* \(4 rows, 2 failed\)$", captured.out, re.M)  # what the metric covers
+    final = captured.err.strip().splitlines()[-1]
     assert final == ("batchgen: 2 of 6 rows failed; most often (2 rows): id 'null0': column 'question' is empty "
                      "(null) in this row")
     # The flag given: the same rule as a scoring job's.
