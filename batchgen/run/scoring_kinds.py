@@ -79,8 +79,9 @@ class Scorer:
         """Fill ``prompt.requests`` and ``prompt.meta`` (ValueError: the row cannot run)."""
         raise NotImplementedError
 
-    def check(self, rows: Any, prompt: PromptRecord) -> None:
-        """What can be checked of a row without a model (ValueError: the row would fail)."""
+    def check(self, rows: Any, prompt: PromptRecord, tokenizer: Any) -> None:
+        """What can be checked of a row without a model, and with the model's tokenizer when
+        there is one (ValueError: the row would fail; a pair too long shows only at run)."""
 
     def head(self, prompt: PromptRecord) -> dict[str, Any]:
         """The record's fields after ``id`` and ``index``."""
@@ -101,13 +102,26 @@ def _answer(rows: Any, row: dict[str, Any], choices: list[str]) -> int | None:
     return answer_index(row[column], choices)
 
 
+def _continuation(tokenizer: Any, context: str, delimiter: str, choice: str, j: int) -> tuple[list[int], list[int]]:
+    """The pair's tokens (ValueError when the choice has no tokens of its own to score)."""
+    context_ids, continuation_ids = ll.encode_pair(tokenizer, context, delimiter + choice)
+    if not continuation_ids:
+        what = "is empty" if not (delimiter + choice) else f"({choice!r:.40}) has no tokens of its own"
+        raise ValueError(f"choice {j} {what} (nothing to score)")
+    return context_ids, continuation_ids
+
+
 class ChoiceScorer(Scorer):
     """Multiple choice (``generation.mode: loglikelihood``)."""
 
     kind = LOGLIKELIHOOD
 
-    def check(self, rows: Any, prompt: PromptRecord) -> None:
-        _answer(rows, prompt.row, rows.choices_of(prompt.row, prompt.index))
+    def check(self, rows: Any, prompt: PromptRecord, tokenizer: Any) -> None:
+        choices = rows.choices_of(prompt.row, prompt.index)
+        _answer(rows, prompt.row, choices)
+        for j, choice in enumerate(choices):
+            if tokenizer is not None:
+                _continuation(tokenizer, prompt.prompt or "", rows.gen.target_delimiter, choice, j)
 
     def requests(self, rows: Any, prompt: PromptRecord, engine: EngineView) -> None:
         gen = rows.gen
@@ -115,11 +129,8 @@ class ChoiceScorer(Scorer):
         answer = _answer(rows, prompt.row, choices)
         requests, counts = [], []
         for j, choice in enumerate(choices):
-            context_ids, continuation_ids = ll.encode_pair(engine.tokenizer, prompt.prompt or "",
-                                                           gen.target_delimiter + choice)
-            if not continuation_ids:
-                what = "is empty" if not (gen.target_delimiter + choice) else f"({choice!r:.40}) has no tokens of its own"
-                raise ValueError(f"choice {j} {what} (nothing to score)")
+            context_ids, continuation_ids = _continuation(engine.tokenizer, prompt.prompt or "",
+                                                          gen.target_delimiter, choice, j)
             fitted = ll.fit_window(context_ids, continuation_ids, engine.max_model_len, gen.truncate)
             if isinstance(fitted, str):
                 raise ValueError(f"choice {j}: {fitted}; set generation.truncate: true to score it anyway")
@@ -153,8 +164,8 @@ class RollingScorer(Scorer):
         prompt.requests = [ll.to_request(f"{prompt.id}\x1fw{j}", ctx, cont) for j, (ctx, cont) in enumerate(windows)]
         prompt.meta = {"num_tokens": len(tokens), "num_words": count_words(text), "num_bytes": len(text.encode("utf-8"))}
 
-    def check(self, rows: Any, prompt: PromptRecord) -> None:
-        if not prompt.prompt:
+    def check(self, rows: Any, prompt: PromptRecord, tokenizer: Any) -> None:
+        if not prompt.prompt or (tokenizer is not None and not ll.encode(tokenizer, prompt.prompt)):
             raise ValueError("the text is empty (it has no tokens to score)")
 
     def fields(self, prompt: PromptRecord, scores: Sequence[tuple[float, bool]]) -> dict[str, Any]:

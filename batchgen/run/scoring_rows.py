@@ -141,8 +141,9 @@ class ScoringRows:
 
     def preview(self, tokenizer: Any, rows: int) -> Preview:
         """Check the first ``rows`` rows as far as no model is needed (the prompt renders, the
-        choices render, the answer is one of them); each row that would fail is a note, and
-        ``Preview.failed_rows`` counts them."""
+        choices render, the answer is one of them, and with ``tokenizer`` each choice or text
+        has tokens to score); each row that would fail is a note, and ``Preview.failed_rows``
+        counts them."""
         builder = self._builder(tokenizer)
         notes, failed, shown = [], 0, 0
         for position, row in enumerate(self.data.dataset):
@@ -153,7 +154,7 @@ class ScoringRows:
             try:
                 if prompt.error is not None:
                     raise ValueError(prompt.error)
-                self.scorer.check(self, prompt)
+                self.scorer.check(self, prompt, tokenizer)
             except ValueError as exc:
                 failed += 1
                 if len(notes) < _NOTES:

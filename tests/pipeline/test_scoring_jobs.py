@@ -369,3 +369,28 @@ def test_accuracy_norm_divides_by_characters_as_lm_eval() -> None:
     metric = spec.factory(spec.options_model())
     assert metric.score({"choices": choices, "answer": lm_eval_pick}, {}) == {"acc_norm": 1.0}
     assert metric.score({"choices": choices, "answer": bytes_pick}, {}) == {"acc_norm": 0.0}
+
+
+def test_validate_refuses_a_tokenless_choice_as_run_does(mc_job, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchgen.cli import main
+
+    rows = [{"qid": "e", "question": "Pick one", "options": ["yes", ""], "label": 0}]
+    assert main(["validate", str(mc_job(rows, target_delimiter=""))]) == 3
+    assert "note: row id 'e': choice 1 is empty (nothing to score)" in capsys.readouterr().out
+
+
+def test_every_scoring_kind_has_a_scorer_and_owns_its_keys() -> None:
+    from batchgen.config import GenerationSection
+    from batchgen.config.formats import SCORING_KINDS, scoring_kind
+    from batchgen.run.scoring_kinds import SCORERS
+
+    assert set(SCORERS) == set(SCORING_KINDS.values())
+    for mode, kind in SCORING_KINDS.items():
+        assert SCORERS[kind].kind is kind and scoring_kind(GenerationSection(mode=mode, choices=["a"]) if kind.keys
+                                                           else GenerationSection(mode=mode)) is kind
+        for key in kind.keys:
+            for other in ("greedy", *(m for m in SCORING_KINDS if m != mode)):
+                with pytest.raises(ValueError, match=f"'{key}' applies to mode '{mode}'"):
+                    GenerationSection(mode=other, **{key: {"choices": ["x"], "answer": "y", "target_delimiter": "",
+                                                           "truncate": True}[key]})
+    assert scoring_kind(GenerationSection(mode="greedy")) is None
