@@ -30,9 +30,9 @@ from batchgen.config import ConfigError, ConfigIssue, RunConfig
 from batchgen.io.dataset import check_columns, load_rows, template_variables
 from batchgen.io.prompts import PromptBuilder
 from batchgen.io.protocols import EngineView, Preview, PromptRecord, ResumeIndex
-from batchgen.run.scoring_kinds import Scorer, answer_index, count_words
+from batchgen.run.scoring_kinds import Scorer
 
-__all__ = ["ScoringRows", "answer_index", "count_words"]
+__all__ = ["ScoringRows"]
 
 #: Names a template sees besides the row's columns.
 _TEMPLATE_NAMES = frozenset({"row", "index"})
