@@ -14,9 +14,9 @@ from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, Positi
 from batchgen.config.formats import SCORING_KINDS, scoring_kind
 from batchgen.config.sections import SamplerRef, _Section
 
+#: The decoding modes, then the scoring modes (each a kind of :data:`SCORING_KINDS`; a
+#: section's kind is :func:`~batchgen.config.formats.scoring_kind`).
 GenerationMode = Literal["greedy", "sample", "beam", "loglikelihood", "perplexity"]
-#: The modes that score given text instead of generating (their kinds: :data:`SCORING_KINDS`).
-SCORING_MODES = tuple(SCORING_KINDS)
 
 
 class StructuredOutputsSection(_Section):
@@ -199,11 +199,6 @@ class GenerationSection(_Section):
             parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
             raise ValueError(f"with mode '{self.mode}': " + ", ".join(parts))
         return self
-
-    @property
-    def scores(self) -> bool:
-        """True for a mode that scores given text (``loglikelihood``, ``perplexity``)."""
-        return scoring_kind(self) is not None
 
     @property
     def num_outputs(self) -> int:

@@ -385,6 +385,11 @@ def test_every_scoring_kind_has_a_scorer_and_owns_its_keys() -> None:
     from batchgen.run.scoring_kinds import SCORERS
 
     assert set(SCORERS) == set(SCORING_KINDS.values())
+    from typing import get_args
+
+    from batchgen.config import GenerationMode
+
+    assert set(SCORING_KINDS) <= set(get_args(GenerationMode))  # the schema accepts every kind's mode
     for mode, kind in SCORING_KINDS.items():
         assert SCORERS[kind].kind is kind and scoring_kind(GenerationSection(mode=mode, choices=["a"]) if kind.keys
                                                            else GenerationSection(mode=mode)) is kind
