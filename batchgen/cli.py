@@ -15,8 +15,8 @@ Exit status: 0 ok; 1 runtime failure; 2 config or usage error (argparse's own us
 included, and an output in use by another run); 3 the run finished but no record succeeded,
 ``--max-error-rate`` stopped it, or more rows failed than ``--max-failed-rows`` allows (0 by
 default for a scoring job; ``validate`` applies it to the rows it samples); 128 + the signal's
-number when a signal stopped it (130 for SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr as one ``batchgen: error: ...`` line,
-never a traceback.
+number when a signal stopped it (130 for SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr
+as one ``batchgen: error: ...`` line, never a traceback.
 """
 
 from __future__ import annotations
