@@ -229,3 +229,24 @@ def test_the_avxvnni_build_is_refused_without_avx_vnni() -> None:
     it never runs there (native then is the plain AVX2 build)."""
     with pytest.raises(loader.CpuKernelError, match="instructions this CPU lacks"):
         quant.load_quant("avxvnni")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_kernel_refuses_a_type_outside_its_table(isa: str) -> None:
+    """Every type of QUANT_FORMATS runs in every build, and any other id is refused (-2), not
+    read as some other type's blocks (the last row, Q6_K, once was the switch's default)."""
+    _isa_or_skip(isa)
+    lib = quant.load_quant(isa)
+    layer = QuantizedLinear(quantized(Q.Q6_K, 16, 256, seed=4), Q.Q6_K, 16, 256, isa=isa)
+    x, y = torch.randn(2, 256), torch.zeros(2, 16)
+
+    def run(qtype: int) -> int:
+        return lib.batchgen_quant_linear(x.data_ptr(), 256, 2, 256, layer.packed.data_ptr(), qtype, 16, None,
+                                         y.data_ptr(), 16)
+
+    assert run(int(Q.Q6_K)) == 0 and torch.equal(y, layer(x))
+    for other in (Q.F16, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, 99):
+        assert int(other) not in {int(t) for t in QUANT_FORMATS}
+        y.zero_()
+        assert run(int(other)) == -2 and bool((y == 0).all())
