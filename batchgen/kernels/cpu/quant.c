@@ -751,16 +751,17 @@ static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {
 }
 
 /* ---- each format's block: its dot products and their float32 combination (the top) ---------
- * mr rows (q, xd, xs at the tile's first row) against block b of the panel, added to acc. */
+ * mr rows (q, xd, xs at the tile's first row) against block b of the panel (its packed bytes at
+ * blk), added to acc. */
 #define AI __attribute__((always_inline))
 #define STEP_ARGS                                                                                    \
-  const int mr, const struct panel *P, const int64_t b, const int64_t nb, const int8_t *q, const int64_t k, \
-      const float *xd, const int32_t *xs, vf *acc
+  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t nb, const int8_t *q, \
+      const int64_t k, const float *xd, const int32_t *xs, vf *acc
 
 /* Q4_0, Q5_0, Q8_0: n = dot - off sx; acc += (d_c dx) n */
 static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
   const vf dw = vf_load(P->dw + b * NR);
-  (void)q;
+  (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
@@ -780,25 +781,24 @@ static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
-  DOT32(unit_dot_direct(mr, P->src + b * NR * 18 + 16 * 2, K_Q4_32, q + b * 32, k, d));
-  add_offset(d, 8, mr, P, b, nb, q, k, xd, xs, acc);
+  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, d));
+  add_offset(d, 8, mr, P, blk, b, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
-  const uint8_t *blk = P->src + b * NR * 22;
-  (void)blk;
   DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, d));
-  add_offset(d, 16, mr, P, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 16, mr, P, blk, b, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
-  DOT32(unit_dot_direct(mr, P->src + b * NR * 34 + 32, K_Q8, q + b * 32, k, d));
-  add_offset(d, 128, mr, P, b, nb, q, k, xd, xs, acc);
+  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, d));
+  add_offset(d, 128, mr, P, blk, b, nb, q, k, xd, xs, acc);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) */
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
-  DOT32(unit_dot_direct(mr, P->src + b * NR * 20 + 16 * 4, K_Q4_32, q + b * 32, k, d));
+  (void)blk;
+  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, d));
   const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
@@ -815,7 +815,7 @@ static inline AI void step_q4_1(STEP_ARGS) {
 static inline AI void add_k(const vi *is, STEP_ARGS) {
   const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
   const int32_t *mn = P->mn + b * 8 * NR;
-  (void)q;
+  (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const int32_t *xr = xs + r * (k / 16) + 16 * b;
@@ -830,8 +830,6 @@ static inline AI void add_k(const vi *is, STEP_ARGS) {
 }
 static inline AI void step_q4_k(STEP_ARGS) {
   vi d[MR], is[MR];
-  const uint8_t *blk = P->src + b * NR * 144;
-  (void)blk;
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, d), 8);
@@ -839,12 +837,10 @@ static inline AI void step_q4_k(STEP_ARGS) {
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_k(STEP_ARGS) {
   vi d[MR], is[MR];
-  const uint8_t *blk = P->src + b * NR * 176;
-  (void)blk;
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, k, d), 8);
@@ -852,12 +848,11 @@ static inline AI void step_q5_k(STEP_ARGS) {
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16; acc += (d_c dx) n */
 static inline AI void step_q6_k(STEP_ARGS) {
   vi d[MR], is[MR];
-  const uint8_t *blk = P->src + b * NR * 210;
   (void)blk;
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 16; j++) { /* unit j of 16 k: see unit_dot_q6 and decode_q6_k */
@@ -903,7 +898,7 @@ typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int
                                     const float *xd, const int32_t *xs, float *out /* [mr][NR] */) {          \
     vf acc[MR];                                                                                               \
     for (int r = 0; r < MR; r++) acc[r] = vf_zero();                                                          \
-    for (int64_t b = 0; b < nb; b++) STEP(mr, P, b, nb, q, k, xd, xs, acc);                                   \
+    for (int64_t b = 0; b < nb; b++) STEP(mr, P, P->src + b * NR * (BYTES), b, nb, q, k, xd, xs, acc);         \
     for (int r = 0; r < MR; r++)                                                                              \
       if (r < mr) vf_store(out + r * NR, acc[r]);                                                             \
   }                                                                                                           \
