@@ -4,7 +4,7 @@
 A row holds everything the Python side knows of a type: its ``gguf.GGMLQuantizationType`` (the
 GGUF type id, which is also the kernel id ``quant.c``'s ``FORMATS`` table is keyed on), the
 block's values and bytes (``gguf.GGML_QUANT_SIZES``), its de-quantizer, and the layout of its
-fields that the kernel's panels interleave (``FIELDS`` below). ``QuantizedLinear``, the GGUF
+fields that the kernel's panels interleave (``QuantFormat.fields``). ``QuantizedLinear``, the GGUF
 loader and the tests read this table and nothing else; a type not in it is de-quantized at
 load. Adding a type: docs/kernels.md, "Adding a quant block type".
 
