@@ -279,6 +279,7 @@ class QuantizedLinear(torch.nn.Module):
                  bias: torch.Tensor | None = None, isa: str = "native") -> None:
         super().__init__()
         self.qtype = _check_qtype(qtype)
+        self._kernel_id = QUANT_FORMATS[self.qtype].kernel_id  # the row of quant.c's FORMATS_LIST
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.row_bytes = row_bytes(self.qtype, self.in_features)
         data = _as_bytes(raw)
@@ -388,7 +389,7 @@ class QuantizedLinear(torch.nn.Module):
         y = torch.empty(m, self.out_features)
         if m:
             rc = self._lib.batchgen_quant_linear(
-                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), int(self.qtype),
+                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), self._kernel_id,
                 self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                 self.out_features)
             if rc == -1:
