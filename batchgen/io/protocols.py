@@ -52,6 +52,10 @@ Adding a format means one class with the methods of :class:`RecordFormat` (and a
 also among the schema's choices in :mod:`batchgen.config.sections`, and its config rules) and one
 entry in ``plan``'s table of kinds; nothing else changes.
 
+Adding a quant block type (kept quantized in GGUF files) is of the same kind: a row in
+``kernels/cpu/quant_formats.py`` and a row in ``kernels/cpu/quant.c``; see docs/kernels.md,
+"Adding a quant block type".
+
 This module imports nothing of batchgen but the engine's output types (for annotations only),
 and neither torch nor the engine.
 """
