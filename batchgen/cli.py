@@ -197,6 +197,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: Any) -> int:
     from batchgen import quiet
     from batchgen.quiet import quiet_libraries
+    from batchgen.io.writer import OutputWriteError
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
@@ -213,8 +214,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
                 config.output.if_exists = "overwrite"
             job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, getattr(args, "config", None) or "batchgen batch"))
         return EXIT_USAGE
+    except OutputWriteError as exc:  # the sidecar could not be written (a full disk): nothing generated
+        _error(str(exc))
+        return EXIT_FAILED
     try:
         summary = execute(job, quiet=args.quiet, max_error_rate=args.max_error_rate)
     except TooManyErrors as exc:
@@ -246,6 +250,16 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         )
         return EXIT_RECORDS_FAILED
     return EXIT_OK
+
+
+def _in_file(error: Exception, source: str) -> str:
+    """The message of a setup error; a config error found after validation (a missing column,
+    a model that is not there) gets the config file's name in front, as every config error does."""
+    from batchgen.config import ConfigError
+
+    if isinstance(error, ConfigError) and error.source is None:
+        return str(ConfigError(error.issues, source))
+    return str(error)
 
 
 def _files(config: Any) -> str:
@@ -320,7 +334,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         notes, checked = preview.notes, preview.checked
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, str(args.config)))
         return EXIT_USAGE
     for problem in notes:
         print(f"note: {problem}")

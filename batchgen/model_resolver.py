@@ -11,7 +11,9 @@ A name resolves to (in this order):
 - anything else is passed on as a hub id.
 
 ``quantization`` (the engine setting) says how a GGUF's weights load: ``gguf`` keeps them in
-their stored blocks (quantized linear layers, CPU only), ``none`` de-quantizes them to the dtype.
+their stored blocks (quantized linear layers, CPU only), ``none`` de-quantizes them to the dtype;
+``gguf`` for a model that is not a GGUF file is a :class:`QuantizationError` (nothing would be
+kept quantized).
 ``auto`` is ``gguf`` for a ``.gguf`` file on the CPU and ``none`` on a GPU, and ``none`` for
 the built-in alias (see ``docs/gguf.md`` for why). The built-in alias with ``none`` is converted
 once into a safetensors folder under the cache directory, and later runs load that. The
@@ -58,8 +60,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelError(ValueError):
+    """The model cannot be used as named (the base of the errors below; the CLI exits 2)."""
+
+
+class ModelNotFoundError(ModelError):
     """The model name is neither a local folder, a built-in alias nor a loadable hub id."""
+
+
+class ModelFormatError(ModelError):
+    """The model's file exists but cannot be loaded: not the format its name says, corrupt,
+    truncated, or of an architecture batchgen does not build (the message names the file)."""
+
+
+class QuantizationError(ModelError):
+    """``quantization`` asks for something the model cannot give (``gguf`` for a model that is
+    not a GGUF file)."""
 
 
 @dataclass(frozen=True)
@@ -168,12 +184,12 @@ _FILE_KINDS = {
 }
 
 
-def _not_a_model_file(name: str, path: Path) -> ModelNotFoundError:
+def _not_a_model_file(name: str, path: Path) -> ModelError:
     kind = _FILE_KINDS.get(path.suffix.lower(), "a file")
     if path.suffix.lower() == ".gguf":
         with open(path, "rb") as handle:
             head = handle.read(4)
-        return ModelNotFoundError(
+        return ModelFormatError(
             f"model path {name!r} is named .gguf but is not a GGUF file (it starts with {head!r}, "
             "not b'GGUF'): it may be a partial download or a git-lfs pointer; download it again")
     hint = ("give the folder that holds it and its config.json" if kind.endswith("weights file")
@@ -203,7 +219,7 @@ def _gguf_model(name: str, path: Path, quantization: str, device: str, embedded:
     try:
         folder = metadata_folder(path)
     except GGUFError as exc:
-        raise ModelNotFoundError(str(exc)) from None
+        raise ModelFormatError(str(exc)) from None
     return ResolvedModel(name=name, path=str(folder), embedded=embedded, gguf_file=str(path.resolve()),
                          quantization=_gguf_quantization(quantization, device))
 
@@ -227,6 +243,25 @@ def _folder_model(name: str, folder: Path, quantization: str, device: str) -> Re
 def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
     """Turn ``name`` into where and how the model loads (see the module docstring).
 
+    Raises:
+        ModelNotFoundError: a built-in alias whose package is missing; a path-like name
+            (starting with ``/``, ``./`` or ``~``) that does not exist; a file that is not a
+            model (saying what it is).
+        ModelFormatError: a file named ``.gguf`` that is not one; a corrupt or truncated GGUF,
+            or one of an architecture batchgen does not load (naming the file, and the tensor).
+        QuantizationError: ``quantization`` ``gguf`` for a model that is not a GGUF file.
+    """
+    resolved = _resolve(name, quantization, device)
+    if quantization == "gguf" and resolved.gguf_file is None:
+        raise QuantizationError(
+            f"quantization 'gguf' keeps a GGUF file's quantized blocks, but model '{name}' is not a GGUF "
+            "file (its weights load as stored); set engine.quantization to 'auto' or 'none', or give a .gguf model")
+    return resolved
+
+
+def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
+    """:func:`resolve_model` without the quantization check.
+
     Args:
         name: a folder, a ``.gguf`` file, a built-in alias or a hub id.
         quantization: ``"auto"``, ``"gguf"`` or ``"none"``: how a GGUF's weights load.
@@ -235,12 +270,6 @@ def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -
 
     A GGUF file's config and tokenizer are read into the cache the first time (about 20 s);
     the built-in alias with ``quantization`` ``none`` is converted once into safetensors.
-
-    Raises:
-        ModelNotFoundError: a built-in alias whose package is missing; a path-like name
-            (starting with ``/``, ``./`` or ``~``) that does not exist; a file that is not a
-            model (saying what it is); a corrupt or truncated GGUF, or one of an architecture
-            batchgen does not load (naming the file, and the tensor).
     """
     expanded = Path(os.path.expanduser(name))
     if expanded.is_dir():
@@ -280,7 +309,8 @@ def check_model(name: str, quantization: str = "auto", device: str = "auto") -> 
     misspelt model fails before anything is written, with the name in the message.
 
     Raises:
-        ModelNotFoundError: naming the model, the built-in aliases and why it is not available.
+        ModelNotFoundError: naming the model, the built-in aliases and why it is not available
+            (and the errors of :func:`resolve_model`).
     """
     resolved = resolve_model(name, quantization, device)
     if resolved.embedded or resolved.gguf_file or os.path.isdir(resolved.path):

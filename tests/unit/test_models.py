@@ -116,3 +116,16 @@ def test_hub_that_cannot_be_reached_is_named(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
     with pytest.raises(ModelNotFoundError, match=r"'org/nope-7b' .* the hub did not provide it \(ConnectionError: Name or service"):
         check_model("org/nope-7b")
+
+
+def test_quantization_gguf_needs_a_gguf_model(tmp_path: Path) -> None:
+    """``gguf`` for an HF folder or a hub id would keep nothing quantized: an error, not a
+    summary saying 'gguf' over float weights."""
+    from batchgen.model_resolver import ModelError, QuantizationError, resolve_model
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in (str(tmp_path), "org/some-model"):
+        with pytest.raises(QuantizationError, match=f"model '{name}' is not a GGUF file") as info:
+            resolve_model(name, "gguf", "cpu")
+        assert isinstance(info.value, ModelError) and isinstance(info.value, ValueError)
+        assert resolve_model(name, "none", "cpu").quantization == "none"
