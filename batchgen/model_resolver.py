@@ -36,6 +36,7 @@ from pathlib import Path
 
 from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.quiet import say
+from batchgen.suggest import closest, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,16 @@ def _folder_model(name: str, folder: Path, quantization: str, device: str) -> Re
         f"model folder {name!r} exists but holds neither an HF model (config.json) nor a .gguf file")
 
 
+def _sibling_suggestion(path: Path) -> str:
+    """``" (did you mean '/models/llama'?)"`` for the entry beside a missing path most like it."""
+    try:
+        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
+    except OSError:
+        return ""
+    match = closest(path.name, names)
+    return f" (did you mean '{path.parent / match}'?)" if match else ""
+
+
 def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
     """Turn ``name`` into where and how the model loads (see the module docstring).
 
@@ -295,7 +306,7 @@ def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
         return ResolvedModel(name=name, path=str(target), embedded=True)
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(
-            f"model path {name!r} does not exist; give an existing folder, a .gguf file, a hub id, "
+            f"model path {name!r} does not exist{_sibling_suggestion(expanded)}; give an existing folder, a .gguf file, a hub id, "
             f"or one of the built-in models: {', '.join(EMBEDDED_MODELS)}"
         )
     return ResolvedModel(name=name, path=name)
@@ -317,8 +328,8 @@ def check_model(name: str, quantization: str = "auto", device: str = "auto") -> 
         return resolved
     builtin = ", ".join(f"'{alias}'" for alias in EMBEDDED_MODELS)
     unknown = (
-        f"model '{name}' is not a built-in model ({builtin}), not a local folder, and not a hub id "
-        "available here"
+        f"model '{name}'{did_you_mean(name.lower(), EMBEDDED_MODELS)} is not a built-in model ({builtin}), "
+        "not a local folder, and not a hub id available here"
     )
     try:
         from huggingface_hub import HfApi, constants, try_to_load_from_cache

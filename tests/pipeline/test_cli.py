@@ -456,3 +456,38 @@ def test_quantization_gguf_on_a_model_that_is_not_gguf(job_config, capsys, tiny_
         assert err == (f"batchgen: error: {path}: invalid config: engine.quantization: quantization 'gguf' keeps a "
                        f"GGUF file's quantized blocks, but model '{tiny_llama}' is not a GGUF file (its weights load "
                        "as stored); set engine.quantization to 'auto' or 'none', or give a .gguf model\n"), err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
+def test_help_points_to_the_docs_and_an_example(capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert "docs/config.md" in out and "configs/quickstart.yaml" in out
+    assert "main()" not in out and "hands it" not in out
+    if argv[0] == "run":  # the example job in the epilog is a valid config
+        import yaml
+
+        from batchgen.config import validate_config
+
+        block = out[out.index("  model:"):out.index("configs/quickstart.yaml is")]
+        validate_config(yaml.safe_load(block))
+        assert 'sort them by "id"' in out
+
+
+def test_tokenize_prints_the_ids_a_prompt_gets(capsys, tiny_llama: str, smollm2_tokenizer,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the typo below is not looked up on the hub
+    expected = smollm2_tokenizer("Hello world", add_special_tokens=True)["input_ids"]
+    code, out, err = _cli(capsys, "tokenize", tiny_llama, "Hello world")
+    lines = out.splitlines()
+    assert (code, err) == (0, "") and json.loads(lines[0]) == expected and len(lines) == 1 + len(expected)
+    assert lines[1].split()[0] == str(expected[0]) and "'Hello'" in lines[1]
+    code, out, _ = _cli(capsys, "tokenize", tiny_llama, "Hello world", "--json")
+    assert code == 0 and json.loads(out) == {"ids": expected, "tokens": smollm2_tokenizer.convert_ids_to_tokens(expected)}
+    code, _, err = _cli(capsys, "tokenize", "smollm2-135m-instruc", "Hello")
+    assert code == 2 and err.startswith("batchgen: error: model 'smollm2-135m-instruc' (did you mean "
+                                        "'smollm2-135m-instruct'?) is not a built-in model"), err

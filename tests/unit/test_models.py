@@ -103,6 +103,18 @@ def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not in the HF cache and HF_HUB_OFFLINE is set" in message
     with pytest.raises(ModelNotFoundError, match="'bad name!' is not a valid hub id"):
         check_model("bad name!")
+    for typo in ("smollm2-135m-instruc", "SmolLM2-135M-Instrct"):  # a typo of a built-in name gets a did-you-mean
+        with pytest.raises(ModelNotFoundError) as info:
+            check_model(typo)
+        assert str(info.value).startswith(f"model '{typo}' (did you mean 'smollm2-135m-instruct'?) is not a built-in")
+
+
+def test_a_missing_model_path_names_the_folder_it_resembles(tmp_path: Path) -> None:
+    (tmp_path / "tiny-llama").mkdir()
+    with pytest.raises(ModelNotFoundError) as info:
+        check_model(f"{tmp_path}/tiny-lama")
+    assert str(info.value).startswith(f"model path '{tmp_path}/tiny-lama' does not exist (did you mean "
+                                      f"'{tmp_path}/tiny-llama'?); give an existing folder")
 
 
 def test_hub_that_cannot_be_reached_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
