@@ -29,11 +29,16 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
+from batchgen import quiet
 from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.quiet import say
 from batchgen.suggest import closest, did_you_mean
@@ -118,11 +123,20 @@ def _embedded_gguf_path(model: EmbeddedModel) -> Path:
     return path
 
 
+#: A step of the conversion that runs longer than this says so again, every this many seconds.
+HEARTBEAT_S = 5.0
+#: What the first conversion takes, as the notice says (35-40 s on a quiet 2-core CPU).
+CONVERSION_TIME = "about 40 s on a 2-core CPU"
+
+
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically).
 
-    Stale temp folders of killed conversions are removed first. Progress bars show only while
-    transformers' progress bars are on (the CLI turns them off for ``--quiet`` and off a TTY).
+    Stale temp folders of killed conversions are removed first. Each of its three steps says
+    when it starts, and again every :data:`HEARTBEAT_S` seconds while it runs (nothing is
+    silent for long: reading the GGUF takes most of the time, before transformers' own bar
+    appears). That bar shows only while transformers' progress bars are on (the CLI turns them
+    off for ``--quiet`` and off a TTY); ``--quiet`` silences the step lines too.
     """
     from transformers.utils import logging as hf_logging
 
@@ -131,25 +145,55 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
     started = time.perf_counter()
     say(f"converting the built-in model's {gguf_path.name} to float32 safetensors in {target} "
-        "(once: about a minute; later runs load the result)")
+        f"(once: {CONVERSION_TIME}; later runs load the result)")
+    stream = sys.stderr
     if hf_logging.is_progress_bar_enabled():
-        _convert_gguf_files(gguf_path, target)
+        _convert_gguf_files(gguf_path, target, stream)
     else:
         # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
         # de-quantisation bar with plain tqdm, which its own switch does not reach.
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-            _convert_gguf_files(gguf_path, target)
+            _convert_gguf_files(gguf_path, target, stream)
     say(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f} s")
 
 
-def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
+@contextlib.contextmanager
+def _step(number: int, what: str, stream: TextIO) -> Iterator[None]:
+    """``batchgen: [N/3] <what>``, then ``still <what> (N s)`` every :data:`HEARTBEAT_S` seconds
+    until the step ends (through ``tqdm.write``, so that a bar on the screen is redrawn below)."""
+    from tqdm import tqdm
+
+    def line(text: str) -> None:
+        if not quiet.QUIET:
+            tqdm.write(f"batchgen: {text}", file=stream)
+            stream.flush()
+
+    line(f"[{number}/3] {what}")
+    started, done = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            line(f"      still {what} ({time.perf_counter() - started:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="batchgen-conversion-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _convert_gguf_files(gguf_path: Path, target: Path, stream: TextIO) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _step(1, "reading the tokenizer from the GGUF file", stream):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with _step(2, "reading and de-quantizing the weights to float32", stream):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are now plain fp32 tensors; drop the GGUF quantisation marker so that the
     # folder loads as an ordinary checkpoint.
     model.config.quantization_config = None
@@ -160,8 +204,9 @@ def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with _step(3, "writing the safetensors folder", stream):
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -280,7 +325,8 @@ def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
             quantization keeps GGUF blocks only on the CPU.
 
     A GGUF file's config and tokenizer are read into the cache the first time (about 20 s);
-    the built-in alias with ``quantization`` ``none`` is converted once into safetensors.
+    the built-in alias with ``quantization`` ``none`` is converted once into safetensors
+    (:data:`CONVERSION_TIME`).
     """
     expanded = Path(os.path.expanduser(name))
     if expanded.is_dir():

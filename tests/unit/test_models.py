@@ -82,14 +82,47 @@ def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
         monkeypatch.setattr(quiet, "QUIET", False)  # off a terminal: what happens, no bar
         _convert_gguf(Path("model.gguf"), models / "m-3")
         lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 2 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
-        assert "once" in lines[0] and re.fullmatch(r"batchgen: converted model\.gguf in \d+\.\d s", lines[1])
+        assert len(lines) == 5 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
+        assert "once: about 40 s" in lines[0] and re.fullmatch(r"batchgen: converted model\.gguf in \d+\.\d s", lines[4])
+        assert lines[1:4] == ["batchgen: [1/3] reading the tokenizer from the GGUF file",
+                              "batchgen: [2/3] reading and de-quantizing the weights to float32",
+                              "batchgen: [3/3] writing the safetensors folder"]
         hf_logging.enable_progress_bar()
         _convert_gguf(Path("model.gguf"), models / "m-2")
         err = capsys.readouterr().err
         assert "Converting and de-quantizing GGUF tensors" in err and "batchgen: converted model.gguf" in err
     finally:
         (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+def test_a_long_conversion_step_says_so_every_few_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reading the GGUF takes most of the conversion, before transformers' bar: a line every
+    HEARTBEAT_S seconds says the step still runs (here 0.05 s, against a 0.3 s step)."""
+    import time
+    from types import SimpleNamespace
+
+    import transformers
+
+    from batchgen import model_resolver, quiet
+
+    def slow_tokenizer(*args: object, **kwargs: object) -> SimpleNamespace:
+        time.sleep(0.3)
+        return SimpleNamespace(save_pretrained=lambda p: None)
+
+    save = lambda path, **kw: (Path(path) / "config.json").write_text("{}")  # noqa: E731
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", slow_tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: SimpleNamespace(
+        config=SimpleNamespace(quantization_config={}), save_pretrained=save))
+    monkeypatch.setattr(model_resolver, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(quiet, "QUIET", False)
+    _convert_gguf(Path("model.gguf"), tmp_path / "m")
+    lines = capsys.readouterr().err.splitlines()
+    beats = [line for line in lines if "still reading the tokenizer from the GGUF file (" in line]
+    assert len(beats) >= 3 and lines.index(beats[0]) == 2, lines
+    last = max(i for i, line in enumerate(lines) if line in beats)
+    assert lines[last + 1:] == lines[-3:] and not any("still" in line for line in lines[last + 1:]), lines
 
 
 def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
