@@ -269,3 +269,9 @@ def test_cli_validates_and_runs_a_gguf_and_refuses_a_bad_one(tmp_path: Path, cac
         assert main([command, str(_job(tmp_path, str(bert)))]) == 2
         err = capsys.readouterr().err
         assert "architecture 'bert' is not supported" in err and "Traceback" not in err, err
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:100])  # inside the header
+    for command in ("validate", "run"):
+        assert main([command, str(_job(tmp_path, str(cut)))]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(": the file is truncated\n") and "model.name: " in err, err
