@@ -80,10 +80,11 @@ _NORMALIZE: dict[str, Callable[[Any], Any]] = {
     "model.device": lambda value: value.partition(":")[0] if isinstance(value, str) else value,  # cuda:1 = cuda
 }
 
-#: Files up to this size are hashed whole; a bigger one by its first and last ``_SAMPLE`` bytes,
-#: its size and its modification time (reading gigabytes at every resume would be slow).
-_HASH_WHOLE = 256 << 20
-_SAMPLE = 16 << 20
+#: How many bytes a digest reads at most: files are hashed whole while they fit in it; a file
+#: that does not is hashed by its first and last ``_SAMPLE`` bytes, its size and its mtime
+#: (reading gigabytes at every resume would be slow).
+_HASH_BUDGET = 256 << 20
+_SAMPLE = 1 << 20
 
 _MISSING = "(not recorded)"
 
@@ -183,28 +184,29 @@ def source_digest(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
         files = sorted(p for p in root.rglob("*") if p.is_file())
     else:
         return None
-    digest, total, sampled = hashlib.sha256(), 0, False
+    digest, total, sampled, budget = hashlib.sha256(), 0, False, _HASH_BUDGET
     for file in files:
         stat = file.stat()
         total += stat.st_size
         digest.update(f"{file.relative_to(root).as_posix() if file != root else ''}\0{stat.st_size}\0".encode())
-        sampled |= _hash_file(digest, file, stat)
+        whole = stat.st_size <= budget
+        budget -= stat.st_size if whole else min(2 * _SAMPLE, stat.st_size)
+        _hash_file(digest, file, stat, whole)
+        sampled |= not whole
     result: dict[str, Any] = {"bytes": total, "sha256": digest.hexdigest()[:32]}
     if sampled:
         result["sampled"] = True  # a big file: its ends, size and mtime
     return result
 
 
-def _hash_file(digest: Any, path: Path, stat: os.stat_result) -> bool:
-    """Feed ``path`` into ``digest``: whole, or its two ends and its mtime when it is big.
-    Returns True when it was sampled."""
+def _hash_file(digest: Any, path: Path, stat: os.stat_result, whole: bool) -> None:
+    """Feed ``path`` into ``digest``: whole, or its two ends and its mtime."""
     with open(path, "rb") as handle:
-        if stat.st_size <= _HASH_WHOLE:
+        if whole:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
-            return False
+            return
         digest.update(handle.read(_SAMPLE))
-        handle.seek(stat.st_size - _SAMPLE)
+        handle.seek(max(stat.st_size - _SAMPLE, 0))
         digest.update(handle.read(_SAMPLE))
         digest.update(str(stat.st_mtime_ns).encode())
-        return True

@@ -3,11 +3,13 @@ any key whose value changed or that one side does not record."""
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from pathlib import Path
 from typing import Any, Union
 
+import pytest
 from pydantic import BaseModel
 
 from batchgen.config import RunConfig, resolved_dict, validate_config
@@ -93,3 +95,28 @@ def test_source_digest_is_the_content(tmp_path: Path) -> None:
     (folder / "a.json").rename(folder / "b.json")  # a renamed file reads as other rows
     assert source_digest(folder) != digest and source_digest(folder)["bytes"] == 2
     assert source_digest(tmp_path / "nope") is None and source_digest(None) is None
+
+
+def test_a_big_dataset_is_sampled_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the read budget a file counts by its ends, size and mtime: an edit at an end is
+    seen, and so is a touch; an edit in the middle that keeps both is not (docs/reliability.md)."""
+    from batchgen.run import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_HASH_BUDGET", 100)
+    monkeypatch.setattr(fingerprint, "_SAMPLE", 10)
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"a" * 60)  # whole: fits in the budget
+    big = folder / "b.txt"
+    big.write_bytes(b"b" * 200)  # over what is left: sampled
+    os.utime(big, ns=(10**18, 10**18))
+    first = source_digest(folder)
+    assert first["sampled"] is True and first["bytes"] == 260
+    big.write_bytes(b"b" * 100 + b"X" + b"b" * 99)
+    os.utime(big, ns=(10**18, 10**18))
+    assert source_digest(folder) == first  # the middle, size and mtime kept: not seen
+    big.write_bytes(b"X" + b"b" * 199)
+    os.utime(big, ns=(10**18, 10**18))
+    assert source_digest(folder) != first
+    (folder / "a.txt").write_bytes(b"a" * 59 + b"X")  # a whole file: any byte counts
+    assert source_digest(folder)["sha256"] != first["sha256"]
