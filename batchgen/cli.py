@@ -417,7 +417,10 @@ def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
     from batchgen.model_resolver import ModelError, check_model
+    from batchgen.quiet import quiet_libraries
 
+    if not sys.stderr.isatty():
+        quiet_libraries()  # a first use converts the built-in model: its steps, without the bars
     try:
         resolved = check_model(args.model)
         from transformers import AutoTokenizer

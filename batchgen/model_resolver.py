@@ -185,12 +185,12 @@ def _step(number: int, what: str, stream: TextIO) -> Iterator[None]:
 
 
 def _convert_gguf_files(gguf_path: Path, target: Path, stream: TextIO) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     folder, name = str(gguf_path.parent), gguf_path.name
-    with _step(1, "reading the tokenizer from the GGUF file", stream):
+    with _step(1, "loading transformers, reading the tokenizer from the GGUF file", stream):
+        import torch  # heavy: inside the step that says so (up to 15 s on a loaded machine)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with _step(2, "reading and de-quantizing the weights to float32", stream):
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

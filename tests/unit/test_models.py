@@ -84,7 +84,7 @@ def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 5 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
         assert "once: about 40 s" in lines[0] and re.fullmatch(r"batchgen: converted model\.gguf in \d+\.\d s", lines[4])
-        assert lines[1:4] == ["batchgen: [1/3] reading the tokenizer from the GGUF file",
+        assert lines[1:4] == ["batchgen: [1/3] loading transformers, reading the tokenizer from the GGUF file",
                               "batchgen: [2/3] reading and de-quantizing the weights to float32",
                               "batchgen: [3/3] writing the safetensors folder"]
         hf_logging.enable_progress_bar()
@@ -119,7 +119,7 @@ def test_a_long_conversion_step_says_so_every_few_seconds(
     monkeypatch.setattr(quiet, "QUIET", False)
     _convert_gguf(Path("model.gguf"), tmp_path / "m")
     lines = capsys.readouterr().err.splitlines()
-    beats = [line for line in lines if "still reading the tokenizer from the GGUF file (" in line]
+    beats = [line for line in lines if "still loading transformers, reading the tokenizer from the GGUF file (" in line]
     assert len(beats) >= 3 and lines.index(beats[0]) == 2, lines
     last = max(i for i, line in enumerate(lines) if line in beats)
     assert lines[last + 1:] == lines[-3:] and not any("still" in line for line in lines[last + 1:]), lines
