@@ -64,6 +64,7 @@ def test_a_terminal_of_no_width_gets_plain_lines(monkeypatch: pytest.MonkeyPatch
     progress falls back to log lines; given a width, it draws the bar."""
     import fcntl
     import os
+    import select
     import struct
     import termios
 
@@ -76,7 +77,9 @@ def test_a_terminal_of_no_width_gets_plain_lines(monkeypatch: pytest.MonkeyPatch
                 assert progress.mode == "log"
                 progress.record_finished(3, failed=False)
             stream.flush()
-            text = os.read(master, 4096).decode()
+            text = ""
+            while "1/2 records" not in text and select.select([master], [], [], 5)[0]:
+                text += os.read(master, 4096).decode()  # the pty hands the lines over in pieces
             lines = [line for line in text.replace("\r", "").split("\n") if line]
             assert lines[0] == "batchgen: generating 2 record(s)" and lines[-1].startswith("batchgen: 1/2 records")
             assert all(line.strip() for line in text.replace("\r", "").split("\n")[:-1])  # no blank line
