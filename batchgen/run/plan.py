@@ -8,8 +8,8 @@ creates, truncates or repairs the files. Problems the user must fix raise one of
 :data:`~batchgen.run.errors.SETUP_ERRORS` (exit status 2); config problems found by different
 checks are reported together in one :class:`~batchgen.config.ConfigError`.
 
-Outputs: never the input dataset (compared as resolved paths, symlinks followed, whatever
-``if_exists`` says), never inside a dataset folder, always regular files (or new ones), and the
+Outputs: never the input dataset (compared as resolved paths, symlinks followed, and as
+inodes, so a hard link counts too, whatever ``if_exists`` says), never inside a dataset folder, always regular files (or new ones), and the
 files batchgen keeps beside them (``.resume.json``, ``.lock``) not folders.
 
 Resume: the config a file's records were written with is kept beside them
@@ -291,7 +291,7 @@ def check_outputs(config: RunConfig) -> None:
             continue
         if source is not None:
             target = Path(path).resolve()
-            if target == source.resolve():
+            if target == source.resolve() or (target.is_file() and source.is_file() and target.samefile(source)):
                 raise OutputError(f"the output is the input dataset: {key} {path} and data.source "
                                   f"{config.data.source} are the same file; write the output to another file")
             if source.is_dir() and source.resolve() in target.parents:

@@ -380,6 +380,11 @@ def test_the_output_is_never_the_input_dataset(job_config, capsys, tmp_path: Pat
             assert code == 2, (output, argv, err)
             assert err == (f"batchgen: error: the output is the input dataset: output.path {output} and data.source "
                            f"{data} are the same file; write the output to another file\n"), err
+    os.link(data, tmp_path / "hard.jsonl")  # another name for the same inode
+    path = job_config(data={"source": str(data)}, output={"path": str(tmp_path / "hard.jsonl")})
+    code, _, err = _cli(capsys, "run", str(path), "--overwrite")
+    assert code == 2 and "the output is the input dataset" in err
+    (tmp_path / "hard.jsonl").unlink()
     path = job_config(data={"source": str(tmp_path / "link.jsonl")}, output={"path": str(data), "error_path": None})
     code, _, err = _cli(capsys, "run", str(path), "--overwrite")
     assert code == 2 and "the output is the input dataset" in err
