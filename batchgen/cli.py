@@ -9,6 +9,8 @@ Commands:
   an OpenAI Batch API file in, OpenAI response lines out.
 * ``batchgen validate CONFIG [--set KEY=VALUE ...]``: every check that needs no model run.
 * ``batchgen plugins [--json]``: what is installed, what each plugin registers, and its options.
+* ``batchgen tokenize MODEL TEXT [--json]``: the token ids of TEXT under MODEL's tokenizer (for
+  plugin options such as a banned token id).
 * ``batchgen --version``.
 
 Exit status: 0 ok; 1 runtime failure; 2 config or usage error (argparse's own usage errors
@@ -42,10 +44,34 @@ VALIDATE_ROWS = 5
 VALIDATE_SCORING_ROWS = 20
 
 
+#: Where ``--help`` sends a reader (docs/ in the source tree, or on the project's page).
+_HELP_EPILOG = """\
+start with:  batchgen run configs/quickstart.yaml   (an example job; bash scripts/quickstart.sh sets it up)
+every key:   docs/config.md        OpenAI batch files: docs/openai-batch.md
+evaluation:  docs/evaluation.md    plugins: docs/plugins.md    GGUF files: docs/gguf.md
+exit status: 0 ok, 1 runtime failure, 2 config or usage error, 3 no record succeeded, 128+N a signal"""
+
+_RUN_EPILOG = """\
+CONFIG is a YAML job: which model (model.name), which rows (data.source), how a row becomes a
+prompt (prompt), how to generate (generation) and where the records go (output.path), e.g.
+
+  model: {name: smollm2-135m-instruct}
+  data: {source: rows.jsonl}
+  prompt: {column: prompt}
+  generation: {mode: greedy, max_tokens: 64}
+  output: {path: out/results.jsonl}
+
+configs/quickstart.yaml is a complete one and configs/ holds more; docs/config.md lists every key.
+batchgen validate CONFIG checks one without loading the model. Records are written in the order
+they finish, one JSON line each; sort them by "id" (or "index") when the order matters."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchgen",
-        description="Offline batch generation for LLMs over a paged KV cache.",
+        description="Offline batch generation for LLMs over a paged KV cache: a YAML job in, JSON lines out.",
+        epilog=_HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"batchgen {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -81,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--quiet", "-q", action="store_true", help="no progress output and no final report")
 
-    run = sub.add_parser("run", help="generate for every row of the dataset")
+    run = sub.add_parser("run", help="generate for every row of the dataset",
+                         description="Generate (or score) for every row of the job's dataset and write one record per row.",
+                         epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     config_args(run)
     run_args(run, "ids")
 
@@ -109,7 +137,18 @@ def _parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a config without running the model")
     config_args(validate)
 
-    sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the model 'batchgen' (main() hands it the rest)")
+    sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with batchgen as its model: "
+                   "batchgen lm-eval --model batchgen --tasks ... (docs/evaluation.md; 'batchgen lm-eval --help' "
+                   "for its options)")
+    tokenize = sub.add_parser("tokenize", help="print the token ids of a text under a model's tokenizer",
+                              description="Print the token ids of TEXT under MODEL's tokenizer (a built-in name, a "
+                              "folder, a .gguf file or a hub id), one id and its token a line, as a prompt is "
+                              "encoded without a chat template.")
+    tokenize.add_argument("model", metavar="MODEL", help="e.g. smollm2-135m-instruct")
+    tokenize.add_argument("text", metavar="TEXT", help="the text to encode")
+    tokenize.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens": [...]}')
+    tokenize.add_argument("--no-special-tokens", dest="special", action="store_false",
+                          help="do not add the tokenizer's special tokens (a BOS, for models that use one)")
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument("--plugin", dest="modules", action="append", default=[], metavar="MODULE",
@@ -220,6 +259,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stop: Any) -> int:
     from batchgen import quiet
     from batchgen.quiet import quiet_libraries
+    from batchgen.io.writer import OutputWriteError
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
@@ -236,8 +276,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
                 config.output.if_exists = "overwrite"
             job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, getattr(args, "config", None) or "batchgen batch"))
         return EXIT_USAGE
+    except OutputWriteError as exc:  # the sidecar could not be written (a full disk): nothing generated
+        _error(str(exc))
+        return EXIT_FAILED
     try:
         summary = execute(job, quiet=args.quiet, max_error_rate=args.max_error_rate)
     except TooManyErrors as exc:
@@ -272,6 +315,16 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         )
         return EXIT_RECORDS_FAILED
     return EXIT_OK
+
+
+def _in_file(error: Exception, source: str) -> str:
+    """The message of a setup error; a config error found after validation (a missing column,
+    a model that is not there) gets the config file's name in front, as every config error does."""
+    from batchgen.config import ConfigError
+
+    if isinstance(error, ConfigError) and error.source is None:
+        return str(ConfigError(error.issues, source))
+    return str(error)
 
 
 def _files(config: Any) -> str:
@@ -365,7 +418,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         notes, checked = preview.notes, preview.checked
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, str(args.config)))
         return EXIT_USAGE
     for problem in notes:
         print(f"note: {problem}")
@@ -413,6 +466,34 @@ def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
     except Exception:  # noqa: BLE001 - only a hint beside the real errors
         return error
     return error
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from batchgen.model_resolver import ModelError, check_model
+    from batchgen.quiet import quiet_libraries
+
+    if not sys.stderr.isatty():
+        quiet_libraries()  # a first use converts the built-in model: its steps, without the bars
+    try:
+        resolved = check_model(args.model)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    except ModelError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:
+        _error(f"could not load the tokenizer of '{args.model}': {exc}")
+        return EXIT_USAGE
+    ids = list(tokenizer(args.text, add_special_tokens=args.special)["input_ids"])
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    if args.json:
+        print(json.dumps({"ids": ids, "tokens": tokens}, ensure_ascii=False))
+        return EXIT_OK
+    print(json.dumps(ids))
+    for token_id, token in zip(ids, tokens):
+        print(f"{token_id:>8}  {token!r}")
+    return EXIT_OK
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -464,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
     args.console = console
-    handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
+    handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins,
+               "tokenize": _cmd_tokenize}[args.command]
     try:
         return handler(args)
     except BrokenPipeError:  # e.g. `batchgen plugins | head`: the reader left, nothing to report

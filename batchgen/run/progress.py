@@ -3,7 +3,9 @@
 * On a terminal (stderr is a TTY) a tqdm bar counts finished records out of a total that never
   moves, so its rate and ETA are honest; generated tokens and tokens/s ride along as a postfix.
 * Off a terminal (CI, ``nohup``, a log file) the bar would be noise, so a plain line is printed
-  every ``log_interval`` seconds instead: records done, failed, tokens/s and an ETA.
+  every ``log_interval`` seconds instead: records done, failed, tokens/s and an ETA. So it is on
+  a terminal that reports no width (0 columns, as a fresh pseudo-terminal or some CI runners
+  do), where tqdm would draw every bar as a blank line.
 * ``--quiet`` silences both.
 
 A scoring job (``scoring=True``) speaks of scoring: ``scoring 4 row(s)``, ``4/4 rows, 812 tokens
@@ -13,6 +15,7 @@ generated).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Literal, TextIO
@@ -33,6 +36,16 @@ def _duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
+
+
+def _columns(stream: TextIO) -> int | None:
+    """The width of the terminal ``stream`` writes to (``COLUMNS`` when it cannot be asked), or
+    None when nothing tells."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        columns = os.environ.get("COLUMNS", "")
+        return int(columns) if columns.strip().isdigit() else None
 
 
 class Progress:
@@ -60,7 +73,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         if mode is None:
             isatty = getattr(self.stream, "isatty", None)
-            mode = "bar" if isatty is not None and isatty() else "log"
+            mode = "bar" if isatty is not None and isatty() and _columns(self.stream) != 0 else "log"
         self.mode: Mode = mode
         self.num_records = num_records
         self.records_done = 0

@@ -22,7 +22,7 @@ from tiny_gguf import QTYPE_NAMES, write_llama_gguf
 
 from batchgen.gguf.loader import load_gguf_model
 from batchgen.gguf.metadata import metadata_folder
-from batchgen.model_resolver import ModelNotFoundError, resolve_model
+from batchgen.model_resolver import ModelError, ModelFormatError, ModelNotFoundError, resolve_model
 
 #: ``quantization: gguf``: the largest logit error, relative to the largest logit, of the tiny
 #: models against their de-quantized fp32 oracle (the int8 rounding of the activations; see
@@ -193,9 +193,11 @@ def test_files_that_are_not_models_say_what_they_are(tmp_path: Path) -> None:
     cases = {fake: "is named .gguf but is not a GGUF file", weights: "is a safetensors weights file, not a model: "
              "give the folder that holds it and its config.json", notes: "is a file, not a model"}
     for path, expected in cases.items():
-        with pytest.raises(ModelNotFoundError) as info:
+        with pytest.raises(ModelError) as info:
             resolve_model(str(path))
         assert expected in str(info.value) and "does not exist" not in str(info.value)
+        # A file named .gguf that is not one exists: a format error, not a missing model.
+        assert isinstance(info.value, ModelFormatError if path == fake else ModelNotFoundError), info.value
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ModelNotFoundError, match="holds neither an HF model .config.json. nor a .gguf file"):
@@ -205,7 +207,7 @@ def test_files_that_are_not_models_say_what_they_are(tmp_path: Path) -> None:
 def test_an_unsupported_architecture_is_refused_at_resolution(tmp_path: Path, cache: Path) -> None:
     path = tmp_path / "tiny-bert.gguf"
     write_llama_gguf(path, architecture="bert")
-    with pytest.raises(ModelNotFoundError) as info:
+    with pytest.raises(ModelFormatError) as info:
         resolve_model(str(path))
     message = str(info.value)
     assert str(path) in message and "architecture 'bert' is not supported" in message and "llama" in message
@@ -220,13 +222,18 @@ def test_a_truncated_file_names_the_file_and_the_tensor(tmp_path: Path, cache: P
     resolve_model(str(path))
     path.write_bytes(whole[: len(whole) * 3 // 4])
     for _ in range(2):
-        with pytest.raises(ModelNotFoundError) as info:
+        with pytest.raises(ModelFormatError) as info:
             resolve_model(str(path))
         message = str(info.value)
         assert str(path) in message and "tensor 'blk." in message and "truncated" in message, message
-    path.write_bytes(whole[:200])  # inside the header
-    with pytest.raises(ModelNotFoundError, match=f"{path}.*corrupt GGUF file|{path}.*truncated"):
-        resolve_model(str(path))
+    for cut in (8, 30, 200, 600):  # inside the header: its counts, a key, a value, the tensor table
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ModelFormatError) as info:
+            resolve_model(str(path))
+        message = str(info.value)
+        assert message.startswith(f"{path}: its header runs past the end of the file") and message.endswith(
+            "the file is truncated"), message
+        assert "dtype" not in message and not isinstance(info.value, ModelNotFoundError)
 
 
 def _job(tmp_path: Path, model: str) -> Path:
@@ -262,6 +269,12 @@ def test_cli_validates_and_runs_a_gguf_and_refuses_a_bad_one(tmp_path: Path, cac
         assert main([command, str(_job(tmp_path, str(bert)))]) == 2
         err = capsys.readouterr().err
         assert "architecture 'bert' is not supported" in err and "Traceback" not in err, err
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:100])  # inside the header
+    for command in ("validate", "run"):
+        assert main([command, str(_job(tmp_path, str(cut)))]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(": the file is truncated\n") and "model.name: " in err, err
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_K"])
