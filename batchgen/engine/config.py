@@ -50,6 +50,27 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _tensor_parallel_error(size: object) -> str | None:
+    if size == 1 and _positive_int(size):
+        return None
+    if _positive_int(size):
+        return (f"tensor_parallel_size={size} is not supported: batchgen runs one model per device; "
+                "to use several devices run data-parallel replicas on Ray (a job's executor.backend: ray "
+                "and executor.replicas: N; docs/scale-out.md), and keep tensor_parallel_size=1")
+    return f"tensor_parallel_size must be 1, got {size!r}"
+
+
+def _utilization_error(utilization: object, kv_cache_memory: object) -> str | None:
+    if utilization is None:
+        return None
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        return f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}"
+    if kv_cache_memory is not None:
+        return ("give one of gpu_memory_utilization (a fraction of the GPU's memory) and "
+                "kv_cache_memory (bytes), not both")
+    return None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The settings of one engine (vLLM's names).
@@ -82,6 +103,19 @@ class EngineConfig:
         quantization: ``"auto"`` (the weights as stored), ``"gguf"`` (keep a GGUF file's
             quantized weights) or ``"none"`` (dequantize to ``dtype``); the model loader
             decides what ``auto`` means for each model format.
+        tokenizer: the tokenizer's folder or hub id, when it is not the model's (None: the
+            model's own).
+        max_model_len: the context in tokens (prompt plus generated), at most the model's own
+            (None: the model's). A prompt that leaves no room for a generated token is refused,
+            and generation ends there (``finish_reason="length"``), as in vLLM.
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
+            (vLLM's default 20; -1: no cap).
+        tensor_parallel_size: 1 (vLLM's setting; batchgen runs one model per device: more
+            devices are data-parallel replicas on Ray, ``executor.backend: ray``).
+        gpu_memory_utilization: on a GPU, the fraction (0, 1] of its memory this engine may
+            fill: the KV cache gets what the model and other processes leave of it (vLLM's
+            setting). None: 0.9 of the free memory. Refused on the CPU, whose KV budget is
+            ``kv_cache_memory``. Give one of the two.
 
     Raises:
         ValueError: on construction, for any value out of range, naming the setting.
@@ -103,6 +137,11 @@ class EngineConfig:
     num_threads: int | str = "auto"
     index_checks: bool = True
     quantization: str = "auto"
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         errors = [e for e in self._errors() if e is not None]
@@ -148,6 +187,13 @@ class EngineConfig:
             else f"num_threads must be 'auto' or an integer >= 1, got {self.num_threads!r}",
             flag("index_checks"),
             choice("quantization", QUANTIZATIONS),
+            None if self.tokenizer is None or (isinstance(self.tokenizer, str) and self.tokenizer)
+            else f"tokenizer must be a folder or hub id (or None for the model's), got {self.tokenizer!r}",
+            None if self.max_model_len is None else positive("max_model_len"),
+            None if isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
+            and self.max_logprobs >= -1 else f"max_logprobs must be an integer >= 0 (or -1: no cap), got {self.max_logprobs!r}",
+            _tensor_parallel_error(self.tensor_parallel_size),
+            _utilization_error(self.gpu_memory_utilization, kv),
         ]
 
     def replace(self, **changes: Any) -> EngineConfig:
