@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import ByteSize, Field, PositiveInt, field_validator, model_validator
 
 from batchgen.config.sections import _Section
+from batchgen.engine.config import tensor_parallel_error, utilization_error
 
 
 class EngineSection(_Section):
@@ -49,6 +50,32 @@ class EngineSection(_Section):
         "(CPU), 'none' de-quantizes to the dtype; 'auto' = 'gguf' for a .gguf file on the CPU, 'none' "
         "on a GPU and for the built-in model (docs/gguf.md)"
     )
+
+    tokenizer: str | None = Field(None, min_length=1, description="the tokenizer's folder or hub id; null = the model's own")
+    max_model_len: PositiveInt | None = Field(
+        None, description="the context in tokens (prompt plus generated), at most the model's; null = the model's"
+    )
+    max_logprobs: int = Field(20, ge=-1, description="the most logprobs / prompt_logprobs a row may ask for; -1 = no cap")
+    tensor_parallel_size: int = Field(1, description="1 only: several devices run as replicas (executor.backend: ray)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="on a GPU, the fraction of its memory the engine may fill (the KV cache gets "
+        "what the model leaves); null = 0.9 of the free memory; not on the CPU (use kv_cache_memory)"
+    )
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tensor_parallel(cls, value: int) -> int:
+        error = tensor_parallel_error(value)
+        if error is not None:
+            raise ValueError(error)
+        return value
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> EngineSection:
+        error = utilization_error(self.gpu_memory_utilization, self.kv_cache_memory)
+        if error is not None:
+            raise ValueError(error)
+        return self
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

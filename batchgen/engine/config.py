@@ -50,7 +50,8 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _tensor_parallel_error(size: object) -> str | None:
+def tensor_parallel_error(size: object) -> str | None:
+    """Why ``tensor_parallel_size`` cannot be ``size``, or None (it is 1)."""
     if size == 1 and _positive_int(size):
         return None
     if _positive_int(size):
@@ -60,7 +61,8 @@ def _tensor_parallel_error(size: object) -> str | None:
     return f"tensor_parallel_size must be 1, got {size!r}"
 
 
-def _utilization_error(utilization: object, kv_cache_memory: object) -> str | None:
+def utilization_error(utilization: object, kv_cache_memory: object) -> str | None:
+    """Why ``gpu_memory_utilization`` cannot be ``utilization`` beside ``kv_cache_memory``."""
     if utilization is None:
         return None
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
@@ -192,8 +194,8 @@ class EngineConfig:
             None if self.max_model_len is None else positive("max_model_len"),
             None if isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
             and self.max_logprobs >= -1 else f"max_logprobs must be an integer >= 0 (or -1: no cap), got {self.max_logprobs!r}",
-            _tensor_parallel_error(self.tensor_parallel_size),
-            _utilization_error(self.gpu_memory_utilization, kv),
+            tensor_parallel_error(self.tensor_parallel_size),
+            utilization_error(self.gpu_memory_utilization, kv),
         ]
 
     def replace(self, **changes: Any) -> EngineConfig:
