@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from batchgen.engine import loglikelihood as ll, prompts as prompt_forms
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
@@ -387,8 +389,6 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
     if use_tqdm is False or use_tqdm is None:
         return None
     if use_tqdm is True:
-        from tqdm.auto import tqdm  # transformers' dependency; only when a bar is asked for
-
         use_tqdm = tqdm
     return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
 

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NotRequired, TypedDict, Union
+from typing import Any, Union
+
+# typing's TypedDict learnt NotRequired in 3.11; pydantic requires typing_extensions
+from typing_extensions import NotRequired, TypedDict
 
 from batchgen.engine.prompt_logprobs import is_scoring_only
 
