@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.quiet import say
@@ -83,8 +84,10 @@ class ResolvedModel:
     quantization: str = "none"
 
 
-#: The values of the ``quantization`` engine setting.
-QUANTIZATIONS = ("auto", "gguf", "none")
+#: The values of the ``quantization`` engine setting, spelled here once (the engine's settings
+#: and the YAML read them with ``typing.get_args``).
+Quantization = Literal["auto", "gguf", "none"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 def _embedded_gguf_path(model: EmbeddedModel) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from batchgen.config.engine import EngineSection, ExecutorSection
+from batchgen.config.engine_section import EngineSection, ExecutorSection
 from batchgen.config.formats import kinds
 from batchgen.config.generation import GenerationSection
 from batchgen.config.sections import DataSection, MetricRef, ModelSection, OutputSection, PromptSection, _Section

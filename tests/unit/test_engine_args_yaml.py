@@ -42,3 +42,37 @@ def test_engine_args_reach_the_engine_config() -> None:
 def test_bad_engine_args_name_the_key(engine: dict[str, Any], expected: str) -> None:
     (error,) = _errors(engine)
     assert error.startswith(expected), error
+
+
+def test_the_engine_section_is_derived_from_engine_config() -> None:
+    import dataclasses
+    import typing
+
+    from batchgen.config.engine_section import YAML_TYPES, EngineSection
+    from batchgen.engine.config import MODEL_KEYS, EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    hints = typing.get_type_hints(EngineConfig)
+    assert list(EngineSection.model_fields) == [n for n in fields if n not in MODEL_KEYS]
+    for name, schema in EngineSection.model_fields.items():
+        assert schema.default == fields[name].default, name
+        assert schema.description == fields[name].metadata["doc"], name
+        assert schema.annotation == YAML_TYPES.get(name, hints[name]), name
+    # a job's defaults build the engine's defaults
+    config = validate_config(MINIMAL)
+    assert config.engine.to_engine_config(config.model) == EngineConfig()
+
+
+def test_each_choice_is_spelled_once() -> None:
+    from typing import get_args
+
+    from batchgen import kernels, model_resolver
+    from batchgen.config.engine_section import EngineSection
+    from batchgen.engine import config as engine_config
+    from batchgen.kernels.cpu import linear
+
+    assert kernels.BACKENDS == get_args(engine_config.AttentionBackend) == engine_config.ATTENTION_BACKENDS
+    assert linear.LINEAR_BACKENDS == get_args(engine_config.LinearBackend)
+    assert model_resolver.QUANTIZATIONS == get_args(model_resolver.Quantization) == engine_config.QUANTIZATIONS
+    assert EngineSection.model_fields["attention_backend"].annotation is engine_config.AttentionBackend
+    assert EngineSection.model_fields["quantization"].annotation is model_resolver.Quantization
