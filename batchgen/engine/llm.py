@@ -19,7 +19,7 @@ from batchgen.engine import loglikelihood as ll, prompts as prompt_forms
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, Request, RequestOutput
+from batchgen.engine.outputs import BeamSearchOutput, EngineStats, Request, RequestOutput
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class LLM:
             TypeError: a prompt that is none of the forms, or params of another type.
         """
         items = prompt_forms.as_list(prompts)
-        params_list = _params_per_prompt(_one_of(sampling_params, params), len(items))
+        params_list = prompt_forms.params_per_prompt(sampling_params, params, len(items))
         requests = [self._checked_request(i, p, sp) for i, (p, sp) in enumerate(zip(items, params_list))]
         return self._run_in_order(requests, on_tokens, use_tqdm)
 
@@ -137,17 +137,8 @@ class LLM:
         :class:`BeamSearchParams`). Raises as :meth:`generate` does."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam_search takes one BeamSearchParams, got {type(params).__name__}")
-        results = []
-        for out in self.generate(prompts, params, use_tqdm=use_tqdm):
-            ranked = sorted(out.outputs, key=lambda c: c.score if c.score is not None else c.cumulative_logprob or 0.0,
-                            reverse=True)
-            results.append(BeamSearchOutput(sequences=[BeamSearchSequence(
-                tokens=list(out.prompt_token_ids) + list(c.token_ids),
-                text=self.tokenizer.decode(list(out.prompt_token_ids) + list(c.token_ids),
-                                           skip_special_tokens=params.skip_special_tokens),
-                cum_logprob=c.cumulative_logprob or 0.0, score=c.score,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in ranked]))
-        return results
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [BeamSearchOutput.of(out, self.tokenizer, params.skip_special_tokens) for out in outputs]
 
     def chat(
         self,
@@ -356,31 +347,6 @@ class LLM:
     def stats(self) -> EngineStats:
         """Run-level counters since this LLM was created."""
         return self.engine.stats()
-
-
-def _one_of(sampling_params: Any, params: Any) -> Any:
-    """``sampling_params`` (vLLM's keyword) or ``params`` (batchgen's earlier one)."""
-    if params is not None and sampling_params is not None:
-        raise TypeError("give sampling_params or params, not both")
-    return params if params is not None else sampling_params
-
-
-def _params_per_prompt(params: Params | Seq[Params] | None, num_prompts: int) -> list[Params]:
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, (SamplingParams, BeamSearchParams)):
-        return [params] * num_prompts
-    if not isinstance(params, (list, tuple)):
-        raise TypeError(f"sampling_params must be a SamplingParams, a BeamSearchParams or a list of "
-                        f"them, got {type(params).__name__}")
-    params_list = list(params)
-    if len(params_list) != num_prompts:
-        raise ValueError(f"got {len(params_list)} params for {num_prompts} prompts; give one, or one per prompt")
-    for i, p in enumerate(params_list):
-        if not isinstance(p, (SamplingParams, BeamSearchParams)):
-            raise TypeError(f"sampling_params {i}: expected SamplingParams or BeamSearchParams, "
-                            f"got {type(p).__name__}")
-    return params_list
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

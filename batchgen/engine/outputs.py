@@ -105,6 +105,22 @@ class BeamSearchOutput:
 
     sequences: list[BeamSearchSequence]
 
+    @classmethod
+    def of(cls, output: RequestOutput, tokenizer: Any, skip_special_tokens: bool = True) -> BeamSearchOutput:
+        """The beams of a beam-search request's output, best score first, each with the
+        prompt's tokens before its own and their decoded text (as vLLM's)."""
+        def rank(c: CompletionOutput) -> float:
+            return c.score if c.score is not None else c.cumulative_logprob or 0.0
+
+        sequences = []
+        for c in sorted(output.outputs, key=rank, reverse=True):
+            tokens = list(output.prompt_token_ids) + list(c.token_ids)
+            sequences.append(BeamSearchSequence(
+                tokens=tokens, text=tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens),
+                cum_logprob=c.cumulative_logprob or 0.0, score=c.score,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return cls(sequences=sequences)
+
 
 @dataclass
 class EngineStats:

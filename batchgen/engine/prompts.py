@@ -32,9 +32,10 @@ from typing import Any, Union
 from typing_extensions import NotRequired, TypedDict
 
 from batchgen.engine.prompt_logprobs import is_scoring_only
+from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 __all__ = ["TextPrompt", "TokensPrompt", "PromptType", "as_list", "parse", "token_ids_of",
-           "request_error", "length_error", "UNSUPPORTED_KEYS"]
+           "request_error", "length_error", "params_per_prompt", "UNSUPPORTED_KEYS"]
 
 
 class TextPrompt(TypedDict):
@@ -192,3 +193,31 @@ def request_error(token_ids: Sequence[int], params: Any, vocab_size: int, max_mo
                 return (f"{name}={asked} is more than max_logprobs={max_logprobs} (an engine "
                         "setting: LLM(..., max_logprobs=N), engine.max_logprobs in a job)")
     return None
+
+
+def params_per_prompt(sampling_params: Any, params: Any, num_prompts: int) -> list[Any]:
+    """The params of each of ``num_prompts`` prompts: ``sampling_params`` (vLLM's keyword) or
+    ``params`` (batchgen's earlier one), one for all or one per prompt (None: SamplingParams()).
+
+    Raises:
+        TypeError: both keywords, or params that are no SamplingParams / BeamSearchParams
+            (naming their index).
+        ValueError: a list of params of another length than the prompts.
+    """
+    if params is not None and sampling_params is not None:
+        raise TypeError("give sampling_params or params, not both")
+    given = params if params is not None else sampling_params
+    if given is None:
+        given = SamplingParams()
+    if isinstance(given, (SamplingParams, BeamSearchParams)):
+        return [given] * num_prompts
+    if not isinstance(given, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams, a BeamSearchParams or a list of "
+                        f"them, got {type(given).__name__}")
+    if len(given) != num_prompts:
+        raise ValueError(f"got {len(given)} params for {num_prompts} prompts; give one, or one per prompt")
+    for i, p in enumerate(given):
+        if not isinstance(p, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"sampling_params {i}: expected SamplingParams or BeamSearchParams, "
+                            f"got {type(p).__name__}")
+    return list(given)
