@@ -76,3 +76,15 @@ def test_each_choice_is_spelled_once() -> None:
     assert model_resolver.QUANTIZATIONS == get_args(model_resolver.Quantization) == engine_config.QUANTIZATIONS
     assert EngineSection.model_fields["attention_backend"].annotation is engine_config.AttentionBackend
     assert EngineSection.model_fields["quantization"].annotation is model_resolver.Quantization
+
+
+def test_generation_logprobs_over_max_logprobs_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config({**MINIMAL, "generation": {"mode": "sample", "logprobs": 21}})
+    (error,) = [str(issue) for issue in info.value.issues]
+    assert "'generation.logprobs' is 21, more than 'engine.max_logprobs' (20); ask for fewer, or raise " \
+           "engine.max_logprobs (-1: no cap)" in error
+    assert validate_config({**MINIMAL, "generation": {"mode": "sample", "logprobs": 21},
+                            "engine": {"max_logprobs": 21}}).generation.logprobs == 21
+    assert validate_config({**MINIMAL, "generation": {"mode": "sample", "logprobs": 99},
+                            "engine": {"max_logprobs": -1}}).generation.logprobs == 99
