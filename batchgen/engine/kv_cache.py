@@ -69,12 +69,18 @@ def num_blocks_for_budget(
     return int(num_blocks)
 
 
+def check_utilization_device(device: torch.device, utilization: float | None) -> None:
+    """Raise ValueError unless ``gpu_memory_utilization`` is unset or ``device`` is a GPU (the
+    model runner asks before it loads the weights)."""
+    if utilization is not None and device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization={utilization} applies to a GPU; on the CPU the KV "
+                         "cache takes kv_cache_memory bytes (default 512 MiB): set kv_cache_memory instead")
+
+
 def _utilization_budget(device: torch.device, utilization: float) -> int:
     """The KV bytes ``gpu_memory_utilization`` leaves: ``utilization`` of the GPU's memory,
     less what is in use now."""
-    if device.type != "cuda":
-        raise ValueError(f"gpu_memory_utilization={utilization} applies to a GPU; on the CPU the KV "
-                         "cache takes kv_cache_memory bytes (default 512 MiB): set kv_cache_memory instead")
+    check_utilization_device(device, utilization)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = int(total * utilization) - used

@@ -22,7 +22,7 @@ import torch
 
 from batchgen.engine import paged_attention, prompt_logprobs
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
-from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
+from batchgen.engine.kv_cache import CacheShape, KVCache, check_utilization_device, num_blocks_for_budget
 from batchgen.engine.sequence import Sequence
 from batchgen.sampling.logprobs import chunk_rows_for, reduce_logprobs
 
@@ -143,6 +143,7 @@ class ModelRunner:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        check_utilization_device(self.device, config.gpu_memory_utilization)  # before the weights load
         self.num_threads = threads.resolve_num_threads(num_threads)
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         model_cls = _causal_lm_class(hf_config)

@@ -353,3 +353,14 @@ def test_request_error_is_one_rule():
     assert "scores at most 11" in prompt_forms.request_error([1] * 12, scoring, 100, 10, 20)
     assert prompt_forms.as_list("a") == ["a"] and prompt_forms.as_list([1, 2]) == [[1, 2]]
     assert prompt_forms.as_list([1, 2], ids_alone=False) == [1, 2]
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_refused_before_the_weights_load(smollm2_path, monkeypatch):
+    from batchgen.engine import model_runner
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the setting was refused")
+
+    monkeypatch.setattr(model_runner, "_causal_lm_class", no_load)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 applies to a GPU; on the CPU .*set kv_cache_memory"):
+        LLM(smollm2_path, device="cpu", gpu_memory_utilization=0.9)
