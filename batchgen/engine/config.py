@@ -153,7 +153,7 @@ class EngineConfig:
             ``"float16"``, ``"bfloat16"`` (or ``fp32``, ``fp16``, ``half``, ``bf16``).
         device: ``"auto"`` (cuda when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         trust_remote_code: passed to transformers' ``from_pretrained``.
-        others: see each field's ``doc`` (``dataclasses.fields(EngineConfig)[i].metadata``).
+        others: each field's meaning (its ``doc``, listed under "Settings" below).
 
     Raises:
         ValueError: on construction, for any value out of range, naming the setting (every
@@ -236,3 +236,8 @@ class EngineConfig:
         if model is not None:
             kwargs["model"] = model
         return cls(**kwargs)
+
+
+# help(EngineConfig) lists every setting's meaning from the one place it is written.
+EngineConfig.__doc__ = (EngineConfig.__doc__ or "") + "\n    Settings:\n" + "\n".join(
+    f"        {f.name} (default {f.default!r}): {f.metadata['doc']}" for f in dataclasses.fields(EngineConfig))
