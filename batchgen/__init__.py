@@ -2,8 +2,9 @@
 
 Public API (vLLM's names)::
 
-    from batchgen import LLM, SamplingParams, BeamSearchParams
-    outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=32))
+    from batchgen import LLM, SamplingParams, BeamSearchParams, TokensPrompt
+    outputs = LLM().generate(["Hello", TokensPrompt(prompt_token_ids=[1, 2])],
+                             sampling_params=SamplingParams(max_tokens=32))
     replies = LLM(config=EngineConfig(dtype="bfloat16")).chat(
         [{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
-    "Logprob", "RequestStats", "EngineStats", "hookimpl", "__version__",
+    "Logprob", "RequestStats", "EngineStats", "TextPrompt", "TokensPrompt", "PromptType", "BeamSearchOutput",
+    "BeamSearchSequence", "hookimpl", "__version__",
 ]
 
 _LAZY = {
@@ -33,6 +35,11 @@ _LAZY = {
     "CompletionOutput": ("batchgen.engine.outputs", "CompletionOutput"),
     "Logprob": ("batchgen.engine.outputs", "Logprob"),
     "EngineStats": ("batchgen.engine.outputs", "EngineStats"),
+    "BeamSearchOutput": ("batchgen.engine.outputs", "BeamSearchOutput"),
+    "BeamSearchSequence": ("batchgen.engine.outputs", "BeamSearchSequence"),
+    "TextPrompt": ("batchgen.engine.prompts", "TextPrompt"),
+    "TokensPrompt": ("batchgen.engine.prompts", "TokensPrompt"),
+    "PromptType": ("batchgen.engine.prompts", "PromptType"),
     "RequestStats": ("batchgen.engine.sequence", "RequestStats"),
     "hookimpl": ("batchgen.plugins", "hookimpl"),
 }
@@ -40,7 +47,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from batchgen.engine.config import EngineConfig
     from batchgen.engine.llm import LLM
-    from batchgen.engine.outputs import CompletionOutput, EngineStats, Logprob, Request, RequestOutput
+    from batchgen.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EngineStats,
+                                         Logprob, Request, RequestOutput)
+    from batchgen.engine.prompts import PromptType, TextPrompt, TokensPrompt
     from batchgen.engine.sequence import RequestStats
     from batchgen.plugins import hookimpl
     from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams

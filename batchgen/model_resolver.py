@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO, get_args
 
 from batchgen import quiet
 from batchgen.cache import cache_dir, remove_stale_temp_folders
@@ -105,8 +105,10 @@ class ResolvedModel:
     quantization: str = "none"
 
 
-#: The values of the ``quantization`` engine setting.
-QUANTIZATIONS = ("auto", "gguf", "none")
+#: The values of the ``quantization`` engine setting, spelled here once (the engine's settings
+#: and the YAML read them with ``typing.get_args``).
+Quantization = Literal["auto", "gguf", "none"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 def _embedded_gguf_path(model: EmbeddedModel) -> Path:

@@ -20,7 +20,7 @@ Contract:
 
 The package, one noun a module: :mod:`~batchgen.config.errors`, the sections
 (:mod:`~batchgen.config.sections`, :mod:`~batchgen.config.generation`,
-:mod:`~batchgen.config.engine`), :mod:`~batchgen.config.run_config`,
+:mod:`~batchgen.config.engine_section`), :mod:`~batchgen.config.run_config`,
 :mod:`~batchgen.config.messages` (pydantic's errors in YAML's words),
 :mod:`~batchgen.config.formats` (the one reader of ``data.format`` and ``output.format``:
 ``kinds(config)`` picks the prompt source's and the record format's kinds),
@@ -29,7 +29,7 @@ The package, one noun a module: :mod:`~batchgen.config.errors`, the sections
 This package imports neither torch nor the engine: ``batchgen validate`` must stay cheap.
 """
 
-from batchgen.config.engine import EngineSection, ExecutorSection, ResourcesSection
+from batchgen.config.engine_section import EngineSection, ExecutorSection, ResourcesSection
 from batchgen.config.errors import ConfigError, ConfigIssue
 from batchgen.config.generation import GenerationMode, GenerationSection, StructuredOutputsSection
 from batchgen.config.loading import load_config, plugin_modules, read_yaml, resolved_dict, validate_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from batchgen.config.engine import EngineSection, ExecutorSection
+from batchgen.config.engine_section import EngineSection, ExecutorSection
 from batchgen.config.formats import kinds
 from batchgen.config.generation import GenerationSection
 from batchgen.config.sections import DataSection, MetricRef, ModelSection, OutputSection, PromptSection, _Section
@@ -38,6 +38,10 @@ class RunConfig(_Section):
         problems = source.config_issues(self) + records.config_issues(self)
         if self.output.error_path is not None and Path(self.output.error_path) == Path(self.output.path):
             problems.append("'output.error_path' must differ from 'output.path'")
+        logprobs, cap = self.generation.logprobs, self.engine.max_logprobs
+        if logprobs is not None and 0 <= cap < logprobs:
+            problems.append(f"'generation.logprobs' is {logprobs}, more than 'engine.max_logprobs' ({cap}); "
+                            "ask for fewer, or raise engine.max_logprobs (-1: no cap)")
         if problems:
             raise ValueError("; ".join(problems))
         return self

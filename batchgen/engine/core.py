@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import prompt_logprobs, prompts
 from batchgen.engine.beam_search import beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
@@ -98,18 +98,13 @@ class EngineCore:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(f"request {request.request_id!r}: params must be SamplingParams or "
                             f"BeamSearchParams, got {type(params).__name__}")
-        if isinstance(request.prompt, str):
-            prompt_text: str | None = request.prompt
-            token_ids = self.tokenizer(request.prompt)["input_ids"]
-        else:
-            prompt_text = None
-            token_ids = [int(t) for t in request.prompt]
+        prompt_text, token_ids = prompts.token_ids_of(request.prompt, 0, self.tokenizer)
         self._arrivals += 1
         group = SequenceGroup(request.request_id, prompt_text, list(token_ids), params, self._arrivals)
         group.stats.num_prompt_tokens = len(token_ids)
-        bad = [t for t in token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            group.error = f"prompt token ids out of the vocabulary (0..{self.runner.vocab_size - 1}): {bad[:5]}"
+        group.error = prompts.request_error(token_ids, params, self.runner.vocab_size, self.max_model_len,
+                                            self.config.max_logprobs)
+        if group.error is not None:
             return group
         seq = Sequence(prompt_logprobs.scoring_tokens(params, token_ids), index=0)
         self._init_seq(group, seq)

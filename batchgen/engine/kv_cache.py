@@ -39,15 +39,21 @@ def num_blocks_for_budget(
     device: torch.device,
     kv_cache_memory: int | None,
     gpu_memory_fraction: float = DEFAULT_GPU_MEMORY_FRACTION,
+    gpu_memory_utilization: float | None = None,
 ) -> int:
     """How many blocks fit the budget.
 
-    ``kv_cache_memory`` is a byte count. Without it: on a GPU, ``gpu_memory_fraction`` of the
-    memory that is free now; on CPU, 512 MiB.
+    ``kv_cache_memory`` is a byte count. Without it: with ``gpu_memory_utilization`` (vLLM's
+    setting, GPU only), what is left of that fraction of the GPU's whole memory after what is
+    in use now (the loaded model, other processes); else on a GPU ``gpu_memory_fraction`` of
+    the memory that is free now, and on CPU 512 MiB.
 
     Raises:
-        ValueError: the budget does not hold a single block.
+        ValueError: the budget does not hold a single block, or ``gpu_memory_utilization`` on
+            the CPU (the CPU's budget is ``kv_cache_memory``).
     """
+    if kv_cache_memory is None and gpu_memory_utilization is not None:
+        kv_cache_memory = _utilization_budget(device, gpu_memory_utilization)
     if kv_cache_memory is None:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
@@ -61,6 +67,31 @@ def num_blocks_for_budget(
             f"{shape.block_size} tokens needs {shape.bytes_per_block} bytes for this model"
         )
     return int(num_blocks)
+
+
+def check_utilization_device(device: torch.device, utilization: float | None) -> None:
+    """Raise ValueError unless ``gpu_memory_utilization`` is unset or ``device`` is a GPU (the
+    model runner asks before it loads the weights)."""
+    if utilization is not None and device.type != "cuda":
+        raise ValueError(f"gpu_memory_utilization={utilization} applies to a GPU; on the CPU the KV "
+                         "cache takes kv_cache_memory bytes (default 512 MiB): set kv_cache_memory instead")
+
+
+def _utilization_budget(device: torch.device, utilization: float) -> int:
+    """The KV bytes ``gpu_memory_utilization`` leaves: ``utilization`` of the GPU's memory,
+    less what is in use now."""
+    check_utilization_device(device, utilization)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {total * utilization / 2**30:.2f} GiB of the "
+            f"GPU's {total / 2**30:.2f} GiB, but {used / 2**30:.2f} GiB are in use already (the model "
+            "and other processes), which leaves nothing for the KV cache; raise it, or set kv_cache_memory")
+    logger.info("gpu_memory_utilization=%s: %.2f GiB for the KV cache (%.2f GiB in use of %.2f GiB)",
+                utilization, budget / 2**30, used / 2**30, total / 2**30)
+    return budget
 
 
 class KVCache:

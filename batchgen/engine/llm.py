@@ -13,16 +13,19 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
-from batchgen.engine import loglikelihood as ll
+from tqdm.auto import tqdm
+
+from batchgen.engine import loglikelihood as ll, prompts as prompt_forms
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
-from batchgen.engine.outputs import EngineStats, Prompt, Request, RequestOutput
+from batchgen.engine.outputs import BeamSearchOutput, EngineStats, Request, RequestOutput
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Params = SamplingParams | BeamSearchParams
+PromptType = prompt_forms.PromptType
 Conversation = list[dict[str, Any]]
 
 
@@ -52,7 +55,7 @@ class LLM:
         self.model_name = config.model
         with _no_progress_bars():  # transformers' "Loading weights" bar is no output of ours
             self.runner = ModelRunner(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_path,
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.runner.model_path,
                                                        trust_remote_code=config.trust_remote_code)
         self.engine = EngineCore(config, self.runner, self.tokenizer)
         self.block_manager = self.engine.block_manager
@@ -67,26 +70,75 @@ class LLM:
                     self.runner.linear_backend)
 
     # ------------------------------------------------------------------ public API
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's name; also :attr:`tokenizer`)."""
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
-        params: Params | Seq[Params] | None = None,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: Params | Seq[Params] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        *,
         on_tokens: Callable[[int], None] | None = None,
+        params: Params | Seq[Params] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; one RequestOutput per prompt, in input order.
+        """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
+        ``LLM.generate``).
 
-        ``prompts`` is a list of strings or of token-id lists (a single one is accepted too);
-        ``params`` is one SamplingParams / BeamSearchParams for all, or one per prompt.
+        ``prompts`` is one prompt or a list of them, each a string, a list of token ids,
+        ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (see
+        :mod:`batchgen.engine.prompts`); ``sampling_params`` (or ``params``) is one
+        SamplingParams / BeamSearchParams for all, or one per prompt (None: SamplingParams()).
+        ``use_tqdm`` shows a progress bar over the prompts (True, or a tqdm-like class).
+
+        Raises:
+            ValueError: before anything runs, naming the prompt's index, for a prompt that can
+                never run (empty, too long for ``max_model_len``, a token id or a stop token
+                id outside the vocabulary, more logprobs than ``max_logprobs``) or a prompt
+                key batchgen does not run.
+            TypeError: a prompt that is none of the forms, or params of another type.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params_list = _params_per_prompt(params, len(prompts))
-        requests = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        items = prompt_forms.as_list(prompts)
+        params_list = prompt_forms.params_per_prompt(sampling_params, params, len(items))
+        requests = [self._checked_request(i, p, sp) for i, (p, sp) in enumerate(zip(items, params_list))]
+        return self._run_in_order(requests, on_tokens, use_tqdm)
+
+    def _checked_request(self, index: int, prompt: Any, params: Params) -> Request:
+        """The engine request of prompt ``index``; raises what :meth:`generate` says."""
+        text, token_ids = prompt_forms.token_ids_of(prompt, index, self.tokenizer)
+        error = prompt_forms.request_error(token_ids, params, self.runner.vocab_size, self.max_model_len,
+                                           self.config.max_logprobs)
+        if error is not None:
+            raise ValueError(f"prompt {index}: {error}")
+        form: Any = token_ids if text is None else {"prompt_token_ids": token_ids, "prompt": text}
+        return Request(str(index), form, params)
+
+    def _run_in_order(self, requests: list[Request], on_tokens: Callable[[int], None] | None,
+                      use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        for out in self.stream(requests, on_tokens=on_tokens):
-            results[out.request_id] = out
+        bar = _progress_bar(use_tqdm, len(requests))
+        try:
+            for out in self.stream(requests, on_tokens=on_tokens):
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[r.request_id] for r in requests]
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt a :class:`BeamSearchOutput` whose
+        ``sequences`` (best first) hold the prompt's and the beam's tokens, their text and the
+        beam's cumulative logprob. It runs batchgen's in-engine beam search, so each sequence
+        is the one ``generate(prompt, params)`` returns (HF's beam search semantics: see
+        :class:`BeamSearchParams`). Raises as :meth:`generate` does."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes one BeamSearchParams, got {type(params).__name__}")
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [BeamSearchOutput.of(out, self.tokenizer, params.skip_special_tokens) for out in outputs]
 
     def chat(
         self,
@@ -98,6 +150,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
         on_tokens: Callable[[int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's ``LLM.chat``.
@@ -129,7 +182,7 @@ class LLM:
                 continue_final_message=continue_final_message, **kwargs))
         # The template writes the special tokens itself: tokenise the text without adding any.
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        outputs = self.generate(ids, sampling_params, on_tokens=on_tokens)
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, on_tokens=on_tokens)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
@@ -160,18 +213,34 @@ class LLM:
         pairs = ll.tokenize_pairs(self.tokenizer, requests, self.runner.vocab_size)
         return self._score_pairs(pairs, max_length, truncate)
 
-    def loglikelihood_rolling(self, texts: Seq[str | Seq[int]], *, max_length: int | None = None) -> list[float]:
-        """lm-eval's ``loglikelihood_rolling``: per text (or token-id list), the sum of every
-        token's logprob, scored in lm-eval's disjoint windows of ``max_length`` tokens
+    def loglikelihood_rolling(self, texts: PromptType | Seq[PromptType], *,
+                              max_length: int | None = None) -> list[float]:
+        """lm-eval's ``loglikelihood_rolling``: per text (or token-id list, or prompt dict as
+        :meth:`generate` takes; a single text or dict is one request, as in :meth:`generate`,
+        but token ids always come in a list of requests, as lm-eval gives them), the sum
+        of every token's logprob, scored in lm-eval's disjoint windows of ``max_length`` tokens
         (default: the model's length; see :func:`batchgen.engine.loglikelihood.rolling_windows`),
         the first token conditioned on the BOS (or EOS) token. Every window of every text runs
-        in one engine run; each token is scored exactly once."""
+        in one engine run; each token is scored exactly once. A text of whitespace only is
+        scored (its tokens), as in lm-eval.
+
+        Raises:
+            ValueError: naming the request index: a text with no tokens (nothing to score),
+                an id outside the vocabulary, or an engine error.
+            TypeError: naming the request index: a request that is no text or id list.
+        """
         max_length = self._scoring_length(max_length)
         prefix = ll.prefix_token_id(self.tokenizer)
         windows: list[tuple[list[int], list[int]]] = []
         counts: list[int] = []
-        for text in texts:
-            tokens = ll.encode(self.tokenizer, text) if isinstance(text, str) else [int(t) for t in text]
+        for i, text in enumerate(prompt_forms.as_list(texts, ids_alone=False)):
+            _, tokens = prompt_forms.token_ids_of(text, i, self.tokenizer,
+                                                  lambda t: ll.encode(self.tokenizer, t), noun="request")
+            if not tokens:
+                raise ValueError(f"request {i}: the text is empty (it has no tokens to score)")
+            bad = [t for t in tokens if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise ValueError(f"request {i}: token ids out of the vocabulary: {bad[:5]}")
             doc = ll.rolling_windows(tokens, prefix, max_length)
             windows.extend(doc)
             counts.append(len(doc))
@@ -280,15 +349,14 @@ class LLM:
         return self.engine.stats()
 
 
-def _params_per_prompt(params: Params | Seq[Params] | None, num_prompts: int) -> list[Params]:
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, (SamplingParams, BeamSearchParams)):
-        return [params] * num_prompts
-    params_list = list(params)
-    if len(params_list) != num_prompts:
-        raise ValueError(f"got {len(params_list)} params for {num_prompts} prompts; give one, or one per prompt")
-    return params_list
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    """A progress bar over ``total`` prompts, as vLLM's ``use_tqdm`` (True: tqdm's; a callable:
+    that class), or None."""
+    if use_tqdm is False or use_tqdm is None:
+        return None
+    if use_tqdm is True:
+        use_tqdm = tqdm
+    return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
 
 
 @contextlib.contextmanager

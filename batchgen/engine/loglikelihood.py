@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Union
 
+from batchgen.engine import prompts
 from batchgen.engine.outputs import Request, RequestOutput
 from batchgen.sampling.params import SamplingParams
 
@@ -95,7 +96,7 @@ def tokenize_pairs(tokenizer: Any, pairs: Sequence[Pair], vocab_size: int | None
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise ValueError(f"request {i}: expected a (context, continuation) pair, got {pair!r:.80}")
-        context, continuation = pair
+        context, continuation = (_side(part, i) for part in pair)
         if isinstance(context, str) and isinstance(continuation, str):
             ctx, cont = encode_pair(tokenizer, context, continuation)
         elif not isinstance(context, str) and not isinstance(continuation, str):
@@ -112,6 +113,12 @@ def tokenize_pairs(tokenizer: Any, pairs: Sequence[Pair], vocab_size: int | None
             raise ValueError(f"request {i}: the continuation is empty (it has no tokens to score)")
         out.append((ctx, cont))
     return out
+
+
+def _side(part: Any, index: int) -> str | list[int]:
+    """One side of a pair as text or ids; a prompt dict (:mod:`batchgen.engine.prompts`) too."""
+    text, ids = prompts.parse(part, index, noun="request")
+    return ids if ids is not None else text  # type: ignore[return-value]
 
 
 def rolling_windows(token_ids: Sequence[int], prefix_token: int, max_length: int) -> list[tuple[list[int], list[int]]]:

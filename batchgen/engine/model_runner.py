@@ -22,7 +22,7 @@ import torch
 
 from batchgen.engine import paged_attention, prompt_logprobs
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
-from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
+from batchgen.engine.kv_cache import CacheShape, KVCache, check_utilization_device, num_blocks_for_budget
 from batchgen.engine.sequence import Sequence
 from batchgen.sampling.logprobs import chunk_rows_for, reduce_logprobs
 
@@ -101,6 +101,16 @@ class StepInput:
     metadata: paged_attention.AttentionMetadata
 
 
+def _context_length(asked: int | None, model_len: int) -> int:
+    """The engine's context: ``max_model_len`` when set (at most the model's own), as vLLM."""
+    if asked is None:
+        return model_len
+    if asked > model_len:
+        raise ValueError(f"max_model_len={asked} is more than this model's context of {model_len} "
+                         f"tokens (its max_position_embeddings, or its sliding window); use at most {model_len}")
+    return asked
+
+
 class ModelRunner:
     """Owns the HF model and the KV cache; ``execute`` runs one packed step.
 
@@ -133,6 +143,7 @@ class ModelRunner:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        check_utilization_device(self.device, config.gpu_memory_utilization)  # before the weights load
         self.num_threads = threads.resolve_num_threads(num_threads)
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         model_cls = _causal_lm_class(hf_config)
@@ -152,7 +163,7 @@ class ModelRunner:
         self.config = self.model.config
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(max_pos, window) if window else max_pos
+        self.max_model_len = _context_length(config.max_model_len, min(max_pos, window) if window else max_pos)
         if window:
             logger.info("sliding window %d: context capped at %d tokens, where it is exact", window, self.max_model_len)
         num_heads = text_config.num_attention_heads
@@ -162,7 +173,8 @@ class ModelRunner:
             num_layers=text_config.num_hidden_layers, num_kv_heads=num_kv_heads,
             head_size=head_size, block_size=block_size, dtype=self.dtype,
         )
-        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, config.kv_cache_memory)
+        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, config.kv_cache_memory,
+                                           gpu_memory_utilization=config.gpu_memory_utilization)
         self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
         self.vocab_size = self.model.get_output_embeddings().out_features  # nn.Linear or QuantizedLinear
         from batchgen import kernels

@@ -70,12 +70,14 @@ class OutputProcessor:
         if params.logprobs is not None and top is not None:
             seq.output_logprobs.append(top)
         new_text = seq.detokenizer.step(token)
-        if params.stop and new_text and self._check_stop_strings(seq, params.stop, len(new_text)):
+        if params.stop and new_text and self._check_stop_strings(seq, params, len(new_text)):
             return
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length", None)
 
-    def _check_stop_strings(self, seq: Sequence, stops: list[str], num_new_chars: int) -> bool:
+    def _check_stop_strings(self, seq: Sequence, params: SamplingParams, num_new_chars: int) -> bool:
+        stops = params.stop
         text = seq.detokenizer.text
         longest = max(len(s) for s in stops)
         search_from = max(0, len(text) - num_new_chars - longest + 1)
@@ -86,7 +88,7 @@ class OutputProcessor:
                 best = (pos, s)
         if best is None:
             return False
-        seq.text = text[: best[0]]
+        seq.text = text[: best[0] + len(best[1]) if params.include_stop_str_in_output else best[0]]
         self.finish_seq(seq, "stop", best[1], text_fixed=True)
         return True
 
@@ -132,7 +134,7 @@ class OutputProcessor:
                 seqs = sorted(seqs, key=rank, reverse=True)[: params.n]
             for i, s in enumerate(seqs):
                 out.outputs.append(CompletionOutput(
-                    index=i, text=s.text, token_ids=s.output_token_ids,
+                    index=i, text=s.text if params.detokenize else "", token_ids=s.output_token_ids,
                     cumulative_logprob=s.cumulative_logprob,
                     logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
                     finish_reason=s.finish_reason, stop_reason=s.stop_reason))

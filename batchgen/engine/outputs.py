@@ -7,7 +7,9 @@ from typing import Any, Union
 
 from batchgen.engine.sequence import RequestStats
 
-Prompt = Union[str, list[int]]
+#: A request's prompt: text, token ids, or one of vLLM's prompt dicts (see
+#: :mod:`batchgen.engine.prompts`).
+Prompt = Union[str, list[int], dict[str, Any]]
 
 
 @dataclass
@@ -16,7 +18,8 @@ class Request:
 
     Attributes:
         request_id: unique within a run; echoed on the output.
-        prompt: text (tokenised with the model's tokenizer) or token ids.
+        prompt: text (tokenised with the model's tokenizer), token ids, ``{"prompt": text}``
+            or ``{"prompt_token_ids": ids}`` (see :mod:`batchgen.engine.prompts`).
         params: a SamplingParams or a BeamSearchParams.
     """
 
@@ -79,6 +82,44 @@ class RequestOutput:
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of :meth:`batchgen.LLM.beam_search` (vLLM's names): ``tokens`` are the
+    prompt's and the beam's, ``text`` their decoded text; ``score`` is the length-penalised
+    score the beams are ranked by."""
+
+    tokens: list[int]
+    text: str | None = None
+    cum_logprob: float = 0.0
+    score: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt of :meth:`batchgen.LLM.beam_search`, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+    @classmethod
+    def of(cls, output: RequestOutput, tokenizer: Any, skip_special_tokens: bool = True) -> BeamSearchOutput:
+        """The beams of a beam-search request's output, best score first, each with the
+        prompt's tokens before its own and their decoded text (as vLLM's)."""
+        def rank(c: CompletionOutput) -> float:
+            return c.score if c.score is not None else c.cumulative_logprob or 0.0
+
+        sequences = []
+        for c in sorted(output.outputs, key=rank, reverse=True):
+            tokens = list(output.prompt_token_ids) + list(c.token_ids)
+            sequences.append(BeamSearchSequence(
+                tokens=tokens, text=tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens),
+                cum_logprob=c.cumulative_logprob or 0.0, score=c.score,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return cls(sequences=sequences)
 
 
 @dataclass

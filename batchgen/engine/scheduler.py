@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.engine import prompt_logprobs
+from batchgen.engine import prompt_logprobs, prompts
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import SCHEDULING_POLICIES
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -116,16 +116,9 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> str | None:
         """Queue a group; returns an error message (and queues nothing) if it can never run."""
         num_tokens = len(group.prompt_token_ids)
-        if num_tokens == 0:
-            return "the prompt is empty"
-        if prompt_logprobs.is_scoring_only(group.params):
-            if num_tokens > self.max_model_len + 1:  # the model reads all but the last token
-                return (f"the prompt has {num_tokens} tokens; the model scores at most "
-                        f"{self.max_model_len + 1} (it reads {self.max_model_len}, and the last "
-                        "token is only a target)")
-        elif num_tokens >= self.max_model_len:
-            return (f"the prompt has {num_tokens} tokens; the model takes at most "
-                    f"{self.max_model_len} (prompt plus at least one generated token)")
+        error = prompts.length_error(num_tokens, group.params, self.max_model_len)
+        if error is not None:
+            return error
         if _max_seqs(group) > self.max_num_seqs:
             return (f"the request runs {_max_seqs(group)} sequences (n, best_of or beam_width) "
                     f"but max_num_seqs is {self.max_num_seqs}; raise max_num_seqs")

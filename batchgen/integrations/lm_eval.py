@@ -25,10 +25,10 @@ The contract, request type by request type (lm-eval's ``Instance.args``):
   string, as ``hf`` returns it. All requests run in one engine call.
 
 ``model_args``: ``pretrained`` (an alias such as ``smollm2-135m-instruct`` or a model folder),
-``dtype``, ``block_size``, ``kv_cache_memory`` (bytes or ``"512MiB"``), ``num_threads``,
 ``max_length`` (the window; default the model's), ``max_gen_toks`` (default 256),
-``add_bos_token``, ``seed``, and any other :class:`batchgen.engine.config.EngineConfig` field
-(``max_num_batched_tokens``, ``enable_prefix_caching``...). lm-eval's ``batch_size`` and
+``add_bos_token``, ``device``, and every :class:`batchgen.engine.config.EngineConfig` setting,
+passed through with its default (``dtype``, ``block_size``, ``kv_cache_memory`` as bytes or
+``"512MiB"``, ``num_threads``, ``seed``, ``max_num_batched_tokens``, ``max_model_len``...). lm-eval's ``batch_size`` and
 ``max_batch_size`` are accepted and ignored: the engine batches by its token budget.
 """
 
@@ -49,6 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     ) from exc
 
 from batchgen.engine.loglikelihood import encode, prefix_token_id
+from batchgen.model_resolver import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +74,17 @@ class BatchgenLM(TemplateLM):
 
     def __init__(
         self,
-        pretrained: str = "smollm2-135m-instruct",
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_memory: int | str | None = None,
-        num_threads: int | str = "auto",
+        pretrained: str = DEFAULT_MODEL,
         max_length: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         add_bos_token: bool | None = None,
-        seed: int = 0,
         device: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        """``engine_kwargs`` are :class:`batchgen.engine.config.EngineConfig`'s settings, with
+        its defaults (``kv_cache_memory`` may be a size such as ``"512MiB"``)."""
         super().__init__()
         from batchgen.engine.llm import LLM
 
@@ -96,15 +94,13 @@ class BatchgenLM(TemplateLM):
             if not torch.cuda.is_available():
                 logger.warning("device %r asked for, but CUDA is not available: running on the CPU", device)
                 device = None
-        self.llm = LLM(
-            pretrained, dtype=dtype, device=device or "auto", block_size=int(block_size),
-            kv_cache_memory=_byte_size(kv_cache_memory), num_threads=num_threads, seed=seed,
-            **engine_kwargs,
-        )
+        if engine_kwargs.get("kv_cache_memory") is not None:
+            engine_kwargs["kv_cache_memory"] = _byte_size(engine_kwargs["kv_cache_memory"])
+        self.llm = LLM(pretrained, **({"device": device} if device else {}), **engine_kwargs)
         self.tokenizer = self.llm.tokenizer
         self.pretrained = pretrained
         self.add_bos_token = add_bos_token
-        self.seed = seed
+        self.seed = self.llm.config.seed
         self._max_gen_toks = int(max_gen_toks)
         engine_len = int(self.llm.max_model_len)
         if max_length is not None and int(max_length) > engine_len:

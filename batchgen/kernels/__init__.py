@@ -13,12 +13,15 @@ Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, la
 from __future__ import annotations
 
 import importlib.util
+from typing import get_args
 
 import torch
 
+from batchgen.engine.config import AttentionBackend
+
 from .ops import AttentionOps
 
-BACKENDS = ("auto", "cpu", "cuda", "torch")
+BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 
 def cupy_available() -> bool:

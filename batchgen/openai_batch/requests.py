@@ -26,6 +26,7 @@ from batchgen.openai_batch.errors import (
     MODEL_NOT_FOUND,
     LineError,
 )
+from batchgen.engine import prompts as prompt_forms
 from batchgen.io.prompts import PromptBuilder
 from batchgen.io.protocols import PromptRecord
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
@@ -157,18 +158,19 @@ class LineParser:
         )
 
     def _completion_record(self, value: Any, prompt: BatchPrompt) -> PromptRecord:
-        if isinstance(value, list) and value and not isinstance(value[0], int):
-            if len(value) != 1:
-                raise LineError(f"'prompt' holds {len(value)} prompts; give one prompt per line.",
-                                "prompt", "invalid_value")
-            value = value[0]
-        if isinstance(value, str):
-            return self._plain.build(prompt.id or "", prompt.index, {"prompt": value})
-        if not value:
+        # The engine's reading of prompts (a text, token ids, or a list of those); a line holds one.
+        items = prompt_forms.as_list(value) if value != [] else [[]]
+        if len(items) != 1:
+            raise LineError(f"'prompt' holds {len(items)} prompts; give one prompt per line.",
+                            "prompt", "invalid_value")
+        text, ids = prompt_forms.parse(items[0], 0)
+        if ids is None:
+            return self._plain.build(prompt.id or "", prompt.index, {"prompt": text})
+        if not ids:
             raise LineError("'prompt' is empty.", "prompt", "invalid_value")
-        if any(t < 0 for t in value):
+        if any(t < 0 for t in ids):
             raise LineError("'prompt' token ids must be >= 0.", "prompt", "invalid_value")
-        return PromptRecord(id=prompt.id or "", index=prompt.index, row={}, prompt=None, prompt_token_ids=list(value))
+        return PromptRecord(id=prompt.id or "", index=prompt.index, row={}, prompt=None, prompt_token_ids=ids)
 
     def _max_tokens(self, body: ChatBody | CompletionBody, num_prompt: int, where: str) -> int:
         requested = body.max_tokens

@@ -188,12 +188,15 @@ def _normalise_stop_token_ids(value: int | Iterable[int] | None) -> list[int]:
 
 
 def _check_tokens(max_tokens: object, min_tokens: object, scoring: bool = False) -> None:
-    """``scoring``: ``max_tokens=0`` is allowed too (the caller checks what it needs)."""
-    _check_int("max_tokens", max_tokens, minimum=0 if scoring else 1,
-               allowed=">= 1 (0 scores the prompt only, with prompt_logprobs)" if scoring else ">= 1")
+    """``scoring``: ``max_tokens=0`` is allowed too, and None (up to the context limit; the
+    caller checks what it needs)."""
+    if not (scoring and max_tokens is None):
+        _check_int("max_tokens", max_tokens, minimum=0 if scoring else 1,
+                   allowed=">= 1, or None for up to the context limit (0 scores the prompt only, "
+                   "with prompt_logprobs)" if scoring else ">= 1")
     _check_int("min_tokens", min_tokens, minimum=0, allowed=">= 0")
-    assert isinstance(max_tokens, int) and isinstance(min_tokens, int)
-    if min_tokens > max_tokens:
+    assert isinstance(min_tokens, int)
+    if isinstance(max_tokens, int) and min_tokens > max_tokens:
         raise ValueError(
             f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
 
@@ -216,8 +219,10 @@ class SamplingParams:
       output tokens only: subtract ``presence * [count > 0] + frequency * count``.
     * ``seed``: per-request seed; None uses the engine's global generator.
     * ``stop`` (strings) and ``stop_token_ids``: end the completion; neither is emitted.
-    * ``max_tokens`` (>= 1), ``min_tokens`` (0..max_tokens): EOS and stop ids are suppressed
-      until ``min_tokens`` tokens have been generated. ``max_tokens=0`` scores the prompt
+    * ``max_tokens`` (>= 1, default 16; None: up to the context limit, as in vLLM),
+      ``min_tokens`` (0..max_tokens): EOS and stop ids are suppressed until ``min_tokens``
+      tokens have been generated. Generation always ends at the model's length
+      (``max_model_len``) with ``finish_reason="length"``. ``max_tokens=0`` scores the prompt
       only (it needs ``prompt_logprobs``, and ``n=1``): no token is generated and the
       completion ends with ``finish_reason="length"``.
     * ``ignore_eos``: keep generating after EOS (until ``max_tokens`` or a stop condition).
@@ -234,6 +239,10 @@ class SamplingParams:
       before position ``prompt_logprobs_start - 1``. ``LLM.loglikelihood`` sets it to the
       context's length, so that only the continuation is scored.
     * ``skip_special_tokens``: drop special tokens when detokenising.
+    * ``include_stop_str_in_output``: the text ends with the stop string that ended it
+      (default: cut before it). Stop token ids and EOS never reach the text.
+    * ``detokenize``: False leaves every completion's ``text`` empty (token ids only); it
+      cannot be combined with stop strings, which match the text.
     * ``logits_processors``: callables, see :data:`LogitsProcessor`, or stateful processors
       (:class:`batchgen.plugins.StatefulLogitsProcessor`).
     * ``structured_outputs``: a :class:`StructuredOutputsParams` constraint, or None.
@@ -252,13 +261,15 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -302,6 +313,11 @@ class SamplingParams:
                        allowed=">= 0 (number of alternatives besides the chosen token)")
         self._check_prompt_logprobs()
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they match the text); use "
+                             "stop_token_ids with detokenize=False")
         self.logits_processors = _check_processors(self.logits_processors)
         self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
 
@@ -364,6 +380,8 @@ class BeamSearchParams:
     * ``logits_processors``: as in :class:`SamplingParams`; on beams they act on each beam's
       log-softmax scores (as HF's beam search applies its processors), so a processor that
       masks (``-inf``) removes candidates without renormalising the others.
+    * ``temperature`` and ``include_stop_str_in_output``: vLLM's fields, accepted with their
+      default (0 and False) only.
     """
 
     beam_width: int
@@ -378,9 +396,17 @@ class BeamSearchParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    temperature: float = 0.0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, minimum=1, allowed=">= 1")
+        if _check_float("temperature", self.temperature) != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search (beams rank the model's own "
+                             f"log-probabilities, as HF's beam search does), got {self.temperature}")
+        if self.include_stop_str_in_output is not False:
+            raise ValueError("include_stop_str_in_output is not supported for beam search: a beam's "
+                             "text ends before its stop string")
         _check_tokens(self.max_tokens, self.min_tokens)
         self.length_penalty = _check_float("length_penalty", self.length_penalty)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

@@ -125,8 +125,16 @@ def test_prompt_that_can_never_fit_fails_alone(smollm2_path, w32):
 def test_bad_arguments_are_clear(llm, w32):
     with pytest.raises(ValueError, match="2 params for 3 prompts"):
         llm.generate(w32[:3], [SamplingParams(), SamplingParams()])
-    out = llm.generate([[10**7]], SamplingParams(max_tokens=2))[0]
-    assert out.error is not None and "vocabulary" in out.error
+    # generate refuses a prompt that can never run before running any (as vLLM does) ...
+    with pytest.raises(ValueError, match=r"prompt 1: prompt token ids out of the vocabulary \(0\.\.49151\): \[10000000\]"):
+        llm.generate([w32[0], [10**7]], SamplingParams(max_tokens=2))
+    # ... and stream (the pipeline's path) fails that request alone, the others go on.
+    from batchgen import Request
+
+    outs = {o.request_id: o for o in llm.stream([Request("bad", [10**7], SamplingParams(max_tokens=2)),
+                                                  Request("good", w32[0], SamplingParams(max_tokens=2))])}
+    assert "vocabulary" in outs["bad"].error and outs["bad"].outputs == []
+    assert outs["good"].error is None and len(outs["good"].outputs[0].token_ids) == 2
 
 
 def test_a_stream_closed_early_leaves_nothing_behind(llm, w32):

@@ -96,3 +96,20 @@ def test_loglikelihoods_equal_lm_evals_hf_model_on_a_tiny_llama(tiny_llama, tiny
     rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
     for lp, ref in zip(tiny_lm.loglikelihood_rolling(rolling), hf.loglikelihood_rolling(rolling)):
         assert abs(lp - ref) <= 1e-4 * max(1.0, abs(ref) / 10), (lp, ref)
+
+
+@needs_lm_eval
+def test_model_args_pass_through_to_the_engine_config(tiny_llama):
+    from batchgen.engine.config import EngineConfig
+    from batchgen.integrations.lm_eval import BatchgenLM
+
+    lm = BatchgenLM(pretrained=tiny_llama, dtype="float32", num_threads=1, kv_cache_memory="4MiB",
+                    max_num_seqs=3, max_model_len=48, batch_size=8)
+    config = lm.llm.config
+    assert (config.kv_cache_memory, config.max_num_seqs, config.max_model_len) == (4 * 2**20, 3, 48)
+    defaults = EngineConfig()
+    assert (config.block_size, config.seed, config.attention_backend) == (
+        defaults.block_size, defaults.seed, defaults.attention_backend)  # the engine's defaults, not its own
+    assert lm.max_length == 48
+    with pytest.raises(TypeError, match="unknown engine setting.*blok_size"):
+        BatchgenLM(pretrained=tiny_llama, blok_size=4)

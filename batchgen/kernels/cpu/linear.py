@@ -25,16 +25,18 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
+
+from batchgen.engine.config import LinearBackend
 
 from . import loader
 
 logger = logging.getLogger(__name__)
 
 LINEAR_SOURCE = Path(__file__).resolve().parent / "linear.c"
-LINEAR_BACKENDS = ("auto", "cpu", "torch")
+LINEAR_BACKENDS: tuple[str, ...] = get_args(LinearBackend)
 REQUIRED_FEATURES = ("avx2", "fma", "f16c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's dtype codes
 

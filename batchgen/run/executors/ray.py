@@ -123,7 +123,7 @@ class RayExecutor:
 
         from batchgen.model_resolver import resolve_model
 
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.engine.tokenizer or resolve_model(
             self.config.model.name, self.config.engine.quantization, self.config.model.device).path)
         self.startup["tokenizer_s"] = time.perf_counter() - t1
         for replica, ready in zip(self.replicas, readies):

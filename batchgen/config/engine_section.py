@@ -1,56 +1,38 @@
-"""``engine:`` the engine's settings (the YAML schema of
-:class:`~batchgen.engine.config.EngineConfig`, which :meth:`EngineSection.to_engine_config`
-builds), and ``executor:`` where the engine runs.
+"""``engine:`` the engine's settings, derived from
+:class:`~batchgen.engine.config.EngineConfig` (its fields' types, defaults, bounds, meanings and
+checks), and ``executor:`` where the engine runs.
+
+:class:`EngineSection` is built from ``dataclasses.fields(EngineConfig)`` (all but
+:data:`~batchgen.engine.config.MODEL_KEYS`, which the ``model:`` section gives): a new engine
+setting is a field of EngineConfig and appears here by itself. What a job file spells its own
+way is :data:`YAML_TYPES` (a size such as ``'512MiB'``; a seed that is always set) and the
+friendlier messages of the ``_size`` / ``_threads`` validators.
 
 This module imports neither torch nor the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, PositiveInt, field_validator, model_validator
+from pydantic import ByteSize, Field, PositiveInt, ValidationInfo, create_model, field_validator, model_validator
 
 from batchgen.config.sections import _Section
+from batchgen.engine.config import MODEL_KEYS, EngineConfig, field_error, utilization_error
+
+#: The YAML's own type of a setting where a job file spells it otherwise than Python does.
+YAML_TYPES: dict[str, Any] = {
+    "kv_cache_memory": ByteSize | None,
+    "seed": int,  # always set in a job: resumes need the records' seeds to repeat
+}
 
 
-class EngineSection(_Section):
-    """``engine:`` the paged KV cache and scheduler knobs, passed to :class:`batchgen.LLM`."""
+class _EngineChecks(_Section):
+    """The checks of :class:`EngineSection` (its fields come from EngineConfig)."""
 
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (1..256)")
-    kv_cache_memory: ByteSize | None = Field(
-        None, gt=0, description="bytes, or a string like '512MiB'; null = the engine's default"
-    )
-    max_num_seqs: PositiveInt = 256
-    max_num_batched_tokens: PositiveInt = 2048
-    enable_prefix_caching: bool = True
-    scheduling_policy: Literal["prefix", "fcfs"] = Field(
-        "prefix", description="order of waiting rows: 'prefix' runs rows that share a prompt prefix "
-        "together (computed once); 'fcfs' keeps dataset order"
-    )
-    attention_backend: Literal["auto", "torch", "cpu", "cuda"] = "auto"
-    linear_backend: Literal["auto", "torch", "cpu"] = Field(
-        "auto", description="'cpu': the model's linear layers through batchgen's C GEMM; "
-        "'auto' = 'cpu' on the CPU wherever it builds, else 'torch'"
-    )
-    num_threads: Literal["auto"] | PositiveInt = Field(
-        "auto", description="CPU threads: 'auto' = OMP_NUM_THREADS if set, else the CPUs "
-        "this process may use (affinity, cgroup quota)"
-    )
-    seed: int = Field(
-        0, description="each record's sampling seed derives from it and the record id, so reruns and resumes repeat"
-    )
-    index_checks: bool = Field(
-        True, description="the cuda attention backend checks context lengths, block ids and slots "
-        "against the KV cache before launching (one host sync per step); false skips it"
-    )
-    quantization: Literal["auto", "gguf", "none"] = Field(
-        "auto", description="how a GGUF model's weights load: 'gguf' keeps the file's quantized blocks "
-        "(CPU), 'none' de-quantizes to the dtype; 'auto' = 'gguf' for a .gguf file on the CPU, 'none' "
-        "on a GPU and for the built-in model (docs/gguf.md)"
-    )
-
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", mode="before", check_fields=False)
     @classmethod
     def _size(cls, value: Any) -> Any:
         # pydantic's ByteSize says "could not parse value and unit" for all of these.
@@ -64,7 +46,7 @@ class EngineSection(_Section):
             raise ValueError(f"expected a whole number of bytes or a size such as '512MiB', got {value}")
         return value
 
-    @field_validator("num_threads", mode="before")
+    @field_validator("num_threads", mode="before", check_fields=False)
     @classmethod
     def _threads(cls, value: Any) -> Any:
         # One message instead of pydantic's two (literal + constrained int) for the union.
@@ -76,19 +58,48 @@ class EngineSection(_Section):
         hint = "; a boolean is not a count" if isinstance(value, bool) else ""
         raise ValueError(f"expected a positive integer or 'auto', got {shown}{hint}")
 
-    def to_engine_config(self, model: Any) -> Any:
+    @field_validator("*", check_fields=False)
+    @classmethod
+    def _engine_check(cls, value: Any, info: ValidationInfo) -> Any:
+        # The engine's own check, after the schema's type and bounds (e.g. tensor_parallel_size).
+        name = info.field_name
+        error = field_error(name, int(value) if name == "kv_cache_memory" and value is not None else value)
+        if error is not None:
+            raise ValueError(error)
+        return value
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> Any:
+        error = utilization_error(getattr(self, "gpu_memory_utilization"), getattr(self, "kv_cache_memory"))
+        if error is not None:
+            raise ValueError(error)
+        return self
+
+    def to_engine_config(self, model: Any) -> EngineConfig:
         """The :class:`~batchgen.engine.config.EngineConfig` of this section and the ``model``
-        section: every field of this section that EngineConfig has, so a new engine setting is
-        a field there plus its schema here."""
-        import dataclasses
-
-        from batchgen.engine.config import EngineConfig
-
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        values = {key: getattr(self, key) for key in type(self).model_fields if key in names}
+        section."""
+        values = {key: getattr(self, key) for key in type(self).model_fields}
         if values.get("kv_cache_memory") is not None:
             values["kv_cache_memory"] = int(values["kv_cache_memory"])
         return EngineConfig(model=model.name, dtype=model.dtype, device=model.device, **values)
+
+
+def _schema_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
+    """``(type, pydantic Field)`` of one EngineConfig field in the YAML."""
+    return (YAML_TYPES.get(field.name, hint),
+            Field(field.default, description=field.metadata.get("doc"), **field.metadata.get("bounds", {})))
+
+
+def _engine_section() -> type[_EngineChecks]:
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {f.name: _schema_field(f, hints[f.name]) for f in dataclasses.fields(EngineConfig)
+              if f.name not in MODEL_KEYS}
+    return create_model("EngineSection", __base__=_EngineChecks, __module__=__name__,
+                        __doc__="``engine:`` the paged KV cache and scheduler knobs, passed to "
+                                ":class:`batchgen.LLM` (derived from EngineConfig).", **fields)
+
+
+EngineSection = _engine_section()
 
 
 class ResourcesSection(_Section):
