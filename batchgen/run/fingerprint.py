@@ -49,6 +49,8 @@ FINGERPRINT_KEYS: tuple[str, ...] = (
     "engine.quantization",  # quantized blocks and de-quantized weights give other logits
     "engine.attention_backend",  # torch's SDPA rounds differently from batchgen's kernels
     "engine.linear_backend",  # MKL's GEMM blocking differs from batchgen's (docs/kernels.md)
+    "engine.tokenizer",  # another tokenizer gives other prompt ids
+    "engine.max_model_len",  # caps where generation stops (finish_reason 'length')
     "output.format",
 )
 
@@ -68,6 +70,9 @@ NOT_FINGERPRINTED: dict[str, str] = {
     "engine.scheduling_policy": f"queue order: {_SAME_BITS}",
     "engine.num_threads": f"threads: {_SAME_BITS}",
     "engine.index_checks": "only checks indices before a launch",
+    "engine.max_logprobs": "an upper bound checked before the run; generation.logprobs, fingerprinted, sets what is kept",
+    "engine.tensor_parallel_size": "only 1 runs (a larger value is refused), so it cannot differ between runs",
+    "engine.gpu_memory_utilization": f"KV budget on a GPU (preemption recomputes): {_SAME_BITS}",
     "executor": "where the engine runs; every replica runs the same engine settings",
     "metrics": "score records; the summary aggregates each metric over the records that carry it",
     "output.path": "where the records go",
