@@ -69,13 +69,13 @@ def _qwen2_config(meta: Metadata) -> dict[str, Any]:
     return {"use_sliding_window": False, "sliding_window": None}
 
 
-def _attention_scalar(meta: Metadata, largest_layers: int) -> float:
+def _attention_scalar(meta: Metadata, largest_layers: int) -> int:
     """Gemma's ``query_pre_attn_scalar``, which llama.cpp does not store but derives: hidden /
     heads for the 27B models (identified by their layer count, as llama.cpp does), else the
     head size."""
     if int(meta("block_count")) == largest_layers:
-        return float(int(meta("embedding_length")) // int(meta("attention.head_count")))
-    return float(meta("attention.key_length") or int(meta("embedding_length")) // int(meta("attention.head_count")))
+        return int(meta("embedding_length")) // int(meta("attention.head_count"))
+    return int(meta("attention.key_length") or int(meta("embedding_length")) // int(meta("attention.head_count")))
 
 
 def _gemma2_config(meta: Metadata) -> dict[str, Any]:

@@ -201,6 +201,8 @@ def _tensor_names(model: torch.nn.Module, row: Architecture, num_layers: int) ->
     for module_name, _module in model.named_modules():
         if module_name:
             base = table.get_name(module_name)
+            if base is None and module_name == "lm_head":
+                base = "output"  # the name maps of always-tied architectures (Gemma) lack it
             if base is not None:
                 names[module_name] = base
     return names

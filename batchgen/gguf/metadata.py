@@ -128,6 +128,8 @@ def hf_config(gguf: GGUFFile, config: Any) -> Any:
     model_type = values.pop("model_type")
     values.pop("transformers_version", None)
     values.update(updates)
+    if (values.get("pad_token_id") or 0) >= values.get("vocab_size", 0) > 0:
+        values["pad_token_id"] = None  # a class default (Phi-3's 32000) the file's vocabulary lacks
     return AutoConfig.for_model(model_type, **values)
 
 
