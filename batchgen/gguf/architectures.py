@@ -53,8 +53,9 @@ def _head_dim(meta: Metadata) -> dict[str, Any]:
 
 
 def _llama_config(meta: Metadata) -> dict[str, Any]:
-    """Llama and Mistral files: no sliding window (llama.cpp's ``llama`` runs full attention,
-    and transformers' MistralConfig would default to 4096); linear RoPE scaling as written.
+    """Llama and Mistral files (both build HF's Llama, the same layers, as transformers' reader
+    builds them): no sliding window (llama.cpp's ``llama`` runs full attention; a config that
+    became Mistral's would default to 4096); linear RoPE scaling as written.
     Llama 3's ``llama3`` scaling is the ``rope_freqs`` tensor, applied at load."""
     updates: dict[str, Any] = {"sliding_window": None}
     if meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
@@ -134,8 +135,6 @@ class Architecture:
     extra_tensors: tuple[str, ...] = ()
     refused_tensors: dict[str, str] = field(default_factory=dict)
     variants: tuple[str, ...] = ()
-    #: other HF model types transformers may build from this architecture's files
-    also_builds: tuple[str, ...] = ()
 
     def is_norm(self, tensor: str) -> bool:
         """Whether ``tensor`` (a GGUF name) is an RMSNorm weight, which ``norm_offset`` shifts."""
@@ -144,8 +143,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {row.name: row for row in (
     Architecture("llama", "llama", permute_qk=True, config=_llama_config,
-                 extra_tensors=("rope_freqs.weight",), also_builds=("mistral",),
-                 variants=("rope_freqs",)),
+                 extra_tensors=("rope_freqs.weight",), variants=("rope_freqs",)),
     Architecture("qwen2", "qwen2", permute_qk=False, config=_qwen2_config, variants=("qkv_bias",)),
     Architecture("qwen3", "qwen3", permute_qk=False, config=_head_dim, variants=("qk_norm",)),
     Architecture("gemma2", "gemma2", permute_qk=False, config=_gemma2_config, norm_offset=1.0,

@@ -32,7 +32,9 @@ _COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidde
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
 
-#: case -> (GGUF architecture, HF model type, config overrides). ``llama3`` is a Llama file
+#: case -> (GGUF architecture, HF model type, config overrides). ``mistral`` is a Mistral model
+#: written as llama.cpp writes it (``llama``, named ``tiny-mistral``: transformers then builds a
+#: Mistral model; llama.cpp runs it without a window, as Mistral 7B v0.2+ has none). ``llama3`` is a Llama file
 #: with Llama 3's RoPE scaling (an original context of 64, so that its three frequency bands
 #: all occur at head size 64); Gemma's head size is 256 so that its ``query_pre_attn_scalar``
 #: (256) is the head size, as llama.cpp assumes for all but the 27B models.
@@ -41,6 +43,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "llama3": ("llama", "llama", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("llama", "mistral", {"sliding_window": None}),  # written as llama; the name says Mistral
     "qwen2": ("qwen2", "qwen2", {}),
     "qwen3": ("qwen3", "qwen3", {"head_dim": 64}),
     "gemma2": ("gemma2", "gemma2", {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": WINDOW,
