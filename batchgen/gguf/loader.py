@@ -298,6 +298,13 @@ def _apply_rope_freqs(model: torch.nn.Module, gguf: GGUFFile) -> None:
                     setattr(module, name, current / factors.to(current.dtype))
 
 
+def _check_filled(model: torch.nn.Module, gguf: GGUFFile) -> None:
+    """Raise naming the first parameter or buffer still on the meta device."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise GGUFError(f"{gguf.path}: the model's {name!r} has no tensor in the file")
+
+
 def _rebuild_buffers(model: torch.nn.Module, config: Any) -> None:
     """Buffers made on the meta device with the model (RoPE frequencies): build the modules
     that own them again on the CPU, from the config, as the model's constructor did."""
@@ -374,9 +381,7 @@ def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: 
     _fill(model, filler, config)
     _rebuild_buffers(model, config)
     _apply_rope_freqs(model, gguf)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_meta:
-            raise GGUFError(f"{gguf.path}: the model's {name!r} has no tensor in the file")
+    _check_filled(model, gguf)
     filler.raw_cache.clear()
     release_freed_memory()
     if device.type != "cpu":

@@ -296,6 +296,17 @@ def test_a_file_whose_tensors_do_not_match_its_row(tmp_path: Path, cache: Path) 
     assert str(as_phi3) in str(info.value) and "'blk.0.attn_qkv.weight' is missing" in str(info.value), info.value
 
 
+def test_a_longrope_phi3_file_is_refused_naming_the_tensor(tmp_path: Path, cache: Path) -> None:
+    source = tmp_path / "phi3.gguf"
+    write_arch_gguf(source, "phi3", "F32")
+    longrope = tmp_path / "phi3-128k.gguf"
+    _rewrite(source, longrope, copy={"rope_factors_long.weight": "output_norm.weight",
+                                     "rope_factors_short.weight": "output_norm.weight"})
+    with pytest.raises(GGUFError) as info:
+        metadata_folder(longrope)
+    assert str(longrope) in str(info.value) and "'rope_factors_long.weight' holds LongRoPE" in str(info.value)
+
+
 def test_cli_exit_2_for_an_unknown_architecture_and_a_mismatched_file(tmp_path: Path, cache: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
