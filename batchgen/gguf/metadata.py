@@ -117,8 +117,8 @@ def metadata_folder(path: Path) -> Path:
 
 def hf_config(gguf: GGUFFile, config: Any) -> Any:
     """``config`` (transformers' reading of ``gguf``'s metadata) completed with what its
-    architecture's row reads from the metadata besides, and without a GGUF
-    ``quantization_config`` (the folder holds no weights)."""
+    architecture's row reads from the metadata besides, its vocabulary the token embedding's
+    rows, and without a GGUF ``quantization_config`` (the folder holds no weights)."""
     from transformers import AutoConfig
 
     arch = gguf.architecture
@@ -128,6 +128,9 @@ def hf_config(gguf: GGUFFile, config: Any) -> Any:
     model_type = values.pop("model_type")
     values.pop("transformers_version", None)
     values.update(updates)
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is not None:  # the rows the file has (Gemma 3's converter drops the padding rows)
+        values["vocab_size"] = int(embedding.shape.tolist()[-1])
     if (values.get("pad_token_id") or 0) >= values.get("vocab_size", 0) > 0:
         values["pad_token_id"] = None  # a class default (Phi-3's 32000) the file's vocabulary lacks
     return AutoConfig.for_model(model_type, **values)

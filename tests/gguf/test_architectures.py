@@ -244,9 +244,10 @@ def test_a_template_that_cannot_render_fails_at_load(tmp_path: Path, cache: Path
 
 
 def _rewrite(path: Path, target: Path, copy: dict[str, str] | None = None, drop: tuple[str, ...] = (),
-             architecture: str | None = None) -> None:
+             architecture: str | None = None, numbers: dict[str, int] | None = None) -> None:
     """Copy the GGUF ``path`` to ``target``, dropping tensors, adding copies of some under new
-    names (``{new: existing}``), or relabelling its architecture (its metadata keys follow)."""
+    names (``{new: existing}``), setting integer metadata values (``numbers``), or relabelling
+    its architecture (its metadata keys follow)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -256,7 +257,7 @@ def _rewrite(path: Path, target: Path, copy: dict[str, str] | None = None, drop:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = field.contents()
+        value = (numbers or {}).get(key, field.contents())
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key.replace(f"{arch}.", f"{new_arch}.", 1), value, kind, sub_type=sub)
@@ -294,6 +295,17 @@ def test_a_file_whose_tensors_do_not_match_its_row(tmp_path: Path, cache: Path) 
     with pytest.raises(GGUFError) as info:
         metadata_folder(as_phi3)
     assert str(as_phi3) in str(info.value) and "'blk.0.attn_qkv.weight' is missing" in str(info.value), info.value
+
+
+def test_the_vocabulary_is_the_embeddings_rows(tmp_path: Path, cache: Path) -> None:
+    """A file whose metadata counts more tokens than its embedding has rows (Gemma 3's converter
+    drops the padding rows of the embedding) loads with the embedding's rows."""
+    source = tmp_path / "qwen2.gguf"
+    write_arch_gguf(source, "qwen2", "F32")
+    padded = tmp_path / "padded.gguf"
+    _rewrite(source, padded, numbers={"qwen2.vocab_size": 336})
+    model = load_gguf_model(padded, metadata_folder(padded), dtype=torch.float32, quantization="none")
+    assert model.config.vocab_size == 320 and model.get_output_embeddings().out_features == 320
 
 
 def test_a_longrope_phi3_file_is_refused_naming_the_tensor(tmp_path: Path, cache: Path) -> None:
