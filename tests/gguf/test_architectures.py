@@ -206,6 +206,9 @@ def test_quantized_blocks_stay_within_the_bound(tmp_path: Path, cache: Path, cas
 
 #: Each family's template shape (shortened: the turn markers and the generation prompt).
 TEMPLATES = {
+    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
+              " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
     "qwen2": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     "gemma2": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
