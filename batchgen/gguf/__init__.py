@@ -1,5 +1,8 @@
 """GGUF models as they ship: the file's quantized blocks kept as they are.
 
+- :mod:`batchgen.gguf.architectures`: ``ARCHITECTURES``, one row per GGUF architecture
+  batchgen loads (its HF model, its tensor-name map, what llama.cpp's converter did to its
+  tensors and which metadata keys complete its config);
 - :mod:`batchgen.gguf.reader`: :class:`GGUFFile`, a GGUF parsed by the ``gguf`` package, with
   errors naming the file and the tensor (corrupt, truncated, unsupported architecture);
 - :mod:`batchgen.gguf.metadata`: the HF config and tokenizer of a file, read once into a cache

@@ -25,17 +25,21 @@ class QuantizedEmbedding(torch.nn.Module):
         rows: a ``QuantizedLinear`` whose weight is the embedding matrix (``out_features`` =
             the vocabulary, ``in_features`` = the embedding width).
         dtype: the dtype of the rows it returns.
+        scale: a factor the rows are multiplied by, in ``dtype``, as HF's scaled embeddings
+            (Gemma's ``ScaledWordEmbedding``: the square root of the width) do; None for none.
     """
 
-    def __init__(self, rows: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, rows: torch.nn.Module, dtype: torch.dtype, scale: float | None = None) -> None:
         super().__init__()
         self.rows = rows
         self.num_embeddings = rows.out_features
         self.embedding_dim = rows.in_features
         self.dtype = dtype
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
+        scale = "" if self.scale is None else f", scale={float(self.scale):g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}{scale}"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         from batchgen.kernels.cpu.quant import dequantize
@@ -43,4 +47,5 @@ class QuantizedEmbedding(torch.nn.Module):
         flat = input_ids.reshape(-1)
         raw = self.rows.gather_rows(flat)
         values = dequantize(raw, self.rows.qtype, (flat.numel(), self.embedding_dim))
-        return values.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+        values = values.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+        return values if self.scale is None else values * self.scale

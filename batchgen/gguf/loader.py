@@ -12,12 +12,23 @@ float copy of the weights is ever made, and each weight is then filled from the 
 - the token embedding becomes a :class:`~batchgen.gguf.embedding.QuantizedEmbedding`, and a
   tied ``lm_head`` a ``QuantizedLinear`` over the same blocks.
 
-Llama's q and k projections are stored in GGUF with the rows of each head permuted for
-llama.cpp's RoPE layout; they are put back in HF's order by moving whole rows (the blocks run
-along the input features, so a row is a run of whole blocks and moves unchanged).
+What each architecture's file means is its row of
+:data:`batchgen.gguf.architectures.ARCHITECTURES`: the tensor-name map, and the converter's
+transformations this module undoes:
 
-Buffers computed from the config (RoPE frequencies) are rebuilt on the CPU; a parameter the
-file does not provide is an error naming the file and the tensor.
+- ``permute_qk`` (the Llama family only): q and k are stored with the rows of each head
+  permuted for llama.cpp's RoPE layout; they are put back in HF's order by moving whole rows
+  (the blocks run along the input features, so a row is a run of whole blocks and moves
+  unchanged);
+- ``norm_offset`` (Gemma): the norms are stored as ``1 + w``;
+- Llama 3's ``rope_freqs`` tensor divides the RoPE frequencies, as llama.cpp applies it
+  (equal, to float rounding, to HF's ``llama3`` RoPE scaling the converter computed it from);
+- scaled embeddings (Gemma: rows times the square root of the width) keep their scale.
+
+Buffers computed from the config (RoPE frequencies) are rebuilt on the CPU. The file's tensors
+are checked against the model before anything is read (:func:`check_tensors`): a tensor the
+model needs that the file lacks, one of another shape, or one the model has no place for is an
+error naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchgen.gguf.architectures import ARCHITECTURES, Architecture, tensor_name_map
 from batchgen.gguf.embedding import QuantizedEmbedding
 from batchgen.gguf.metadata import open_gguf
 from batchgen.gguf.reader import GGUFError, GGUFFile
@@ -38,7 +50,7 @@ from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS  # the block types 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATIONS", "load_gguf_model"]
+__all__ = ["QUANTIZATIONS", "check_tensors", "load_gguf_model"]
 
 QUANTIZATIONS = ("gguf", "none")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -56,6 +68,7 @@ class _Filler:
 
     def __init__(self, gguf: GGUFFile, config: Any, dtype: torch.dtype, keep: bool) -> None:
         self.gguf = gguf
+        self.row: Architecture = ARCHITECTURES[gguf.architecture]
         self.config = config
         self.dtype = dtype
         self.keep = keep
@@ -65,6 +78,8 @@ class _Filler:
         self.layers: dict[str, torch.nn.Module] = {}
 
     def _rows_order(self, name: str) -> np.ndarray | None:
+        if not self.row.permute_qk:  # stored in HF's order (every row but the Llama family's)
+            return None
         if ".attn_q." in name:
             return _unpermute_rows(self.gguf.tensor(name).data.shape[0], self.config.num_attention_heads)
         if ".attn_k." in name:
@@ -100,6 +115,8 @@ class _Filler:
         if int(np.prod(array.shape)) != int(np.prod(shape)):
             raise GGUFError(f"{self.gguf.path}: tensor {name!r} has shape {tuple(array.shape)}, the "
                             f"model expects {shape}")
+        if self.row.norm_offset and self.row.is_norm(name):  # stored as offset + w (Gemma: 1 + w)
+            array = np.asarray(array, dtype=np.float32) - np.float32(self.row.norm_offset)
         if not array.flags.writeable or not array.flags.c_contiguous:  # a view of the mapped file
             array = np.array(array, copy=True, order="C")
         self.gguf.release(name)
@@ -154,34 +171,136 @@ class _Filler:
         return layer
 
     def embedding(self, name: str, module: torch.nn.Embedding) -> torch.nn.Module:
+        """The token embedding: a ``QuantizedEmbedding``, or a float one. A scaled embedding
+        (Gemma's ``ScaledWordEmbedding``, rows times ``scalar_embed_scale``) keeps its scale:
+        the float one is the model's own module with its weight and scale filled in."""
         self.check_shape(name, module.num_embeddings, module.embedding_dim)
+        scale = getattr(module, "scalar_embed_scale", None) if hasattr(module, "embed_scale") else None
         if self.keeps(name):
-            return QuantizedEmbedding(self.quantized(name, module.num_embeddings, module.embedding_dim), self.dtype)
+            rows = self.quantized(name, module.num_embeddings, module.embedding_dim)
+            return QuantizedEmbedding(rows, self.dtype, scale=scale)
         self._count_dequantized(name)
-        layer = torch.nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta",
-                                   padding_idx=module.padding_idx, dtype=self.dtype)
+        layer = module
+        if scale is None:
+            layer = torch.nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta",
+                                       padding_idx=module.padding_idx, dtype=self.dtype)
+        else:
+            layer.embed_scale = torch.tensor(scale, dtype=self.dtype)
         layer.weight = torch.nn.Parameter(self.values(name, (module.num_embeddings, module.embedding_dim)),
                                           requires_grad=False)
         return layer
 
 
-def _tensor_names(model: torch.nn.Module, gguf: GGUFFile, num_layers: int) -> dict[str, str]:
+def _tensor_names(model: torch.nn.Module, row: Architecture, num_layers: int) -> dict[str, str]:
     """HF module name -> GGUF tensor base name (``model.layers.0.self_attn.q_proj`` ->
-    ``blk.0.attn_q``), from the ``gguf`` package's own name table."""
-    import gguf as gguf_package
-
-    arch = next((key for key, value in gguf_package.MODEL_ARCH_NAMES.items() if value == gguf.architecture), None)
-    if arch is None:
-        raise GGUFError(f"{gguf.path}: the gguf package has no tensor names for architecture "
-                        f"{gguf.architecture!r}")
-    table = gguf_package.get_tensor_name_map(arch, num_layers)
+    ``blk.0.attn_q``), from the ``gguf`` package's own name table of ``row``."""
+    table = tensor_name_map(row, num_layers)
     names = {}
     for module_name, _module in model.named_modules():
         if module_name:
             base = table.get_name(module_name)
+            if base is None and module_name == "lm_head":
+                base = "output"  # the name maps of always-tied architectures (Gemma) lack it
             if base is not None:
                 names[module_name] = base
     return names
+
+
+def _is_tied(config: Any, gguf: GGUFFile) -> bool:
+    """Whether ``lm_head`` is the token embedding (the file has no ``output.weight``)."""
+    return bool(getattr(config, "tie_word_embeddings", False)) and "output.weight" not in gguf.tensors
+
+
+def _expected_tensors(model: torch.nn.Module, gguf: GGUFFile, config: Any) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> the shape (HF order) the model needs of it."""
+    row = ARCHITECTURES[gguf.architecture]
+    expected: dict[str, tuple[int, ...]] = {}
+    for module_name, base in _tensor_names(model, row, config.num_hidden_layers).items():
+        module = model.get_submodule(module_name)
+        if module_name.endswith("lm_head") and _is_tied(config, gguf):
+            continue  # the embedding's tensor
+        for param_name, param in module.named_parameters(recurse=False):
+            expected[f"{base}.{param_name}"] = tuple(param.shape)
+    return expected
+
+
+def check_tensors(gguf: GGUFFile, config: Any, model: torch.nn.Module | None = None) -> None:
+    """Check the file's tensors against the HF model its row and ``config`` build (made on the
+    meta device when ``model`` is None: no weights are allocated).
+
+    Raises:
+        GGUFError: naming the file and the first tensor the model needs that the file lacks,
+            that has another shape, or that the model has no place for.
+    """
+    from transformers import AutoModelForCausalLM  # heavy; the loader's callers have it imported
+
+    if model is None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    row = ARCHITECTURES[gguf.architecture]
+    expected = _expected_tensors(model, gguf, config)
+    for name, shape in expected.items():
+        tensor = gguf.tensor(name)  # raises naming the tensor when it is missing
+        got = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if int(np.prod(got)) != int(np.prod(shape)) or (len(shape) == 2 and got != shape):
+            raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {got}, the {row.name!r} model of this "
+                            f"file's config expects {shape}")
+    for name in gguf.tensors:
+        if name not in expected and name not in row.extra_tensors:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} has no place in the {row.name!r} model of this "
+                            f"file's config (a {row.hf_model_type} model: the file does not match its "
+                            "architecture)")
+
+
+def _fill(model: torch.nn.Module, filler: _Filler, config: Any) -> None:
+    """Put each module's weights from the file in place of the meta ones (linear layers and
+    the embedding become new modules; norms get their parameters)."""
+    tied = _is_tied(config, filler.gguf)
+    embedding = None
+    for module_name, base in _tensor_names(model, filler.row, config.num_hidden_layers).items():
+        module = model.get_submodule(module_name)
+        lm_head_tied = module_name.endswith("lm_head") and tied
+        if lm_head_tied:
+            base = "token_embd"
+        weight = f"{base}.weight"
+        if type(module) is torch.nn.Linear:
+            bias = f"{base}.bias" if module.bias is not None else None
+            model.set_submodule(module_name, filler.linear(weight, module, bias,
+                                                           tied_to=embedding if lm_head_tied else None))
+        elif isinstance(module, torch.nn.Embedding):  # also Gemma's scaled one
+            embedding = filler.embedding(weight, module)
+            model.set_submodule(module_name, embedding)
+        else:
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                tensor = f"{base}.{param_name}"
+                setattr(module, param_name, torch.nn.Parameter(filler.values(tensor, tuple(param.shape)),
+                                                               requires_grad=False))
+
+
+def _apply_rope_freqs(model: torch.nn.Module, gguf: GGUFFile) -> None:
+    """Llama 3's ``rope_freqs`` tensor: llama.cpp divides each RoPE frequency by it (the
+    converter computed it from HF's ``llama3`` scaling: 1 for the high frequencies, the factor
+    for the low ones, a smooth blend between), so the rotary embedding's frequencies are
+    divided by it here; HF's ``llama3`` frequencies are the same to float rounding."""
+    if "rope_freqs.weight" not in gguf.tensors:
+        return
+    factors = torch.from_numpy(np.array(gguf.tensor("rope_freqs.weight").data, dtype=np.float32).reshape(-1))
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            for name in ("inv_freq", "original_inv_freq"):
+                current = getattr(module, name, None)
+                if isinstance(current, torch.Tensor):
+                    if current.shape != factors.shape:
+                        raise GGUFError(f"{gguf.path}: tensor 'rope_freqs.weight' has {factors.numel()} values, the "
+                                        f"model's RoPE has {current.numel()} frequencies")
+                    setattr(module, name, current / factors.to(current.dtype))
+
+
+def _check_filled(model: torch.nn.Module, gguf: GGUFFile) -> None:
+    """Raise naming the first parameter or buffer still on the meta device."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise GGUFError(f"{gguf.path}: the model's {name!r} has no tensor in the file")
 
 
 def _rebuild_buffers(model: torch.nn.Module, config: Any) -> None:
@@ -255,34 +374,12 @@ def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    check_tensors(gguf, config, model)
     filler = _Filler(gguf, config, dtype, keep=quantization == "gguf")
-    names = _tensor_names(model, gguf, config.num_hidden_layers)
-    tied = getattr(config, "tie_word_embeddings", False) and "output.weight" not in gguf.tensors
-    embedding = None
-    for module_name, module in list(model.named_modules()):
-        base = names.get(module_name)
-        if base is None:
-            continue
-        lm_head_tied = module_name.endswith("lm_head") and tied
-        if lm_head_tied:
-            base = "token_embd"
-        weight = f"{base}.weight"
-        bias = f"{base}.bias" if f"{base}.bias" in gguf.tensors else None
-        if type(module) is torch.nn.Linear:
-            model.set_submodule(module_name, filler.linear(weight, module, bias,
-                                                           tied_to=embedding if lm_head_tied else None))
-        elif type(module) is torch.nn.Embedding:
-            embedding = filler.embedding(weight, module)
-            model.set_submodule(module_name, embedding)
-        else:
-            for param_name, param in list(module.named_parameters(recurse=False)):
-                tensor = f"{base}.{param_name}"
-                setattr(module, param_name, torch.nn.Parameter(filler.values(tensor, tuple(param.shape)),
-                                                               requires_grad=False))
+    _fill(model, filler, config)
     _rebuild_buffers(model, config)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_meta:
-            raise GGUFError(f"{gguf.path}: the model's {name!r} has no tensor in the file")
+    _apply_rope_freqs(model, gguf)
+    _check_filled(model, gguf)
     filler.raw_cache.clear()
     release_freed_memory()
     if device.type != "cpu":

@@ -13,6 +13,15 @@ The folder also keeps the file's tensor table (``tensors.json``: names, block ty
 and offsets), so that loading maps the weights without parsing the header again
 (:meth:`batchgen.gguf.reader.GGUFFile.from_table`); the key changes when the file does.
 
+Before the folder is written, the file is checked: the HF config transformers reads is
+completed from the metadata transformers' reader leaves out, per the architecture's row
+(:data:`batchgen.gguf.architectures.ARCHITECTURES`: soft-capping, sliding-window layers,
+per-layer-type RoPE); the file's tensors are checked against the model that config builds
+(:func:`batchgen.gguf.loader.check_tensors`); and the chat template
+(``tokenizer.chat_template``) is rendered once. Each failure is a
+:class:`~batchgen.gguf.reader.GGUFError` naming the file (and the tensor), so ``batchgen
+validate`` refuses it (exit 2) rather than the first row of a run.
+
 The folder is written into ``<target>.tmp-<pid>-*`` and renamed into place, as the embedded
 model's conversion is.
 """
@@ -26,12 +35,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from batchgen.gguf.reader import GGUFFile
+from batchgen.gguf.architectures import ARCHITECTURES
+from batchgen.gguf.reader import GGUFError, GGUFFile
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TABLE_FILE", "metadata_folder", "metadata_folder_for", "open_gguf"]
+__all__ = ["TABLE_FILE", "hf_config", "metadata_folder", "metadata_folder_for", "open_gguf"]
+
+#: The conversation a chat template is rendered with once, at load.
+_PROBE_CHAT = [{"role": "user", "content": "Hello"}]
 
 #: Written last into a metadata folder: its presence means the folder is complete.
 DONE_MARKER = "batchgen-gguf.json"
@@ -75,11 +89,12 @@ def metadata_folder(path: Path) -> Path:
     for stale in remove_stale_temp_folders(target):
         logger.info("removed %s, left by an interrupted read", stale)
     folder, name = str(path.parent), path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    # the folder holds no weights: the config must not claim a GGUF quantization of its own
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    config = hf_config(gguf, AutoConfig.from_pretrained(folder, gguf_file=name))
+    from batchgen.gguf.loader import check_tensors  # the loader imports this module (open_gguf)
+
+    check_tensors(gguf, config)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _check_chat_template(path, tokenizer)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
@@ -98,6 +113,42 @@ def metadata_folder(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("read the config and tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
     return target
+
+
+def hf_config(gguf: GGUFFile, config: Any) -> Any:
+    """``config`` (transformers' reading of ``gguf``'s metadata) completed with what its
+    architecture's row reads from the metadata besides, its vocabulary the token embedding's
+    rows, and without a GGUF ``quantization_config`` (the folder holds no weights)."""
+    from transformers import AutoConfig
+
+    arch = gguf.architecture
+    updates = ARCHITECTURES[arch].config(lambda key: gguf.field(f"{arch}.{key}"))
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    model_type = values.pop("model_type")
+    values.pop("transformers_version", None)
+    values.update(updates)
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is not None:  # the rows the file has (Gemma 3's converter drops the padding rows)
+        values["vocab_size"] = int(embedding.shape.tolist()[-1])
+    if (values.get("pad_token_id") or 0) >= values.get("vocab_size", 0) > 0:
+        values["pad_token_id"] = None  # a class default (Phi-3's 32000) the file's vocabulary lacks
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _check_chat_template(path: Path, tokenizer: Any) -> None:
+    """Render the file's chat template once, so that one that cannot be rendered fails here.
+
+    Raises:
+        GGUFError: naming the file and the template's error.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2's syntax and undefined errors, a template's own raise_exception
+        raise GGUFError(f"{path}: its chat template (tokenizer.chat_template) cannot be rendered: "
+                        f"{type(exc).__name__}: {exc}") from None
 
 
 def open_gguf(path: Path, folder: Path) -> GGUFFile:

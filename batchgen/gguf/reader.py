@@ -29,13 +29,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from batchgen.gguf.architectures import ARCHITECTURES
+
 __all__ = ["GGUF_MAGIC", "GGUFError", "GGUFFile", "SUPPORTED_ARCHITECTURES", "TensorInfo", "is_gguf_file"]
 
 GGUF_MAGIC = b"GGUF"
 #: GGUF architectures (``general.architecture``) whose tensors the loader maps onto an HF
-#: model, and the HF model type each becomes. ``llama`` covers Llama, SmolLM and Mistral
-#: files (llama.cpp writes Mistral as ``llama``).
-SUPPORTED_ARCHITECTURES: dict[str, str] = {"llama": "llama"}
+#: model, and the HF model type each becomes: read from the table
+#: (:data:`batchgen.gguf.architectures.ARCHITECTURES`). ``llama`` covers Llama, SmolLM and
+#: Mistral files (llama.cpp writes Mistral as ``llama``).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {name: row.hf_model_type for name, row in ARCHITECTURES.items()}
 
 
 class GGUFError(ValueError):
@@ -184,12 +187,17 @@ class GGUFFile:
         """The HF model type this file builds.
 
         Raises:
-            GGUFError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`.
+            GGUFError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`, or the
+                file holds a tensor its row refuses (naming it and why).
         """
         arch = self.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"{self.path}: GGUF architecture {arch!r} is not supported; batchgen "
                             f"loads GGUF files of: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name, why in ARCHITECTURES[arch].refused_tensors.items():
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} holds {why}, which batchgen does not apply "
+                                f"to {arch!r} files yet")
         return SUPPORTED_ARCHITECTURES[arch]
 
     def tensor(self, name: str) -> Any:
