@@ -14,7 +14,10 @@ rows or changes speed without changing a bit, where records go, metrics). A test
 schema and fails on a key in neither table, so a new setting must be classified.
 
 A key recorded on one side and not the other is a difference (a sidecar of ``{"config": {}}``
-does not switch the check off). The sidecar also keeps :func:`source_digest`, the local
+does not switch the check off), with one exception so that an upgrade does not refuse a resume:
+a sidecar without :data:`SIDECAR_VERSION` was written by an older batchgen, which had no such
+setting and so ran as its default does; there a key it does not record is a difference only when
+its value now is not the schema's default (:func:`schema_defaults`). The sidecar also keeps :func:`source_digest`, the local
 dataset's size and content hash, so that a dataset edited in place at the same path is refused.
 
 This module imports neither torch nor the engine.
@@ -29,8 +32,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FINGERPRINT_KEYS", "NOT_FINGERPRINTED", "SidecarError", "config_differences", "fingerprint",
-           "fingerprint_hash", "read_sidecar", "sidecar", "sidecar_path", "source_digest"]
+from pydantic import BaseModel, TypeAdapter
+
+__all__ = ["FINGERPRINT_KEYS", "NOT_FINGERPRINTED", "SIDECAR_VERSION", "SidecarError", "config_differences",
+           "fingerprint", "fingerprint_hash", "read_sidecar", "schema_defaults", "sidecar", "sidecar_path",
+           "source_digest"]
+
+#: The sidecar format this version writes. A sidecar without it comes from an older batchgen,
+#: whose fingerprint covered fewer settings (see :func:`config_differences`' ``defaults``).
+SIDECAR_VERSION = 2
 
 #: Dotted keys of the resolved config (a whole section, or one key of one) in the fingerprint.
 FINGERPRINT_KEYS: tuple[str, ...] = (
@@ -127,10 +137,17 @@ def fingerprint_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def config_differences(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def config_differences(before: Mapping[str, Any], now: Mapping[str, Any], *,
+                       defaults: Mapping[str, Any] | None = None) -> list[str]:
     """``key: <before> before, <now> now`` for every fingerprinted key whose value changed,
-    or that one side records and the other does not (shown as ``(not recorded)``)."""
+    or that one side records and the other does not (shown as ``(not recorded)``).
+
+    ``defaults`` (:func:`schema_defaults`, given for a sidecar of an older batchgen): a key that
+    ``before`` does not record counts as that default, the value the older version ran with."""
     old, new = fingerprint(before), fingerprint(now)
+    for key, value in (defaults or {}).items():
+        if key in new and key not in old and _covered(key):
+            old[key] = value
 
     def shown(values: dict[str, Any], key: str) -> str:
         return json.dumps(values[key]) if key in values else _MISSING
@@ -140,6 +157,30 @@ def config_differences(before: Mapping[str, Any], now: Mapping[str, Any]) -> lis
         for key in sorted(old.keys() | new.keys())
         if key not in old or key not in new or old[key] != new[key]
     ]
+
+
+def _covered(key: str) -> bool:
+    return any(key == entry or key.startswith(entry + ".") for entry in FINGERPRINT_KEYS)
+
+
+def schema_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """``section.key`` -> its default as the resolved config dumps it (JSON mode), for every key
+    of each section of ``model`` (the run config's schema) that has a default."""
+    found: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        for key, inner in section.model_fields.items():
+            if inner.is_required():
+                continue
+            try:
+                value = inner.get_default(call_default_factory=True)
+                found[f"{field.alias or name}.{inner.alias or key}"] = TypeAdapter(inner.annotation).dump_python(
+                    value, mode="json")
+            except Exception:  # noqa: BLE001 - a default that does not dump is simply not tolerated
+                continue
+    return found
 
 
 def sidecar_path(output: str | Path) -> Path:
@@ -175,7 +216,8 @@ def read_sidecar(output: str | Path) -> dict[str, Any] | None:
 def sidecar(resolved: Mapping[str, Any], dataset: Any = None) -> dict[str, Any]:
     """The sidecar's content for a run of ``resolved`` over a source of digest ``dataset``
     (written by the plan, atomically)."""
-    return {"fingerprint": fingerprint_hash(resolved), "config": dict(resolved), "dataset": dataset}
+    return {"version": SIDECAR_VERSION, "fingerprint": fingerprint_hash(resolved), "config": dict(resolved),
+            "dataset": dataset}
 
 
 def source_digest(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:

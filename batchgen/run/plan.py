@@ -34,7 +34,8 @@ from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS,
 from batchgen.config.formats import RecordKind, ScoringKind, SourceKind, scoring_kind
 from batchgen.plugins import PluginError
 from batchgen.run.errors import ResumeMismatchError
-from batchgen.run.fingerprint import SidecarError, config_differences, read_sidecar, sidecar, sidecar_path, source_digest
+from batchgen.run.fingerprint import SIDECAR_VERSION, SidecarError, config_differences, read_sidecar, schema_defaults
+from batchgen.run.fingerprint import sidecar, sidecar_path, source_digest
 from batchgen.io.dataset import DataError, resolve_source
 from batchgen.io.lock import OutputLock, lock_path
 from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
@@ -363,8 +364,11 @@ def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resol
             f"cannot resume {config.output.path}: nothing says which config its records were written with "
             f"({where} is missing); pass --force-resume to append anyway, or --overwrite to start over"
         )
-    changes = config_differences(before, resolved)
+    legacy = kept is None or kept.get("version") != SIDECAR_VERSION  # written by an older batchgen
+    changes = config_differences(before, resolved, defaults=schema_defaults(RunConfig) if legacy else None)
     recorded = kept.get("dataset", "(not recorded)") if kept is not None else "(not recorded)"
+    if legacy and (kept is None or "dataset" not in kept):
+        recorded = dataset  # older versions kept no digest: nothing to compare the dataset with
     if recorded != dataset:
         edited = " (the file changed since these records were written)" if isinstance(recorded, dict) else ""
         changes.append(f"the dataset at data.source {config.data.source}: {_digest_text(recorded)} before, "

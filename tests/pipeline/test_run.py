@@ -571,7 +571,8 @@ def test_a_damaged_or_empty_sidecar_does_not_pass(job_config, tiny_llm, tmp_path
     torn = out.read_bytes()
     cases = {"{not json": f"cannot resume {out}: {sidecar} is damaged: not valid JSON (",
              "[1, 2]": f"cannot resume {out}: {sidecar} is damaged: it holds no 'config' object",
-             '{"config": {}}': '  - engine.quantization: (not recorded) before, "auto" now\n'}
+             '{"config": {}}': "  - data.source: (not recorded) before",  # an older sidecar: defaults fill in
+             '{"version": 2, "config": {}}': '  - engine.quantization: (not recorded) before, "auto" now\n'}
     for text, expected in cases.items():
         sidecar.write_text(text)
         with pytest.raises(ResumeMismatchError) as info:
@@ -581,10 +582,32 @@ def test_a_damaged_or_empty_sidecar_does_not_pass(job_config, tiny_llm, tmp_path
         assert out.read_bytes() == torn and sidecar.read_text() == text
     with pytest.raises(ResumeMismatchError, match=r"(?s)generation.max_tokens: \(not recorded\) before, 8 now.*"
                        r"model.name: \(not recorded\) before"):
+        sidecar.write_text('{"version": 2, "config": {}}')
         _plan_resume(path)
     job = _plan_resume(path, force=True)  # forced: the torn tail goes, the four records stay
     job.release()
     assert out.read_bytes() == torn[: torn.rindex(b"\n") + 1] and len(job.answered) == 4
+
+
+def test_a_sidecar_of_an_older_batchgen_still_resumes(job_config, tiny_llm, tmp_path: Path) -> None:
+    """An upgrade does not refuse a resume: the sidecar an older batchgen wrote (no version, no
+    dataset digest, none of the settings added since) resumes with the same config, since those
+    settings are at their defaults; one now set otherwise is still a difference."""
+    import json
+
+    from batchgen.run.errors import ResumeMismatchError
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    sidecar = tmp_path / "out" / "results.jsonl.resume.json"
+    kept = json.loads(sidecar.read_text())
+    for key in ("tokenizer", "max_model_len", "max_logprobs", "tensor_parallel_size", "gpu_memory_utilization"):
+        kept["config"]["engine"].pop(key)
+    sidecar.write_text(json.dumps({"fingerprint": kept["fingerprint"], "config": kept["config"]}))
+    _plan_resume(path).release()
+    sidecar.write_text(json.dumps({"fingerprint": kept["fingerprint"], "config": kept["config"]}))
+    with pytest.raises(ResumeMismatchError, match=r"engine.max_model_len: null before, 64 now"):
+        _plan_resume(path, "engine.max_model_len=64")
 
 
 def test_a_refused_resume_of_a_damaged_file_changes_nothing(job_config, tiny_llm, tmp_path: Path) -> None:
