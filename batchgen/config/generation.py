@@ -162,7 +162,8 @@ class GenerationSection(_Section):
         # A key counts as used when it was given with a non-default value; defaults are fine so
         # that a dumped (fully resolved) config loads again.
         def used(key: str) -> bool:
-            return key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default
+            field = type(self).model_fields[key]  # get_default: a default_factory's value ([] for stop)
+            return key in self.model_fields_set and getattr(self, key) != field.get_default(call_default_factory=True)
 
         wrong = []
         if self.mode != "sample":

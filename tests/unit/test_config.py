@@ -266,6 +266,16 @@ def test_resolved_config_round_trips() -> None:
     assert RunConfig.model_validate(dumped) == config
 
 
+@pytest.mark.parametrize("mode", ["loglikelihood", "perplexity", "beam"])
+def test_a_resolved_config_of_every_mode_loads_again(mode: str) -> None:
+    """The dump holds every key at its default (``stop: []`` included, a default_factory's);
+    a default is not a key 'used' by another mode."""
+    scoring = {"loglikelihood": {"choices": ["A", "B"], "answer": "label"}, "perplexity": {}}
+    generation = {"mode": mode, **scoring.get(mode, {"beam_width": 2})}
+    config = validate_config(_with(generation=generation))
+    assert RunConfig.model_validate(config.model_dump(mode="json")) == config
+
+
 # ----------------------------------------------------------------------------- engine settings
 
 
