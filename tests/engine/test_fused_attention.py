@@ -108,6 +108,25 @@ def test_qwen3_q_and_k_norms_are_fused(tiny_model) -> None:
                for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen3", {"head_dim": 16}),
+    ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    ("gemma2", {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 2.0}),
+])
+def test_q_k_norms_windows_and_soft_caps_fused_give_the_unfused_bits(tiny_model, model_type, overrides) -> None:
+    # per-head q/k norms, local and global RoPE tables, windows (crossed by 40-token prompts)
+    # and soft caps: fused, the tokens and logprobs of the unfused run, bit for bit
+    path = tiny_model(model_type, **overrides)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (40, 23)]
+    fused_llm, fused = _generate(path, prompts, fuse=True, dtype="float32")
+    assert all(type(layer.self_attn) is FusedAttention for layer in fused_llm.runner.model.model.layers)
+    _, unfused = _generate(path, prompts, fuse=False, dtype="float32")
+    assert [o.token_ids for o in fused] == [o.token_ids for o in unfused]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in unfused]
+
+
 def test_q_and_k_norms_left_out_fail_the_probe(tiny_model, monkeypatch) -> None:
     # the probe rule still holds: a fused layer that skipped Qwen3's norms would not pass
     model = _load(tiny_model("qwen3", head_dim=16))
