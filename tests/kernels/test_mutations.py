@@ -83,6 +83,10 @@ def detection_cases():
                                 num_kv_heads=1, group=2, seed=25)
     windowed.query *= 4
     windowed.sliding_window, windowed.logits_soft_cap = 2 * PARTITION_SIZE - 7, 1.5
+    # a window of fewer keys than a partition over a context of several: one partition
+    short_window = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 700],
+                                    num_kv_heads=1, group=1, seed=26)
+    short_window.sliding_window = PARTITION_SIZE - 56
     return [
         peaked,
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK,
@@ -91,6 +95,7 @@ def detection_cases():
                          num_kv_heads=1, group=2, seed=22),
         late,
         windowed,
+        short_window,
     ]
 
 
