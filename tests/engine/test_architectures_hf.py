@@ -11,16 +11,18 @@ share their first blocks) all attend across a window's edge, at block sizes 16 a
 The oracle is HF's eager attention: ``generate``'s greedy tokens one prompt at a time, and the
 log-probabilities of a forward pass over prompt + generated tokens, which batchgen's sampled
 tokens' logprobs must equal within 1e-5; the prompt logprobs (the scorer's path, through the
-final soft cap) likewise.
+final soft cap) likewise; beam search gives HF's beams and ``loglikelihood`` HF's sum.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracles import hf_greedy
+from hf_logprobs import hf_loglikelihood, loglikelihood_tolerance
+from hf_oracles import hf_beam, hf_greedy
 
 from batchgen import LLM, SamplingParams
+from batchgen.sampling import BeamSearchParams
 
 WINDOW = 16
 MAX_TOKENS = 10
@@ -102,6 +104,23 @@ def test_prompt_logprobs_equal_hf(arch) -> None:
         ours = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompts[i][1:])])
         gap = float((ours - hf_lps[i][:len(prompts[i]) - 1]).abs().max())
         assert gap <= TOL, f"{model_type} prompt {i}: prompt logprobs {gap:.2e} from HF's"
+
+
+def test_beam_search_and_loglikelihood_equal_hf(arch) -> None:
+    # the other paths through the final logits (and Gemma's final soft cap): beam search's
+    # beams, and lm-eval's loglikelihood over a continuation that crosses the window
+    model_type, path, prompts, _, _ = arch
+    model = _hf(path)
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, int) else eos[0]
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24)
+    out = llm.generate([prompts[0]], BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    want, _ = hf_beam(model, prompts[0], 3, 1.0, False, 8, eos)
+    assert [c.token_ids + ([eos] if c.finish_reason == "stop" else []) for c in out.outputs] == want, model_type
+    context, continuation = prompts[1][:20], prompts[1][20:]
+    (total, greedy), = llm.loglikelihood([(context, continuation)])
+    want_total, want_greedy = hf_loglikelihood(model, context, continuation)
+    assert abs(total - want_total) <= loglikelihood_tolerance(len(continuation)) and greedy == want_greedy, model_type
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
