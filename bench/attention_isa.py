@@ -66,7 +66,8 @@ def call(fn, case: dict, dtype: torch.dtype, out: torch.Tensor) -> None:
     rc = fn(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), case["tables"].data_ptr(),
             None if starts is None else starts.data_ptr(), case["lens"].data_ptr(), case["lens"].shape[0],
             q.shape[0], KV_HEADS, case["block"], case["tables"].shape[1], q.stride(0), q.stride(1),
-            HEAD_SIZE ** -0.5, k.shape[0], cpu_attention.DTYPES[dtype])
+            HEAD_SIZE ** -0.5, k.shape[0], cpu_attention.DTYPES[dtype], 0, 0.0)  # no window, no cap
+    # (a build of a revision before the window and soft-cap arguments ignores the last two)
     assert rc == 0, rc
 
 

@@ -8,6 +8,12 @@ attention-interface dispatch, two ``index_copy_`` into the cache, a reshape and 
 GEMM over the concatenated q/k/v weights runs faster than three narrow ones. Figures are in
 ``docs/kernels.md``.
 
+A layer with per-head q/k norms (Qwen3's and Gemma 3's ``q_norm``/``k_norm``, applied to each
+head before RoPE) keeps its norm modules and runs them on the merged projection's query and key
+heads before the C pass. The layer's softmax scale, sliding window and soft cap are the
+:class:`~batchgen.engine.paged_attention.LayerOptions` the original layer passed to the attention
+interface on the fusion probe.
+
 Which layers become a :class:`FusedAttention` (HF's Llama-like attention whose q/k/v/o are CPU
 ``nn.Linear`` or GGUF ``QuantizedLinear``, and only after a probe shows the fused layer
 reproduces the original) is decided by :func:`batchgen.engine.fusion.fuse_model`.
@@ -42,20 +48,35 @@ class FusedAttention(torch.nn.Module):
     kept quantized.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, options: paged_attention.LayerOptions | None = None) -> None:
         super().__init__()
         q, k, v = module.q_proj, module.k_proj, module.v_proj
         self.head_dim = int(module.head_dim)
         self.num_heads = q.out_features // self.head_dim
         self.num_kv_heads = k.out_features // self.head_dim
         self.layer_idx = module.layer_idx
-        self.scaling = float(module.scaling)
+        self.options = options or paged_attention.LayerOptions(float(module.scaling))
         self.qkv_proj = merge_linears([q, k, v])
         self.o_proj = merge_linears([module.o_proj])
+        norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+        self.qk_norms = all(isinstance(n, torch.nn.Module) for n in norms)
+        if self.qk_norms:
+            self.q_norm, self.k_norm = norms
 
     def extra_repr(self) -> str:
+        o = self.options
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}")
+                f"head_dim={self.head_dim}, qk_norms={self.qk_norms}, sliding_window={o.sliding_window}, "
+                f"logits_soft_cap={o.logits_soft_cap}")
+
+    def _norm_heads(self, qkv: torch.Tensor, num_tokens: int) -> None:
+        """The layer's per-head q and k norms on the query and key heads of ``qkv``, in place."""
+        heads = qkv.view(num_tokens, -1, self.head_dim)
+        h, kv = self.num_heads, self.num_kv_heads
+        q = heads[:, :h]
+        k = heads[:, h:h + kv]
+        q.copy_(self.q_norm(q.contiguous()))
+        k.copy_(self.k_norm(k.contiguous()))
 
     def forward(
         self,
@@ -65,9 +86,9 @@ class FusedAttention(torch.nn.Module):
         batchgen_metadata: paged_attention.AttentionMetadata | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        """HF's attention call (``position_ids``, ``cache``, ``use_cache``, ``sliding_window``
-        ... arrive in ``kwargs`` and are not needed: positions come as ``cos``/``sin``, the
-        cache is the paged one, and the runner caps the context at any window).
+        """HF's attention call (``position_ids``, ``cache``, ``use_cache`` ... arrive in
+        ``kwargs`` and are not needed: positions come as ``cos``/``sin``, the cache is the paged
+        one, and the window and soft cap are the layer's :attr:`options`).
 
         Args:
             hidden_states: ``[1, num_tokens, hidden]``, the packed row.
@@ -85,9 +106,13 @@ class FusedAttention(torch.nn.Module):
         qkv = self.qkv_proj(hidden_states)
         num_tokens = qkv.shape[-2]
         layer = self.layer_idx
+        if self.qk_norms:
+            self._norm_heads(qkv, num_tokens)
         cpu_fused.rope_and_cache(qkv, cos, sin, meta.kv_cache[layer, 0], meta.kv_cache[layer, 1],
                                  meta.slot_mapping, self.num_heads)
         width = self.num_heads * self.head_dim
         query = qkv.view(num_tokens, -1)[:, :width].view(num_tokens, self.num_heads, self.head_dim)
-        out = paged_attention.attend(query, layer, self.scaling, meta)
+        if meta.seen is not None:
+            meta.seen[layer] = self.options
+        out = paged_attention.attend(query, layer, self.options, meta)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], width)), None

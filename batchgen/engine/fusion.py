@@ -26,8 +26,11 @@ candidate is replaced only if the fused layer reproduces the module's own output
 input (norms and MLPs: random rows; attention: hidden states with the model's own rotary
 ``cos``/``sin``, a mixed decode + prefill step over a small probe cache, the original run
 through batchgen's attention interface, its output and the K/V it writes compared). A variant
-of other semantics (Gemma's ``1 + weight`` norm, another activation, Qwen3's per-head q/k norms,
-partial or interleaved rotary) fails the probe and stays as it is.
+of other semantics (Gemma's ``1 + weight`` norm, another activation, partial or interleaved
+rotary) fails the probe and stays as it is. Per-head q/k norms (Qwen3, Gemma 3) are kept and run
+by the fused layer; the layer's scale, sliding window and soft cap are what the original passed
+to the attention interface on the probe; a rotary embedding with per-layer-type tables (Gemma
+3's local and global RoPE) gives each layer's probe its own layer type's cos/sin.
 
 Numerics: RMSNorm and SiLU·up equal torch's within float32 rounding, or one unit in the last
 place of a 16-bit type (:mod:`batchgen.kernels.cpu.fused`); the fused attention computes what
@@ -36,6 +39,7 @@ the unfused layer does on the CPU path bit for bit, and merging linears changes 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Iterable
 
@@ -150,20 +154,30 @@ def _full_rotary(config: Any) -> bool:
     return factor is None or float(factor) == 1.0
 
 
+def _cos_sin(rotary: torch.nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor,
+             layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's cos/sin at ``positions``: for ``layer_type``'s table where the
+    embedding keeps one per layer type (its ``forward`` takes a ``layer_type``: Gemma 3)."""
+    with torch.no_grad():
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            return rotary(hidden_states, positions, layer_type)
+        return rotary(hidden_states, positions)
+
+
 class _Probe:
-    """The attention probe step: hidden states, the model's cos/sin at the probe positions, a
-    probe cache (filled with the same random values before each run) and its metadata."""
+    """The attention probe step: hidden states, the model's cos/sin at the probe positions (of
+    the probed layers' type), a probe cache (filled with the same random values before each
+    run) and its metadata."""
 
     def __init__(self, rotary: torch.nn.Module, hidden: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
+                 head_dim: int, dtype: torch.dtype, layer_type: str | None = None) -> None:
         from batchgen.kernels import torch_attention
 
         gen = torch.Generator().manual_seed(0)
         tokens = len(PROBE_POSITIONS)
         self.hidden_states = (torch.randn(1, tokens, hidden, generator=gen) * 2.0).to(dtype)
         positions = torch.tensor([PROBE_POSITIONS])
-        with torch.no_grad():
-            self.cos, self.sin = rotary(self.hidden_states, positions)
+        self.cos, self.sin = _cos_sin(rotary, self.hidden_states, positions, layer_type)
         self.position_ids = positions
         shape = (num_layers, 2, PROBE_NUM_BLOCKS, PROBE_BLOCK_SIZE, num_kv_heads, head_dim)
         self.initial = torch.randn(shape, generator=gen).to(dtype)
@@ -181,8 +195,10 @@ class _Probe:
         )
 
     def run(self, module: torch.nn.Module, layer: int) -> tuple[Any, torch.Tensor]:
-        """``module``'s output and the K/V it left in layer ``layer``'s probe cache."""
+        """``module``'s output and the K/V it left in layer ``layer``'s probe cache; what it
+        passed to the attention interface is left in ``self.meta.seen``."""
         self.meta.kv_cache.copy_(self.initial)
+        self.meta.seen = {}
         with torch.no_grad():
             out = module(hidden_states=self.hidden_states, attention_mask=None, position_ids=self.position_ids,
                          cache=None, use_cache=False, position_embeddings=(self.cos, self.sin),
@@ -198,19 +214,23 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((got - want).abs().max() <= PROBE_TOL[dtype] * want.abs().max() + 1e-6)
 
 
-def _attention_reproduces(original: torch.nn.Module, fused: FusedAttention, probe: _Probe,
-                          dtype: torch.dtype) -> bool:
-    """Whether ``fused`` gives ``original``'s output and K/V on the probe (rounding aside)."""
+def _fused_attention(original: torch.nn.Module, probe: _Probe, dtype: torch.dtype) -> tuple[FusedAttention | None, bool]:
+    """The fused layer for ``original`` (None if the probe cannot run it), with the options
+    ``original`` passed to the attention interface on the probe, and whether it gives
+    ``original``'s output and K/V there (rounding aside)."""
+    layer = original.layer_idx
     try:
-        want, want_cache = probe.run(original, fused.layer_idx)
-        got, got_cache = probe.run(fused, fused.layer_idx)
+        want, want_cache = probe.run(original, layer)
+        options = probe.meta.seen.get(layer)
+        if options is None or not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor):
+            return None, False  # it did not attend through the paged attention
+        fused = FusedAttention(original, options)
+        got, got_cache = probe.run(fused, layer)
     except Exception as exc:  # noqa: BLE001 - a layer that cannot take the probe is not replaced
         # e.g. cos/sin narrower than the head (partial rotary), or a layer of another kind
         logger.debug("the attention probe failed: %s", exc)
-        return False
-    if not isinstance(want, tuple) or not isinstance(want[0], torch.Tensor):
-        return False
-    return _close(got[0], want[0], dtype) and _close(got_cache, want_cache, dtype)
+        return None, False
+    return fused, _close(got[0], want[0], dtype) and _close(got_cache, want_cache, dtype)
 
 
 def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, fused: torch.nn.Module,
@@ -249,16 +269,17 @@ def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str
         logger.info("%d attention layers left unfused: the model's rotary embedding is not one "
                     "full-head rotate-half", len(candidates))
         return
-    probes: dict[tuple[int, int, int], _Probe] = {}
+    probes: dict[tuple[int, int, int, Any], _Probe] = {}
     num_layers = 1 + max(model.get_submodule(name).layer_idx for name in candidates)
     for name in candidates:
         module = model.get_submodule(name)
-        fused = FusedAttention(module)
-        key = (module.q_proj.in_features, fused.num_kv_heads, fused.head_dim)
+        head_dim = int(module.head_dim)
+        layer_type = getattr(module, "layer_type", None)
+        key = (module.q_proj.in_features, module.k_proj.out_features // head_dim, head_dim, layer_type)
         if key not in probes:
-            probes[key] = _Probe(rotary, key[0], num_layers, fused.num_kv_heads, fused.head_dim, dtype)
-        _replace(model, name, module, fused, _attention_reproduces(module, fused, probes[key], dtype),
-                 "attention", counts)
+            probes[key] = _Probe(rotary, key[0], num_layers, key[1], head_dim, dtype, layer_type)
+        fused, ok = _fused_attention(module, probes[key], dtype)
+        _replace(model, name, module, fused, ok, "attention", counts)
 
 
 def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str, int]:

@@ -58,11 +58,17 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     return _DTYPES[dtype]
 
 
-def check_supported(config: Any, model_cls: type | None = None) -> int | None:
-    """Refuse models the paged attention cannot run exactly; return a sliding window, if any.
+# The layer types (HF's ``config.layer_types``) the paged attention runs: causal attention over
+# all of a sequence's positions, or over the last ``sliding_window`` of them.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
-    A sliding-window model is accepted only with its context capped at the window, where
-    windowed and full attention agree; the caller caps ``max_model_len`` to the returned size.
+
+def check_supported(config: Any, model_cls: type | None = None) -> None:
+    """Refuse models the paged attention cannot run exactly.
+
+    Sliding-window layers (each layer's window as HF passes it to the attention interface) and
+    attention logit soft-capping run in the paged attention; what the model passes is checked
+    against its config on the first step (:func:`expected_windows`).
 
     Raises:
         UnsupportedModelError: naming the model type and the reason.
@@ -76,19 +82,31 @@ def check_supported(config: Any, model_cls: type | None = None) -> int | None:
             "transformers' attention interface, so the paged cache cannot serve it")
     if getattr(config, "alibi", False) or getattr(config, "use_alibi", False):
         raise UnsupportedModelError(f"model type {model_type!r} uses ALiBi position biases, which the paged attention does not apply")
-    for attr in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, attr, None):
-            raise UnsupportedModelError(f"model type {model_type!r} uses attention logit soft-capping ({attr}), which the paged attention does not apply")
     if model_type in {"gpt_oss"}:
         raise UnsupportedModelError(f"model type {model_type!r} uses attention sinks, which the paged attention does not apply")
-    window = None
-    layer_types = getattr(config, "layer_types", None) or []
-    uses_window = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
-    if uses_window or any("sliding" in str(t) for t in layer_types):
-        window = getattr(config, "sliding_window", None)
-        if not window:
-            raise UnsupportedModelError(f"model type {model_type!r} has sliding-window layers without a window size")
-    return int(window) if window else None
+    if getattr(config, "attention_chunk_size", None):
+        raise UnsupportedModelError(f"model type {model_type!r} uses chunked attention (attention_chunk_size), which the paged attention does not apply")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"model type {model_type!r} uses bidirectional attention, which the paged (causal) attention does not apply")
+    other = sorted({str(t) for t in getattr(config, "layer_types", None) or []} - set(LAYER_TYPES))
+    if other:
+        raise UnsupportedModelError(f"model type {model_type!r} has {', '.join(other)} layers; the paged attention runs {' and '.join(LAYER_TYPES)} layers")
+    if any(w is not None and w < 1 for w in expected_windows(config)):
+        raise UnsupportedModelError(f"model type {model_type!r} has sliding-window layers without a window size")
+
+
+def expected_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window as HF's masks apply it (None: a global layer): from
+    ``layer_types`` where the config has them, else ``sliding_window`` for every layer unless
+    ``use_sliding_window`` is false (Mistral, Phi-3)."""
+    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [int(window or 0) if t == "sliding_attention" else None for t in layer_types]
+    if window and getattr(config, "use_sliding_window", True):
+        return [int(window)] * num_layers
+    return [None] * num_layers
 
 
 @dataclass
@@ -107,7 +125,7 @@ def _context_length(asked: int | None, model_len: int) -> int:
         return model_len
     if asked > model_len:
         raise ValueError(f"max_model_len={asked} is more than this model's context of {model_len} "
-                         f"tokens (its max_position_embeddings, or its sliding window); use at most {model_len}")
+                         f"tokens (its max_position_embeddings); use at most {model_len}")
     return asked
 
 
@@ -147,7 +165,7 @@ class ModelRunner:
         self.num_threads = threads.resolve_num_threads(num_threads)
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         model_cls = _causal_lm_class(hf_config)
-        window = check_supported(hf_config, model_cls)
+        check_supported(hf_config, model_cls)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         if self.source.gguf_file:
             from batchgen.gguf.loader import load_gguf_model
@@ -163,9 +181,7 @@ class ModelRunner:
         self.config = self.model.config
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = _context_length(config.max_model_len, min(max_pos, window) if window else max_pos)
-        if window:
-            logger.info("sliding window %d: context capped at %d tokens, where it is exact", window, self.max_model_len)
+        self.max_model_len = _context_length(config.max_model_len, max_pos)
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
@@ -377,7 +393,11 @@ class ModelRunner:
                 "way batchgen does not repeat, so its prompt logprobs cannot be computed")
         self._output_layer_checked = True
 
+    _windows_checked = False
+
     def _forward(self, step: StepInput) -> torch.Tensor:
+        if not self._windows_checked:
+            step.metadata.seen = {}
         out = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
@@ -385,7 +405,22 @@ class ModelRunner:
             logits_to_keep=step.logits_indices,
             batchgen_metadata=step.metadata,
         )
+        if not self._windows_checked:
+            self._check_windows(step.metadata.seen)
         return out.logits[0]
+
+    def _check_windows(self, seen: dict[int, paged_attention.LayerOptions]) -> None:
+        """Once, after the first step: every layer attended with the window HF's masks give it
+        (:func:`expected_windows`), so a model that does not pass its window to the attention
+        interface is refused rather than run with full attention."""
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        for layer, want in enumerate(expected_windows(cfg)):
+            got = seen[layer].sliding_window if layer in seen else "no call"
+            if got != want:
+                raise UnsupportedModelError(
+                    f"model type {getattr(cfg, 'model_type', '?')!r}: layer {layer} attended with sliding "
+                    f"window {got}, but its config gives it {want}; the paged attention cannot run it exactly")
+        self._windows_checked = True
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

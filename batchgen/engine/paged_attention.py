@@ -43,6 +43,8 @@ class AttentionMetadata:
         ops: the attention backend (``batchgen.kernels.get_ops``).
         workspace: scratch buffers the torch backend gathers K/V into, kept by the runner
             across steps (``batchgen.kernels.torch_attention.Workspace``).
+        seen: None, or a dict that :func:`paged_attention_forward` fills with each layer's
+            :class:`LayerOptions` as the model passed them (the fusion probe reads it).
     """
 
     kv_cache: torch.Tensor
@@ -55,6 +57,26 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor
     ops: Any
     workspace: Any = None
+    seen: dict[int, LayerOptions] | None = None
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What one attention layer asks of the paged attention, from HF's attention-interface
+    keywords: the softmax ``scale`` (``scaling``; Gemma's ``query_pre_attn_scalar`` arrives as
+    it), the ``sliding_window`` (None: a global layer) and the ``logits_soft_cap`` (``softcap``,
+    Gemma 2's ``attn_logit_softcapping``; None: none)."""
+
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    @classmethod
+    def from_call(cls, head_size: int, scaling: float | None, kwargs: dict[str, Any]) -> LayerOptions:
+        window = kwargs.get("sliding_window")
+        cap = kwargs.get("softcap")
+        return cls(float(scaling) if scaling is not None else head_size ** -0.5,
+                   int(window) if window else None, float(cap) if cap else None)
 
 
 def paged_attention_forward(
@@ -83,19 +105,20 @@ def paged_attention_forward(
             f"the {ATTENTION_NAME!r} attention runs only inside the batchgen engine "
             "(no batchgen_metadata was passed)"
         )
-    # kwargs may carry ``sliding_window``: the model runner caps the context at the window,
-    # where windowed and full attention are the same, so it needs no handling here.
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # kwargs carry the layer's ``sliding_window`` and ``softcap`` (HF passes both by name).
+    options = LayerOptions.from_call(query.shape[-1], scaling, kwargs)
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     layer = module.layer_idx
+    if meta.seen is not None:
+        meta.seen[layer] = options
     meta.ops.reshape_and_cache(k, v, meta.kv_cache[layer, 0], meta.kv_cache[layer, 1], meta.slot_mapping)
-    out = attend(q, layer, scale, meta)
+    out = attend(q, layer, options, meta)
     return out.unsqueeze(0), None
 
 
-def attend(query: torch.Tensor, layer: int, scale: float, meta: AttentionMetadata) -> torch.Tensor:
+def attend(query: torch.Tensor, layer: int, options: LayerOptions, meta: AttentionMetadata) -> torch.Tensor:
     """Attention of the step's queries over layer ``layer``'s paged cache, whose K/V already
     holds the step's tokens: the decode rows through ``meta.ops.paged_decode_attention``, the
     prefill rows through ``paged_prefill_attention``. The one place that attends over the
@@ -105,6 +128,7 @@ def attend(query: torch.Tensor, layer: int, scale: float, meta: AttentionMetadat
     Args:
         query: ``[num_tokens, num_heads, head_size]``; may be a strided view (the query heads of
             a fused q/k/v projection).
+        options: the layer's scale, sliding window and soft cap.
 
     Returns:
         ``[num_tokens, num_heads, head_size]``.
@@ -112,22 +136,23 @@ def attend(query: torch.Tensor, layer: int, scale: float, meta: AttentionMetadat
     k_cache, v_cache = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]
     num_decode = meta.num_decode_tokens
     num_tokens = query.shape[0]
+    scale = options.scale
+    extra = {"workspace": meta.workspace, "sliding_window": options.sliding_window,
+             "logits_soft_cap": options.logits_soft_cap}
     if num_decode == num_tokens:
         return meta.ops.paged_decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-            workspace=meta.workspace)
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **extra)
     if num_decode == 0:
         return meta.ops.paged_prefill_attention(
             query, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-            meta.prefill_context_lens, scale, workspace=meta.workspace)
+            meta.prefill_context_lens, scale, **extra)
     out = query.new_empty(query.shape)
     out[:num_decode] = meta.ops.paged_decode_attention(
         query[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-        meta.decode_context_lens, scale, workspace=meta.workspace)
+        meta.decode_context_lens, scale, **extra)
     out[num_decode:] = meta.ops.paged_prefill_attention(
         query[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-        meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
-        workspace=meta.workspace)
+        meta.prefill_query_start_loc, meta.prefill_context_lens, scale, **extra)
     return out
 
 

@@ -32,7 +32,9 @@ class AttentionOps(Protocol):
     """The four paged-attention operations. The contracts are
     :mod:`batchgen.kernels.torch_attention`'s functions of the same names, which the kernel tests
     hold every backend to. A backend may ignore ``workspace`` (scratch the torch path gathers
-    into); bad indices raise ``ValueError`` where a backend checks them."""
+    into); bad indices raise ``ValueError`` where a backend checks them. ``sliding_window`` (a
+    layer's window ``W``: position ``p`` sees ``p - W + 1 .. p``) and ``logits_soft_cap``
+    (``tanh(x / c) * c`` on the scaled logits) are per-layer options; None or 0 is off."""
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -44,11 +46,13 @@ class AttentionOps(Protocol):
 
     def paged_decode_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               workspace: Workspace | None = None) -> torch.Tensor:
+                               workspace: Workspace | None = None, sliding_window: int | None = None,
+                               logits_soft_cap: float | None = None) -> torch.Tensor:
         """One query token per sequence over its paged context: ``[num_seqs, num_heads, head_size]``."""
 
     def paged_prefill_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 context_lens: torch.Tensor, scale: float,
-                                workspace: Workspace | None = None) -> torch.Tensor:
+                                workspace: Workspace | None = None, sliding_window: int | None = None,
+                                logits_soft_cap: float | None = None) -> torch.Tensor:
         """Causal attention of packed new tokens over their cached prefixes and themselves."""

@@ -4,6 +4,16 @@ These functions are the contract of :class:`~batchgen.kernels.ops.AttentionOps`:
 the ``cpu`` and ``cuda`` backends has a function here with the same signature and meaning, and
 the kernel tests hold each kernel to it. :class:`TorchOps` serves them as a backend. The cache
 layout they read and write is in :mod:`batchgen.kernels.ops`.
+
+Two per-layer options change what a query sees (both as HF applies them):
+
+- ``sliding_window`` ``W``: the token at position ``p`` attends to positions ``p - W + 1 .. p``
+  (``W`` positions, itself included: HF's ``kv_idx > q_idx - sliding_window``); None or 0 is
+  full causal attention.
+- ``logits_soft_cap`` ``c``: each scaled logit ``x`` becomes ``tanh(x / c) * c`` before the mask
+  and the softmax (Gemma 2's ``attn_logit_softcapping``); None or 0 is none. SDPA cannot do
+  it, so a soft-capped layer runs HF's eager arithmetic (matmul, scale, cap, softmax in float32,
+  matmul).
 """
 
 from __future__ import annotations
@@ -112,6 +122,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     workspace: Workspace | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -124,6 +136,7 @@ def paged_decode_attention(
             and its K/V is already in the cache.
         scale: softmax scale (usually ``head_size ** -0.5``).
         workspace: scratch for the gathered K/V (see :class:`Workspace`); optional.
+        sliding_window, logits_soft_cap: see the module docstring.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in the query's dtype.
@@ -139,11 +152,12 @@ def paged_decode_attention(
     k = k.permute(0, 2, 1, 3)
     v = v.permute(0, 2, 1, 3)
     positions = torch.arange(k.shape[2], device=query.device)
-    mask = positions[None, :] < context_lens.to(query.device).long()[:, None]  # [S, L]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    lens = context_lens.to(query.device).long()[:, None]
+    mask = positions[None, :] < lens  # [S, L]
+    if sliding_window:
+        mask &= positions[None, :] >= lens - sliding_window
+    out = _attention(query.unsqueeze(2), k, v, mask[:, None, None, :], scale, num_heads != num_kv_heads,
+                     logits_soft_cap)
     return out.squeeze(2)
 
 
@@ -156,6 +170,8 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     workspace: Workspace | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over cached prefixes and themselves.
 
@@ -169,6 +185,8 @@ def paged_prefill_attention(
         query_start_loc: ``[num_seqs + 1]`` int, cumulative query lengths starting at 0.
         context_lens: ``[num_seqs]`` int, total tokens of each sequence after this step.
         workspace: scratch for the gathered K/V (see :class:`Workspace`); optional.
+        sliding_window, logits_soft_cap: see the module docstring (a windowed token at
+            position ``p`` attends to ``max(0, p - W + 1) .. p``).
 
     Returns:
         ``[num_tokens, num_heads, head_size]``.
@@ -192,15 +210,34 @@ def paged_prefill_attention(
         k = k[:, :ctx_len].permute(0, 2, 1, 3)  # [1, KVH, L, D]
         v = v[:, :ctx_len].permute(0, 2, 1, 3)
         q = query[q0:q1].unsqueeze(0).permute(0, 2, 1, 3)  # [1, H, q_len, D]
-        if q_len == ctx_len:
+        if q_len == ctx_len and not sliding_window and not logits_soft_cap:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             k_pos = torch.arange(ctx_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            if sliding_window:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            o = _attention(q, k, v, mask, scale, gqa, logits_soft_cap)
         out[q0:q1] = o[0].permute(1, 0, 2)
     return out
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               gqa: bool, soft_cap: float | None) -> torch.Tensor:
+    """``[.., H, q_len, D]`` queries over ``[.., KVH, L, D]`` keys/values where the boolean
+    ``mask`` (broadcast to ``[.., H, q_len, L]``) allows: SDPA, or with a soft cap HF's eager
+    arithmetic (``matmul(q, k^T) * scale``, ``tanh(x / c) * c``, masked, softmax in float32)."""
+    if not soft_cap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 class TorchOps:

@@ -3,8 +3,9 @@
 
 On the real SmolLM2 every one of its 30 attention layers is fused, and a run with them fused
 gives the tokens and log-probabilities of the run without (same C GEMM, attention backend and
-cache), bit for bit, over decode, prefill and mixed steps, in float32 and bfloat16. Layers of other semantics must fail
-the probe and stay: Qwen3's per-head q/k norms, and a Llama whose RoPE is the interleaved kind.
+cache), bit for bit, over decode, prefill and mixed steps, in float32 and bfloat16. Qwen3's
+per-head q/k norms are run by the fused layer and pass the probe; layers of other semantics must
+fail the probe and stay: a Llama whose RoPE is the interleaved kind.
 A machine where the C ops cannot be built skips with that reason.
 """
 
@@ -99,11 +100,38 @@ def test_a_tiny_llama_is_fused_and_its_layer_reproduces_the_original(tiny_model,
     assert float((got_cache.float() - want_cache.float()).abs().max()) <= tol
 
 
-def test_qwen3_q_and_k_norms_fail_the_probe(tiny_model) -> None:
+def test_qwen3_q_and_k_norms_are_fused(tiny_model) -> None:
     model = _load(tiny_model("qwen3", head_dim=16))
     assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    assert _fuse_attention_only(model) == {"attention": 2, "rejected": 0}
+    assert all(isinstance(layer.self_attn, FusedAttention) and layer.self_attn.qk_norms
+               for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen3", {"head_dim": 16}),
+    ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    ("gemma2", {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 2.0}),
+])
+def test_q_k_norms_windows_and_soft_caps_fused_give_the_unfused_bits(tiny_model, model_type, overrides) -> None:
+    # per-head q/k norms, local and global RoPE tables, windows (crossed by 40-token prompts)
+    # and soft caps: fused, the tokens and logprobs of the unfused run, bit for bit
+    path = tiny_model(model_type, **overrides)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (40, 23)]
+    fused_llm, fused = _generate(path, prompts, fuse=True, dtype="float32")
+    assert all(type(layer.self_attn) is FusedAttention for layer in fused_llm.runner.model.model.layers)
+    _, unfused = _generate(path, prompts, fuse=False, dtype="float32")
+    assert [o.token_ids for o in fused] == [o.token_ids for o in unfused]
+    assert [o.logprobs for o in fused] == [o.logprobs for o in unfused]
+
+
+def test_q_and_k_norms_left_out_fail_the_probe(tiny_model, monkeypatch) -> None:
+    # the probe rule still holds: a fused layer that skipped Qwen3's norms would not pass
+    model = _load(tiny_model("qwen3", head_dim=16))
+    monkeypatch.setattr(FusedAttention, "_norm_heads", lambda self, qkv, num_tokens: None)
     assert _fuse_attention_only(model) == {"attention": 0, "rejected": 2}
-    assert not any(isinstance(m, FusedAttention) for m in model.modules())
 
 
 def _interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
@@ -133,7 +161,7 @@ def test_fused_attention_needs_the_engine(tiny_model) -> None:
         layer(hidden_states=torch.zeros(1, 2, 64), position_embeddings=None)
 
 
-@pytest.mark.parametrize("model_type, fused, left", [("llama", 2, 0), ("qwen3", 0, 2)])
+@pytest.mark.parametrize("model_type, fused, left", [("llama", 2, 0), ("qwen3", 2, 0)])
 def test_the_runner_fuses_and_logs_the_count(tiny_model, caplog, model_type, fused, left) -> None:
     import logging
 

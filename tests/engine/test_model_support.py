@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.model_runner import UnsupportedModelError, check_supported, resolve_dtype
+from batchgen.engine.model_runner import UnsupportedModelError, check_supported, expected_windows, resolve_dtype
 
 
 def _config(model_type: str, **kwargs):
@@ -19,11 +19,34 @@ def _cls(config):
     return AutoModelForCausalLM._model_mapping.get(type(config), None)
 
 
-def test_llama_qwen2_mistral_are_accepted():
-    assert check_supported(_config("llama"), _cls(_config("llama"))) is None
-    assert check_supported(_config("qwen2"), _cls(_config("qwen2"))) is None
-    mistral = _config("mistral", sliding_window=512)
-    assert check_supported(mistral, _cls(mistral)) == 512  # context capped at the window
+@pytest.mark.parametrize("model_type, kwargs", [
+    ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 512}), ("qwen3", {}),
+    ("gemma2", {}), ("gemma3_text", {}), ("phi3", {}),
+])
+def test_windowed_and_soft_capped_models_are_accepted(model_type, kwargs):
+    config = _config(model_type, **kwargs)
+    check_supported(config, _cls(config))  # no cap, no refusal
+
+
+def test_each_layer_window_as_hf_masks_apply_it():
+    assert expected_windows(_config("llama", num_hidden_layers=2)) == [None, None]
+    assert expected_windows(_config("mistral", sliding_window=512, num_hidden_layers=2)) == [512, 512]
+    qwen2 = _config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=3)
+    assert expected_windows(qwen2) == [None, 16, 16]
+    assert expected_windows(_config("qwen2", sliding_window=16, num_hidden_layers=2)) == [None, None]
+    gemma2 = _config("gemma2", sliding_window=16, num_hidden_layers=4)
+    assert expected_windows(gemma2) == [16, None, 16, None]
+
+
+@pytest.mark.parametrize("model_type, kwargs, match", [
+    ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional"),
+    ("llama", {"attention_chunk_size": 64}, "chunked attention"),
+    ("gemma2", {"layer_types": ["chunked_attention", "full_attention"], "num_hidden_layers": 2}, "chunked_attention layers"),
+])
+def test_attention_kinds_the_paged_attention_does_not_run_are_refused(model_type, kwargs, match):
+    config = _config(model_type, **kwargs)
+    with pytest.raises(UnsupportedModelError, match=match):
+        check_supported(config, _cls(config))
 
 
 def test_encoder_decoder_is_refused():
@@ -38,22 +61,37 @@ def test_alibi_model_is_refused():
         check_supported(bloom, _cls(bloom))
 
 
-def test_softcapping_is_refused():
-    gemma2 = _config("gemma2")
-    with pytest.raises(UnsupportedModelError, match="soft-capping"):
-        check_supported(gemma2, _cls(gemma2))
-
-
 def test_refusal_reaches_the_user_through_llm(tmp_path):
     from transformers import AutoConfig
 
     from batchgen import LLM
 
-    AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, intermediate_size=64,
+    AutoConfig.for_model("gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="gemma2"):
+                         head_dim=16, use_bidirectional_attention=True).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="gemma3_text"):
         LLM(str(tmp_path))
+
+
+def test_a_model_that_does_not_pass_its_window_is_refused_on_the_first_step(tiny_model):
+    # a layer whose attention call leaves out the sliding window its config (and HF's mask)
+    # gives it would run full attention: the first step's check refuses it instead
+    from batchgen import LLM, SamplingParams
+    from batchgen.engine import paged_attention
+
+    forward = paged_attention.paged_attention_forward
+
+    def without_window(*args, **kwargs):
+        kwargs.pop("sliding_window", None)
+        return forward(*args, **kwargs)
+
+    llm = LLM(tiny_model("mistral", sliding_window=16, head_dim=16), dtype="float32", linear_backend="torch")
+    paged_attention.AttentionInterface.register(paged_attention.ATTENTION_NAME, without_window)
+    try:
+        with pytest.raises(UnsupportedModelError, match="layer 0 attended with sliding window None"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))
+    finally:
+        paged_attention.AttentionInterface.register(paged_attention.ATTENTION_NAME, forward)
 
 
 def test_dtype_names():

@@ -25,14 +25,21 @@ class DecodeCase:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     def to(self, device: torch.device) -> DecodeCase:
         return DecodeCase(self.query.to(device), self.k_cache.to(device), self.v_cache.to(device),
-                          self.block_tables.to(device), self.context_lens.to(device), self.scale)
+                          self.block_tables.to(device), self.context_lens.to(device), self.scale,
+                          self.sliding_window, self.logits_soft_cap)
 
     def args(self) -> tuple:
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
                 self.scale)
+
+    def options(self) -> dict:
+        """The layer options, as keywords of the decode op."""
+        return {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap}
 
     def select(self, rows: list[int]) -> DecodeCase:
         """The same problem restricted to some sequences (same cache, same tables)."""
@@ -41,7 +48,8 @@ class DecodeCase:
         block_size = self.k_cache.shape[1]
         width = max(1, -(-int(lens.max()) // block_size))
         return DecodeCase(self.query[idx].contiguous(), self.k_cache, self.v_cache,
-                          self.block_tables[idx, :width].contiguous(), lens.contiguous(), self.scale)
+                          self.block_tables[idx, :width].contiguous(), lens.contiguous(), self.scale,
+                          self.sliding_window, self.logits_soft_cap)
 
 
 def make_decode_case(
@@ -111,7 +119,7 @@ def reference_decode(case: DecodeCase) -> torch.Tensor:
 
     c = case.to(torch.device("cpu"))
     return reference.paged_decode_attention(c.query.float(), c.k_cache.float(), c.v_cache.float(),
-                                            c.block_tables, c.context_lens, c.scale)
+                                            c.block_tables, c.context_lens, c.scale, **c.options())
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, label: str) -> None:

@@ -41,7 +41,8 @@ def load(head_size: int, group: int, isa: str):
                                tag=f"h{head_size}-g{group}-{isa}")
 
 
-def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torch.dtype,
+        window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
     q, k, v = query.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype)
     out = torch.empty_like(q)
     rc = lib.batchgen_paged_attention(
@@ -49,7 +50,7 @@ def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torc
         None if starts is None else starts.data_ptr(), case.context_lens.data_ptr(),
         case.context_lens.shape[0], q.shape[0], case.k_cache.shape[2], case.k_cache.shape[1],
         case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, k.shape[0],
-        cpu_attention.DTYPES[dtype])
+        cpu_attention.DTYPES[dtype], window, soft_cap)
     assert rc == 0
     return out
 
@@ -99,6 +100,43 @@ def test_the_avx2_build_gives_the_avx512_and_plain_c_bits(head_size: int, group:
                                                         case.v_cache.to(dtype).float(), case.block_tables,
                                                         loc, case.context_lens, case.scale)
             assert_close_to_reference(outs["avx2"], ref, dtype, f"{label} {dtype} h{head_size} g{group}")
+
+
+@pytest.mark.parametrize("head_size,group,block_size,window,soft_cap", [
+    (64, 3, 16, 16, 0.0),   # a window of one block, ending inside blocks
+    (40, 3, 16, 7, 2.5),    # a window ending inside a block, soft-capped, a tail of 8 lanes
+    (24, 1, 1, 20, 0.0),    # one token per block
+    (128, 4, 16, 0, 1.5),   # soft-capped, no window
+])
+def test_windows_and_soft_caps_give_the_same_bits_in_every_build(head_size: int, group: int, block_size: int,
+                                                                 window: int, soft_cap: float) -> None:
+    """A windowed row's softmax lanes start at its own first key and the keys of its tile before
+    that get numerators of exactly 0; the soft cap is libm's ``tanhf`` in every build: the AVX2
+    and plain-C builds give the AVX-512 build's bits, and all are the torch reference's within
+    float32 rounding."""
+    lens = [1, 7, block_size + 1, 130, 300]
+    case = make_decode_case(dtype=torch.float32, head_size=head_size, block_size=block_size,
+                            context_lens=lens, num_kv_heads=2, group=group, seed=head_size + window)
+    gen = torch.Generator().manual_seed(window)
+    q_lens = [1, 7, min(9, block_size + 1), 30, 45]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    prefill_q = torch.randn(starts[-1].item(), *case.query.shape[1:], generator=gen)
+    libs = {isa: load(head_size, group, isa) for isa in ("native", *ISAS)}
+    options = {"sliding_window": window or None, "logits_soft_cap": soft_cap or None}
+    for dtype in cpu_attention.DTYPES:
+        k, v = case.k_cache.to(dtype).float(), case.v_cache.to(dtype).float()
+        for label, query, loc in (("decode", case.query, None), ("prefill", prefill_q, starts)):
+            outs = {isa: run(lib, case, query, loc, dtype, window, soft_cap) for isa, lib in libs.items()}
+            for isa in ISAS:
+                assert torch.equal(outs[isa], outs["native"]), f"{label} {dtype}: {isa} differs from native"
+            q = query.to(dtype).float()
+            if loc is None:
+                ref = reference.paged_decode_attention(q, k, v, case.block_tables, case.context_lens, case.scale,
+                                                       **options)
+            else:
+                ref = reference.paged_prefill_attention(q, k, v, case.block_tables, loc, case.context_lens,
+                                                        case.scale, **options)
+            assert_close_to_reference(outs["plain"], ref, dtype, f"{label} {dtype} window {window} cap {soft_cap}")
 
 
 def load_fused(isa: str):

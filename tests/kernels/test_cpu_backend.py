@@ -302,7 +302,7 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
                     out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                     case.block_tables.data_ptr(), None if loc is None else loc.data_ptr(),
                     case.context_lens.data_ptr(), 4, q.shape[0], 2, 16, case.block_tables.shape[1],
-                    q.stride(0), q.stride(1), case.scale, k.shape[0], code) == 0
+                    q.stride(0), q.stride(1), case.scale, k.shape[0], code, 0, 0.0) == 0
                 outs.append(out)
         results.append(outs)
     for other in results[1:]:

@@ -56,7 +56,7 @@ def check_decode(runner: Runner, case: DecodeCase, dtype: torch.dtype) -> torch.
     """Runs ``case`` on every schedule of ``runner``; checks the reference and bitwise agreement."""
     ref = reference_decode(case)
     dev_case = case.to(runner.device)
-    outs = run_all(runner, lambda ops: ops.paged_decode_attention(*dev_case.args()))
+    outs = run_all(runner, lambda ops: ops.paged_decode_attention(*dev_case.args(), **dev_case.options()))
     first_label, first = outs[0]
     for label, out in outs:
         assert out.dtype == dtype and out.shape == case.query.shape
@@ -229,6 +229,23 @@ def test_copy_blocks_matches_reference(runner: Runner, dtype, block_size) -> Non
         assert torch.equal(got.cpu(), want), label
         ops.copy_blocks(got, mapping[:0].to(runner.device))  # no pairs: nothing happens
         assert torch.equal(got.cpu(), want), label
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size", [(F32, 64, 16), (F16, 128, 8), (BF16, 96, 16)])
+def test_decode_sliding_window_and_soft_cap(runner: Runner, dtype, head_size, block_size) -> None:
+    # Windows ending inside a block (7, 20) and on a block edge (2 blocks), one longer than
+    # some contexts, and one across the split-K partitions (300 of 700 keys: partitions start
+    # at the window's first key); each alone and with a soft cap (Gemma 2's 50 is too loose to
+    # matter at these logits; 2.0 flattens them).
+    lens = [1, 5, 2 * block_size + 3, 65, 700]
+    for window in (7, 2 * block_size, 20, 300):
+        for cap in (None, 2.0):
+            case = make_decode_case(dtype=dtype, head_size=head_size, block_size=block_size,
+                                    context_lens=lens, group=3, seed=window)
+            case.sliding_window, case.logits_soft_cap = window, cap
+            windowed = check_decode(runner, case, dtype)
+            case.sliding_window = case.logits_soft_cap = None
+            assert not torch.allclose(windowed.cpu().float(), reference_decode(case)), "window had no effect"
 
 
 def test_prefill_is_the_sdpa_reference() -> None:

@@ -58,6 +58,11 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "reduce takes the first warp's maximum only": (
         "for (int w = 1; w < BG_NUM_WARPS; ++w) mx =", "for (int w = 1; w < 1; ++w) mx ="),
     "off-by-one block lookup": ("table[pos / BG_BLOCK_SIZE]", "table[(pos + 1) / BG_BLOCK_SIZE]"),
+    "window starts a key late": (
+        "ctx > window ? ctx - window : 0;  // the first key", "ctx > window ? ctx - window + 1 : 0;  // the first key"),
+    "window ignored by the reduce": (
+        "ctx > window ? ctx - window : 0;  // as paged_decode", "ctx > window ? 0 : 0;  // as paged_decode"),
+    "soft cap not applied": ("if (softcap > 0.0f) dot = ", "if (softcap < 0.0f) dot = "),
     "idle threads leave before the barriers": (
         "  __syncthreads();\n\n  for (int tile = start",
         "  if (tid >= BG_HEAD_SIZE) return;\n  __syncthreads();\n\n  for (int tile = start"),
@@ -73,6 +78,15 @@ def detection_cases():
                             num_kv_heads=1, group=1, seed=24)
     late.query *= 50
     plant_late_maximum(late, 0, 32 * PARTITION_SIZE)
+    # a window ending inside a block, across split-K partitions, soft-capped
+    windowed = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[20, 700, 5],
+                                num_kv_heads=1, group=2, seed=25)
+    windowed.query *= 4
+    windowed.sliding_window, windowed.logits_soft_cap = 2 * PARTITION_SIZE - 7, 1.5
+    # a window of fewer keys than a partition over a context of several: one partition
+    short_window = make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 700],
+                                    num_kv_heads=1, group=1, seed=26)
+    short_window.sliding_window = PARTITION_SIZE - 56
     return [
         peaked,
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK,
@@ -80,6 +94,8 @@ def detection_cases():
         make_decode_case(dtype=DTYPE, head_size=HEAD, block_size=BLOCK, context_lens=[300, 600],
                          num_kv_heads=1, group=2, seed=22),
         late,
+        windowed,
+        short_window,
     ]
 
 
@@ -90,7 +106,7 @@ def caught(source: Path) -> str | None:
         ops = KernelOps(HarnessBackend(source, schedule=schedule, poison=poison))
         for i, case in enumerate(detection_cases()):
             try:
-                out = ops.paged_decode_attention(*case.args()).float()
+                out = ops.paged_decode_attention(*case.args(), **case.options()).float()
             except HarnessError as exc:
                 return f"{schedule}/{poison} case {i}: harness error: {str(exc)[:120]}"
             ref = reference_decode(case)

@@ -62,7 +62,8 @@ def _declare_attention(lib: Any) -> None:
     fn = lib.batchgen_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64,
-                                                                     ctypes.c_int])
+                                                                     ctypes.c_int, ctypes.c_int64,
+                                                                     ctypes.c_float])
 
 
 def load(head_size: int, group: int) -> Any:
@@ -99,6 +100,7 @@ _ERRORS = {
     3: "query_start_loc must rise from 0 to the number of query tokens, each sequence's "
        "query no longer than its context",
     4: "out of memory for the kernel's scratch",
+    6: "sliding_window must be >= 0 and logits_soft_cap a number >= 0",
 }
 
 
@@ -111,10 +113,12 @@ def paged_attention(
     query_start_loc: torch.Tensor | None,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Both ops in one call: decode when ``query_start_loc`` is None (one query row per
-    sequence), else prefill (see :func:`torch_attention.paged_prefill_attention`). ``op`` names the
-    caller in errors.
+    sequence), else prefill (see :func:`torch_attention.paged_prefill_attention`, also for the
+    window and the soft cap). ``op`` names the caller in errors.
 
     Raises:
         ValueError: inputs outside the contract (the kernel reads raw memory, so every index it
@@ -160,7 +164,8 @@ def paged_attention(
     status = fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), None if starts is None else starts.data_ptr(), lens.data_ptr(),
                 num_seqs, num_tokens, num_kv_heads, block_size, max_blocks, q_stride_tok,
-                q_stride_head, float(scale), num_blocks, DTYPES[dtype])
+                q_stride_head, float(scale), num_blocks, DTYPES[dtype], int(sliding_window or 0),
+                float(logits_soft_cap or 0.0))
     if status:
         message = _ERRORS.get(status, f"kernel error {status}")
         raise ValueError(f"{op} (cpu): " + message.format(width=max_blocks * block_size,
@@ -190,6 +195,8 @@ class CpuOps:
         context_lens: torch.Tensor,
         scale: float,
         workspace: torch_attention.Workspace | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See :func:`torch_attention.paged_decode_attention` (``workspace`` is not needed).
 
@@ -197,7 +204,7 @@ class CpuOps:
             ValueError: inputs outside the contract.
         """
         return paged_attention("paged_decode_attention", query, k_cache, v_cache, block_tables,
-                               None, context_lens, scale)
+                               None, context_lens, scale, sliding_window, logits_soft_cap)
 
     def paged_prefill_attention(
         self,
@@ -209,6 +216,8 @@ class CpuOps:
         context_lens: torch.Tensor,
         scale: float,
         workspace: torch_attention.Workspace | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See :func:`torch_attention.paged_prefill_attention` (``workspace`` is not needed).
 
@@ -216,7 +225,7 @@ class CpuOps:
             ValueError: inputs outside the contract.
         """
         return paged_attention("paged_prefill_attention", query, k_cache, v_cache, block_tables,
-                               query_start_loc, context_lens, scale)
+                               query_start_loc, context_lens, scale, sliding_window, logits_soft_cap)
 
 
 _ops: CpuOps | None = None

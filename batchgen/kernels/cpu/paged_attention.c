@@ -50,6 +50,14 @@
  * Key rows are prefetched two key blocks ahead, and a block's V rows into L2 while its scores
  * are computed (the blocks are scattered; in a model step they come from memory).
  *
+ * Two per-call options, as the torch reference defines them (one branch per row, none per key):
+ *   window W > 0: the row at position p sees keys max(0, p - W + 1) .. p only. A tile's keys
+ *     are counted from the first key its first row sees (k0); every sum above runs over a
+ *     row's own keys, its softmax lanes counted from its own first key, and a key of the tile
+ *     before a row's first gets a numerator of exactly 0 (adding 0 * v to an accumulator that
+ *     is still 0 leaves it 0), so a windowed row's bits depend on its own keys alone, as above.
+ *   softcap c > 0: s_k = tanhf(s_k / c) * c over a row's keys before the softmax.
+ *
  * Compile-time constants (-D): HEAD_SIZE (elements per head) and GROUP (query heads per KV
  * head). With both fixed the compiler unrolls the head loops.
  *
@@ -68,7 +76,9 @@
  * returns 0; 1 for a context length outside [1, max_blocks * block_size]; 2 for a block id
  * outside [0, num_blocks) among the blocks a sequence reads (padding past them is never read);
  * 3 for query_start_loc not rising from 0 to num_tokens or a q_len above its context length;
- * 4 when scratch memory cannot be had; 5 for an unknown dtype code.
+ * 4 when scratch memory cannot be had; 5 for an unknown dtype code; 6 for a negative window or
+ * a soft cap that is negative or NaN. With a window, only the blocks that hold keys some row
+ * sees are checked (and read): a sequence's blocks wholly before its window may be freed.
  */
 #include <float.h>
 #include <math.h>
@@ -254,6 +264,8 @@ typedef struct {
   int64_t num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok, q_stride_head;
   float scale;
   int dtype;
+  int64_t window; /* 0: none */
+  float softcap;  /* 0: none */
   volatile int failed; /* set by an item that could not get scratch memory */
 } Args;
 
@@ -887,14 +899,25 @@ static float *scratch(int64_t floats) {
   return (float *)(((uintptr_t)tls_buf + 63) & ~(uintptr_t)63);
 }
 
-/* Query rows r0 .. r0 + nq - 1 of sequence s (positions base .. base + nq - 1), KV head h. */
+/* x = tanhf(x / c) * c over n scores (HF's soft cap: a division, tanh, a product). */
+static void soft_cap_row(float *restrict x, int64_t n, float c) {
+  for (int64_t i = 0; i < n; ++i) x[i] = tanhf(x[i] / c) * c;
+}
+
+/* Query rows r0 .. r0 + nq - 1 of sequence s, KV head h. Key indices count from k0, the first
+ * key the tile's first row sees (0 without a window). */
 static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const int64_t ctx = a->context_lens[s];
   const int64_t q0 = a->query_start_loc ? a->query_start_loc[s] : s;
   const int64_t q_len = a->query_start_loc ? a->query_start_loc[s + 1] - q0 : 1;
-  const int64_t base = ctx - q_len + (r0 - q0); /* row r0 sees keys 0 .. base */
+  const int64_t pos0 = ctx - q_len + (r0 - q0);  /* position of row r0 */
+  const int64_t win = a->window;
+  const int64_t k0 = win > 0 && pos0 >= win ? pos0 - win + 1 : 0;
+  const int64_t base = pos0 - k0;               /* row r0 sees keys 0 .. base */
   const int64_t nmax = base + nq;               /* keys the tile's last row sees */
-  const int64_t ss = (nmax + KB - 1) / KB * KB; /* a row of scores, whole key blocks */
+  /* a row of scores, whole key blocks (and one more with a window: a row's softmax starts at
+   * its own first key and reads and writes whole vectors from there) */
+  const int64_t ss = (nmax + KB - 1) / KB * KB + (win > 0 ? KB : 0);
   const int64_t es = elem_size(a->dtype);
   const int32_t *table = a->block_tables + s * a->max_blocks;
   const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
@@ -908,13 +931,14 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then acc [rows][HSP] (plain C and
                                                       AVX2), then AVX2's V segment */
   int64_t lim[ROWS];                               /* the last key each row sees */
+  int64_t first[ROWS];                             /* the first key each row sees */
   float inv[ROWS];
   void *dst[ROWS];
 
   const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE, bs = a->block_size;
-  for (int64_t p = 0, b = 0; p < nmax; ++b) {
+  for (int64_t p = 0, b = k0 / bs, o = k0 % bs; p < nmax; ++b, o = 0) {
     const int64_t at = (int64_t)table[b] * bs * tok_stride + h * HEAD_SIZE;
-    for (int64_t o = 0; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
+    for (; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
   }
   PREFETCH_ROWS(a->k_cache, es, off, 0, nmax < 2 * KB ? nmax : 2 * KB, 3);
   const int64_t num_heads = a->num_kv_heads * GROUP;
@@ -928,6 +952,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
       convert_row(src, a->dtype, qr);
       for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * scale;
       lim[r] = base + i;
+      first[r] = win > 0 && pos0 + i >= win ? pos0 + i - win + 1 - k0 : 0;
       dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * es;
     }
 
@@ -952,7 +977,13 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
       for (int j = 0; j < n; ++j) scores[r * ss + kb + j] = dot_head(q + r * HSP, krows[j]);
 #endif
   }
-  for (int r = 0; r < rows; ++r) inv[r] = 1.f / softmax_row(scores + r * ss, lim[r] + 1);
+  for (int r = 0; r < rows; ++r) {
+    float *restrict sr = scores + r * ss;
+    const int64_t f = first[r];
+    if (a->softcap > 0.f) soft_cap_row(sr + f, lim[r] + 1 - f, a->softcap);
+    inv[r] = 1.f / softmax_row(sr + f, lim[r] + 1 - f);
+    for (int64_t p = 0; p < f; ++p) sr[p] = 0.f; /* keys before the row's window */
+  }
 
   /* acc_r = sum_p e_rp v_p, in order of p. */
 #if defined(BG_AVX512)
@@ -1015,20 +1046,21 @@ int batchgen_paged_attention(
     const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *context_lens,
     int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
     int64_t max_blocks, int64_t q_stride_tok, int64_t q_stride_head, float scale,
-    int64_t num_blocks, int dtype) {
+    int64_t num_blocks, int dtype, int64_t window, float softcap) {
   if (dtype != DT_F32 && dtype != DT_BF16 && dtype != DT_F16) return 5;
+  if (window < 0 || !(softcap >= 0.f)) return 6;
   if (query_start_loc ? query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens
                       : num_tokens != num_seqs)
     return 3;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t ctx = context_lens[s];
     if (ctx < 1 || ctx > max_blocks * block_size) return 1;
-    if (query_start_loc) {
-      const int64_t q_len = (int64_t)query_start_loc[s + 1] - query_start_loc[s];
-      if (q_len < 0 || q_len > ctx) return 3;
-    }
+    const int64_t q_len = query_start_loc ? (int64_t)query_start_loc[s + 1] - query_start_loc[s] : 1;
+    if (q_len < 0 || q_len > ctx) return 3;
     const int32_t *table = block_tables + s * max_blocks;
-    for (int64_t b = 0; b * block_size < ctx; ++b)
+    /* with a window, the blocks before the first key any row reads are not read either */
+    const int64_t lo = window > 0 && ctx - q_len >= window ? ctx - q_len - window + 1 : 0;
+    for (int64_t b = lo / block_size; b * block_size < ctx; ++b)
       if (table[b] < 0 || table[b] >= num_blocks) return 2;
   }
   if (num_seqs + 1 > tls_items_cap) {
@@ -1046,7 +1078,7 @@ int batchgen_paged_attention(
   }
   Args a = {out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             item_start, num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok,
-            q_stride_head, scale, dtype, 0};
+            q_stride_head, scale, dtype, window, softcap, 0};
   bg_parallel_for(item_start[num_seqs], 1, run_items, &a);
   return a.failed ? 4 : 0;
 }

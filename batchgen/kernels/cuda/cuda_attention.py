@@ -319,9 +319,12 @@ class KernelOps:
         context_lens: torch.Tensor,
         scale: float,
         workspace: torch_attention.Workspace | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See :func:`torch_attention.paged_decode_attention`. ``workspace`` is unused: the kernel
-        reads the blocks in place.
+        reads the blocks in place. With a ``sliding_window`` the partitions cover only the keys
+        the query sees.
 
         The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
         partitions, an upper bound known without reading ``context_lens`` back from the device;
@@ -352,6 +355,7 @@ class KernelOps:
                             f"{block_tables.shape[0]} rows and context_lens {context_lens.shape[0]}")
         if not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise _fail(op, f"scale must be a finite float, got {scale!r}")
+        window, cap = _layer_options(op, sliding_window, logits_soft_cap)
         num_blocks = k_cache.shape[0]
         self._check_values(op, "decode", (block_tables, context_lens), (num_blocks, block_size),
                            lambda: checks.context_violation(block_tables, context_lens, num_blocks,
@@ -379,14 +383,15 @@ class KernelOps:
                 (b.arg(out), b.arg(part_out), b.arg(part_ml), b.arg(query), b.arg(k_cache),
                  b.arg(v_cache), b.arg(block_tables), b.arg(context_lens), np.float32(scale),
                  np.int32(num_heads), np.int32(kv_heads), np.int32(max_blocks),
-                 np.int32(partition), np.int32(max_parts)),
+                 np.int32(partition), np.int32(max_parts), np.int32(window), np.float32(cap)),
                 shared_mem=decode_smem_bytes(head_size, query.element_size()),
             )
             if max_parts > 1:
                 mod.get_function("paged_decode_reduce")(
                     (num_heads, num_seqs), (NUM_THREADS,),
                     (b.arg(out), b.arg(part_out), b.arg(part_ml), b.arg(context_lens),
-                     np.int32(num_heads), np.int32(partition), np.int32(max_parts)),
+                     np.int32(num_heads), np.int32(partition), np.int32(max_parts),
+                     np.int32(window)),
                     shared_mem=reduce_smem_bytes(max_parts),
                 )
         return out
@@ -401,6 +406,8 @@ class KernelOps:
         context_lens: torch.Tensor,
         scale: float,
         workspace: torch_attention.Workspace | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See :func:`torch_attention.paged_prefill_attention`, which computes it: prefill is
         compute-bound, and SDPA over the gathered blocks is the documented choice. The indices
@@ -415,8 +422,21 @@ class KernelOps:
                 (num_blocks, block_size, num_tokens),
                 lambda: checks.query_violation(query_start_loc, context_lens, num_tokens)
                 or checks.context_violation(block_tables, context_lens, num_blocks, block_size))
+        _layer_options(op, sliding_window, logits_soft_cap)
         return torch_attention.paged_prefill_attention(query, k_cache, v_cache, block_tables,
-                                                 query_start_loc, context_lens, scale, workspace)
+                                                 query_start_loc, context_lens, scale, workspace,
+                                                 sliding_window, logits_soft_cap)
+
+
+def _layer_options(op: str, sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """The kernels' ``window`` and ``softcap`` arguments (0: off), checked."""
+    window = int(sliding_window or 0)
+    cap = float(logits_soft_cap or 0.0)
+    if not 0 <= window < 2**31:
+        raise _fail(op, f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if not (math.isfinite(cap) and cap >= 0.0):
+        raise _fail(op, f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
+    return window, cap
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,12 @@
 // One block serves up to BG_MAX_GROUP query heads of one KV head (all of them for GQA groups of
 // at most BG_MAX_GROUP), so each K/V row of the partition is read from memory once.
 //
-// A sequence with context length n is cut into ceil(n / partition_size) partitions of
-// partition_size tokens; partition z covers tokens [z * partition_size, ...). When a sequence
+// The query (the last token of its context, position ctx - 1) sees the keys [lo, ctx): lo = 0,
+// or with a sliding window (window > 0) lo = max(0, ctx - window), HF's kv > q - window. With a
+// soft cap (softcap > 0) each scaled logit x becomes tanhf(x / softcap) * softcap first.
+//
+// A sequence that sees n = ctx - lo keys is cut into ceil(n / partition_size) partitions of
+// partition_size tokens; partition z covers tokens [lo + z * partition_size, ...). When a sequence
 // has a single partition the block writes the normalised result straight to `out`; otherwise
 // it writes its partition's normalised output, max and denominator to part_out / part_ml and
 // paged_decode_reduce combines them. The partition count depends only on the sequence's own
@@ -57,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ context_lens,     // [num_seqs]
     float scale, int num_heads, int num_kv_heads, int max_blocks_per_seq, int partition_size,
-    int max_parts) {
+    int max_parts, int window, float softcap) {
   BG_DYNAMIC_SMEM(float, smem);
   float* m_s = smem + BG_SMEM_M;
   float* l_s = smem + BG_SMEM_L;
@@ -79,8 +83,9 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
   const int part = blockIdx.z;
 
   const int ctx = context_lens[seq];
+  const int lo = window > 0 && ctx > window ? ctx - window : 0;  // the first key the query sees
   // Written without overflow for partition_size up to INT_MAX (the single-pass launch).
-  const int num_parts = ctx > 0 ? (ctx - 1) / partition_size + 1 : 0;
+  const int num_parts = ctx > 0 ? (ctx - lo - 1) / partition_size + 1 : 0;
   if (ctx <= 0) {
     // Contract violation (context_lens >= 1); define the output instead of leaving garbage.
     if (part == 0) {
@@ -92,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
     return;
   }
   if (part >= num_parts) return;  // uniform across the block: no barrier has been reached
-  const int start = part * partition_size;
+  const int start = lo + part * partition_size;
   const int end = (ctx - start < partition_size) ? ctx : start + partition_size;
 
   const long long row_stride = static_cast<long long>(num_kv_heads) * BG_HEAD_SIZE;
@@ -170,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
         for (int m = 1; m < BG_LANES_PER_TOKEN; m <<= 1) {
           dot += __shfl_xor_sync(0xffffffffu, dot, m);
         }
+        if (softcap > 0.0f) dot = tanhf(dot / softcap) * softcap;  // uniform: no divergence
         if (sub == 0) p_s[g * BG_TILE + t] = valid ? dot : BG_NEG_INF;
       }
     }
@@ -288,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS, 1) paged_decode(
 extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS) paged_decode_reduce(
     scalar_t* __restrict__ out, const float* __restrict__ part_out,
     const float* __restrict__ part_ml, const int* __restrict__ context_lens, int num_heads,
-    int partition_size, int max_parts) {
+    int partition_size, int max_parts, int window) {
   BG_DYNAMIC_SMEM(float, smem);
   float* red_s = smem;                     // [2][BG_NUM_WARPS] per-warp max, then sum
   float* w_s = smem + 2 * BG_NUM_WARPS;    // [max_parts] partition weights
@@ -298,7 +304,8 @@ extern "C" __global__ void __launch_bounds__(BG_NUM_THREADS) paged_decode_reduce
   const int seq = blockIdx.y;
   const long long head = static_cast<long long>(seq) * num_heads + blockIdx.x;
   const int ctx = context_lens[seq];
-  const int num_parts = ctx > 0 ? (ctx - 1) / partition_size + 1 : 0;
+  const int lo = window > 0 && ctx > window ? ctx - window : 0;  // as paged_decode
+  const int num_parts = ctx > 0 ? (ctx - lo - 1) / partition_size + 1 : 0;
   if (num_parts <= 1) return;  // uniform across the block
   const float* ml = part_ml + head * max_parts * 2;
 
