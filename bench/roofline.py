@@ -214,7 +214,8 @@ def timed_row(kind: str, chosen: list[dict], ops: int, nbytes: int, kv: float, r
         return {"kind": kind, "error": "no step of this kind was observed"}
     secs = [s["seconds"] for s in chosen]
     row = {"kind": kind, "steps": len(secs), "step_s": min(secs), "step_median_s": statistics.median(secs),
-           "ops_per_step": ops, "weight_bytes_per_step": nbytes, "kv_bytes_per_step": kv, "ceiling": ceiling}
+           "ops_per_step": ops, "weight_bytes_per_step": nbytes, "kv_bytes_per_step": kv, "ceiling": ceiling,
+           "roof": roof}
     row.update(roof_fields(ops, nbytes, min(secs), roof["bandwidth_gbs"], roof[f"{ceiling}_gops"]))
     row["of_roof_median"] = roof_fields(ops, nbytes, row["step_median_s"], roof["bandwidth_gbs"],
                                         roof[f"{ceiling}_gops"])["of_roof"]
@@ -271,6 +272,15 @@ def _brief(row: dict) -> str:
 
 
 # ---------------------------------------------------------------- the part, its table and plot
+def roof_now(quick: bool) -> dict:
+    """The roof at 2 threads, measured now: read bandwidth and the int8 / float32 ceilings."""
+    import os
+
+    bw, c = read_bandwidth([2], GIB, 3 if quick else 5), ceilings([2], 0.15 if quick else 0.3)
+    return {"bandwidth_gbs": bw["2t_gbs"], "int8_gops": c["int8"], "fp32_gops": c["fp32"], "threads": 2,
+            "loadavg": os.getloadavg(), "cpu_share": c["cpu_share"]}
+
+
 def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: Callable[..., None]) -> dict:
     """Measure the roof, then each workload under it, into ``roof.json`` and ``roof.png``."""
     import os
@@ -289,7 +299,8 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     result["bandwidth"] = read_bandwidth([1, 2], GIB, 3 if quick else 5)
     result["ceilings"] = ceilings([1, 2], 0.15 if quick else 0.3)
     result["roof"] = {"bandwidth_gbs": result["bandwidth"]["2t_gbs"], "int8_gops": result["ceilings"]["int8"],
-                      "fp32_gops": result["ceilings"]["fp32"], "threads": 2}
+                      "fp32_gops": result["ceilings"]["fp32"], "threads": 2, "loadavg": os.getloadavg(),
+                      "cpu_share": result["ceilings"]["cpu_share"]}
     result["reference"] = calm_reference()
     log(f"  roof: {result['roof']}")
     save("roof", result, out)
@@ -303,14 +314,17 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     runs += [("SmolLM2 Q4_1", "smollm2-135m-instruct", smol, "gguf", w32, prefill_repeats),
              ("SmolLM2 fp32", "smollm2-135m-instruct", as_float32(smol), "none", w32, prefill_repeats)]
     for label, model, weights, quantization, batches, repeats in runs:
-        log(f"roof: {label}")
+        roof = roof_now(quick)  # the load drifts: each model's rows against the roof measured just before
+        log(f"roof: {label}; roof now {roof['bandwidth_gbs']:.1f} GB/s, int8 {roof['int8_gops']:.0f}, "
+            f"fp32 {roof['fp32_gops']:.0f} GOP/s")
         try:
-            result["rows"] += model_rows(label, model, weights, result["roof"], quantization=quantization,
+            result["rows"] += model_rows(label, model, weights, roof, quantization=quantization,
                                          batches=batches, max_tokens=max_tokens, prefill_repeats=repeats, log=log)
         except Exception as exc:  # one workload's failure is recorded; the others still run
             result["rows"].append({"workload": label, "error": f"{type(exc).__name__}: {exc}"})
         save("roof", result, out)
     result["loadavg_after"] = os.getloadavg()
+    result["roof_after"] = roof_now(quick)
     save("roof", result, out)
     roof_report.plot(result, out / "roof.png")
     return result
