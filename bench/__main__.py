@@ -33,6 +33,9 @@ Parts (``--parts``, comma-separated; default all):
   and bf16 (``bench.scoring``). Not in the default set.
 * ``contention``: batchgen at its defaults, quiet and beside one and two busy loops
   (``bench.machine``). Not in the default set.
+* ``roof``: the machine's read bandwidth and int8 / float32 ceilings, and each workload's
+  fraction of that roof (1B Q4_K and Q8_0 decode at ``--batches`` and a 512-token prefill;
+  SmolLM2 W32), ``roof.json`` and ``roof.png`` (``bench.roofline``). Not in the default set.
 
 Results go to ``bench/results/<part>.json``; ``report`` (always run last) derives the memory
 analyses (waste, concurrency) from them and writes the PNG plots and ``summary.md``.
@@ -54,7 +57,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
-EXTRA_PARTS = ["prefix", "structured", "machine", "contention", "scoring"]
+EXTRA_PARTS = ["prefix", "structured", "machine", "contention", "scoring", "roof"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -379,6 +382,12 @@ def part_contention(args, out: Path) -> dict:
     return whole.contention(args, out, log, machine(), save)
 
 
+def part_roof(args, out: Path) -> dict:
+    from bench import roofline
+
+    return roofline.part(args, out, log, machine(), save)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -452,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
                "scaleout": part_scaleout, "prefix": part_prefix, "structured": part_structured,
                "machine": part_machine, "contention": part_contention,
-               "scoring": part_scoring}
+               "scoring": part_scoring, "roof": part_roof}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

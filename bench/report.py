@@ -500,7 +500,13 @@ def build(out: Path) -> None:
         if machine.plot(out, keys=gguf_rows.gguf_keys(rows), name="machine_gguf.png", color=gguf_rows.color):
             made.append("machine_gguf.png")
         gguf_lines = gguf_rows.summary_lines(rows, out)
-    scaled_lines = scaleout.summary_lines(scaled) + machine.summary_lines(out) + gguf_lines
+    from bench import roof_report
+
+    roof = load(out, "roof")
+    if roof and roof_report.plot(roof, out / "roof.png"):
+        made.append("roof.png")
+    scaled_lines = (scaleout.summary_lines(scaled) + machine.summary_lines(out) + gguf_lines
+                    + roof_report.summary_lines(roof))
     scaled_text = "\n".join(scaled_lines).rstrip("\n") + "\n\n" if scaled_lines else ""
     struct_text = structured.summary_md(struct)
     (out / "summary.md").write_text(text + scaled_text + prefix.summary_md(pref)
