@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
-    "Logprob", "RequestStats", "EngineStats", "hookimpl", "__version__",
+    "Logprob", "RequestStats", "EngineStats", "LoRARequest", "hookimpl", "__version__",
 ]
 
 _LAZY = {
@@ -35,6 +35,7 @@ _LAZY = {
     "EngineStats": ("batchgen.engine.outputs", "EngineStats"),
     "RequestStats": ("batchgen.engine.sequence", "RequestStats"),
     "hookimpl": ("batchgen.plugins", "hookimpl"),
+    "LoRARequest": ("batchgen.lora.request", "LoRARequest"),
 }
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from batchgen.engine.llm import LLM
     from batchgen.engine.outputs import CompletionOutput, EngineStats, Logprob, Request, RequestOutput
     from batchgen.engine.sequence import RequestStats
+    from batchgen.lora.request import LoRARequest
     from batchgen.plugins import hookimpl
     from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 

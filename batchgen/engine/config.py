@@ -35,6 +35,7 @@ SCHEDULING_POLICIES = ("prefix", "fcfs")
 #: ``none``: dequantize to ``dtype``.
 QUANTIZATIONS = ("auto", "gguf", "none")
 MAX_BLOCK_SIZE = 256
+MAX_LORA_RANK = 1024
 
 _DEVICE = re.compile(r"^[a-z]+(:\d+)?$")
 
@@ -82,6 +83,11 @@ class EngineConfig:
         quantization: ``"auto"`` (the weights as stored), ``"gguf"`` (keep a GGUF file's
             quantized weights) or ``"none"`` (dequantize to ``dtype``); the model loader
             decides what ``auto`` means for each model format.
+        enable_lora: wrap the model's projections for LoRA adapters, given per request as a
+            ``LoRARequest`` (see ``docs/lora.md``).
+        max_loras: most adapters loaded (and running) at once; more are loaded as needed,
+            the least recently used evicted.
+        max_lora_rank: the largest adapter rank accepted (1..1024).
 
     Raises:
         ValueError: on construction, for any value out of range, naming the setting.
@@ -103,6 +109,9 @@ class EngineConfig:
     num_threads: int | str = "auto"
     index_checks: bool = True
     quantization: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         errors = [e for e in self._errors() if e is not None]
@@ -148,6 +157,10 @@ class EngineConfig:
             else f"num_threads must be 'auto' or an integer >= 1, got {self.num_threads!r}",
             flag("index_checks"),
             choice("quantization", QUANTIZATIONS),
+            flag("enable_lora"),
+            positive("max_loras"),
+            None if _positive_int(self.max_lora_rank) and self.max_lora_rank <= MAX_LORA_RANK
+            else f"max_lora_rank must be between 1 and {MAX_LORA_RANK}, got {self.max_lora_rank!r}",
         ]
 
     def replace(self, **changes: Any) -> EngineConfig:

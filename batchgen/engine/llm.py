@@ -18,6 +18,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import EngineStats, Prompt, Request, RequestOutput
+from batchgen.lora.request import LoRARequest, per_prompt
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,17 +73,21 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: Params | Seq[Params] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order.
 
         ``prompts`` is a list of strings or of token-id lists (a single one is accepted too);
-        ``params`` is one SamplingParams / BeamSearchParams for all, or one per prompt.
+        ``params`` is one SamplingParams / BeamSearchParams for all, or one per prompt;
+        ``lora_request`` (with ``enable_lora``) one LoRA adapter for all, or one (or None: the
+        base model) per prompt; a bad adapter fails its prompts' outputs (``error``).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params_list = _params_per_prompt(params, len(prompts))
-        requests = [Request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        loras = per_prompt(lora_request, len(prompts))
+        requests = [Request(str(i), p, sp, lora) for i, (p, sp, lora) in enumerate(zip(prompts, params_list, loras))]
         results: dict[str, RequestOutput] = {}
         for out in self.stream(requests, on_tokens=on_tokens):
             results[out.request_id] = out
@@ -99,6 +104,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's ``LLM.chat``.
 
@@ -129,13 +135,14 @@ class LLM:
                 continue_final_message=continue_final_message, **kwargs))
         # The template writes the special tokens itself: tokenise the text without adding any.
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        outputs = self.generate(ids, sampling_params, on_tokens=on_tokens)
+        outputs = self.generate(ids, sampling_params, on_tokens=on_tokens, lora_request=lora_request)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
 
     def loglikelihood(self, requests: Seq[ll.Pair], *, max_length: int | None = None,
-                      truncate: bool = False) -> list[tuple[float, bool]]:
+                      truncate: bool = False,
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[tuple[float, bool]]:
         """lm-eval's ``loglikelihood``: per ``(context, continuation)`` pair, the sum of the
         continuation's token logprobs given the context and whether every continuation token
         is the most likely one (``is_greedy``), in input order.
@@ -152,21 +159,27 @@ class LLM:
                 is only a target.
             truncate: drop a too-long pair's first context tokens (as lm-eval does) instead of
                 refusing it.
+            lora_request: a LoRA adapter for all pairs, or one (or None) per pair.
 
         Raises:
             ValueError: naming the request index: not a pair, an empty continuation, a pair
                 too long for ``max_length`` (without ``truncate``), or an engine error.
         """
         pairs = ll.tokenize_pairs(self.tokenizer, requests, self.runner.vocab_size)
-        return self._score_pairs(pairs, max_length, truncate)
+        return self._score_pairs(pairs, max_length, truncate, per_prompt(lora_request, len(pairs)))
 
-    def loglikelihood_rolling(self, texts: Seq[str | Seq[int]], *, max_length: int | None = None) -> list[float]:
+    def loglikelihood_rolling(self, texts: Seq[str | Seq[int]], *, max_length: int | None = None,
+                              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[float]:
         """lm-eval's ``loglikelihood_rolling``: per text (or token-id list), the sum of every
         token's logprob, scored in lm-eval's disjoint windows of ``max_length`` tokens
         (default: the model's length; see :func:`batchgen.engine.loglikelihood.rolling_windows`),
         the first token conditioned on the BOS (or EOS) token. Every window of every text runs
-        in one engine run; each token is scored exactly once."""
+        in one engine run; each token is scored exactly once. ``lora_request``: as
+        :meth:`loglikelihood`'s, per text."""
         max_length = self._scoring_length(max_length)
+        texts = list(texts)
+        loras = per_prompt(lora_request, len(texts))
+        window_loras: list[LoRARequest | None] = []
         prefix = ll.prefix_token_id(self.tokenizer)
         windows: list[tuple[list[int], list[int]]] = []
         counts: list[int] = []
@@ -175,7 +188,8 @@ class LLM:
             doc = ll.rolling_windows(tokens, prefix, max_length)
             windows.extend(doc)
             counts.append(len(doc))
-        scores = self._score_pairs(windows, max_length, truncate=False)
+            window_loras.extend([loras[len(counts) - 1]] * len(doc))
+        scores = self._score_pairs(windows, max_length, False, window_loras)
         totals: list[float] = []
         start = 0
         for count in counts:
@@ -192,7 +206,7 @@ class LLM:
         return max_length
 
     def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], max_length: int | None,
-                     truncate: bool) -> list[tuple[float, bool]]:
+                     truncate: bool, loras: list[LoRARequest | None] | None = None) -> list[tuple[float, bool]]:
         max_length = self._scoring_length(max_length)
         requests = []
         for i, (context, continuation) in enumerate(pairs):
@@ -200,6 +214,8 @@ class LLM:
             if isinstance(fitted, str):
                 raise ValueError(f"request {i}: {fitted}")
             requests.append(ll.to_request(str(i), *fitted))
+            if loras and loras[i] is not None:
+                requests[-1].lora_request = loras[i]
         results = {out.request_id: ll.loglikelihood_of(out) for out in self.stream(requests)}
         return [results[r.request_id] for r in requests]
 

@@ -18,11 +18,13 @@ class Request:
         request_id: unique within a run; echoed on the output.
         prompt: text (tokenised with the model's tokenizer) or token ids.
         params: a SamplingParams or a BeamSearchParams.
+        lora_request: a ``batchgen.lora.LoRARequest`` to run under, or None (the base model).
     """
 
     request_id: str
     prompt: Prompt
     params: Any
+    lora_request: Any = None
 
 
 @dataclass
