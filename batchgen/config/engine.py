@@ -50,6 +50,9 @@ class EngineSection(_Section):
         "on a GPU and for the built-in model (docs/gguf.md)"
     )
 
+    max_loras: PositiveInt = Field(8, description="LoRA: most adapters loaded and running at once (model.adapters)")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="LoRA: the largest adapter rank accepted")
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
@@ -88,6 +91,7 @@ class EngineSection(_Section):
         values = {key: getattr(self, key) for key in type(self).model_fields if key in names}
         if values.get("kv_cache_memory") is not None:
             values["kv_cache_memory"] = int(values["kv_cache_memory"])
+        values["enable_lora"] = bool(getattr(model, "adapters", None))  # model.adapters: LoRA on
         return EngineConfig(model=model.name, dtype=model.dtype, device=model.device, **values)
 
 

@@ -49,8 +49,8 @@ class LoRAManager:
             return self._errors[request]
         known = self._requests.get(request.lora_int_id)
         if known is not None:
-            if known == request:
-                return None
+            if known.lora_path == request.lora_path:
+                return None  # the same adapter, whatever name this request gives it
             return (f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
                     f"adapter {known.lora_name!r} ({known.lora_path}); give each adapter its own id")
         try:

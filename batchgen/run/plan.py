@@ -27,6 +27,7 @@ from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, reso
 from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
 from batchgen.config.formats import RecordKind, SourceKind
 from batchgen.plugins import PluginError
+from batchgen.run.adapters import sweep
 from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
 from batchgen.io.lock import OutputLock
@@ -90,9 +91,9 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     """
     source_kind, record_kind = kinds(config)
     if config.generation.scores:  # generation.mode loglikelihood / perplexity: a scoring job
-        return _scoring(config, source_kind, record_kind, metric_columns, metrics)
-    return (_SOURCES[source_kind](config, processors, metric_columns),
-            _RECORDS[record_kind](config, metrics))
+        return sweep(config, *_scoring(config, source_kind, record_kind, metric_columns, metrics))
+    return sweep(config, _SOURCES[source_kind](config, processors, metric_columns),
+                 _RECORDS[record_kind](config, metrics))  # sweep: model.adapters, if any
 
 
 def _scoring(config: RunConfig, source_kind: SourceKind, record_kind: RecordKind,

@@ -64,8 +64,8 @@ def test_requests_and_settings_are_checked(shared_tiny_model, setup) -> None:
     plain = LLM(shared_tiny_model("llama"))
     out = plain.generate([PROMPT], SamplingParams(max_tokens=2), lora_request=LoRARequest("good", 1, good))[0]
     assert "enable_lora=True" in out.error and "'good'" in out.error
-    llm, _, _ = setup
+    llm, _, bad = setup
     first, clash = llm.generate([PROMPT] * 2, SamplingParams(max_tokens=2),
-                                lora_request=[LoRARequest("good", 1, good), LoRARequest("second", 1, good)])
+                                lora_request=[LoRARequest("good", 1, good), LoRARequest("second", 1, bad["dora"])])
     assert first.error is None
     assert "'second'" in clash.error and "already adapter 'good'" in clash.error
