@@ -129,6 +129,20 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_on_any_thread_count() -> 
     assert torch.equal(shuffled, batched[order])
 
 
+def test_the_avx512_and_the_plain_c_builds_agree_bit_for_bit() -> None:
+    from batchgen.kernels.cpu import lora as cpu_lora
+
+    widths = (80, 16, 144)  # whole 64-column chunks (the AVX-512 loop) and tails (the C loop)
+    torch.manual_seed(1)
+    layer, _ = _layer(merge_linears([torch.nn.Linear(IN, w, bias=False) for w in widths]), widths)
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.randint(-1, 3, (21,), generator=gen).tolist()
+    x = torch.randn(len(slots), 40 + IN, generator=gen)[:, :IN]  # rows with a stride, not contiguous
+    native = _run(layer, x, slots)
+    layer._kernel = cpu_lora.load_lora("plain").batchgen_lora_f32
+    assert torch.equal(_run(layer, x, slots), native)
+
+
 def test_16_bit_outputs_take_the_torch_path_within_rounding() -> None:
     torch.manual_seed(0)
     base = torch.nn.Linear(IN, 32, bias=False).to(torch.bfloat16)

@@ -18,13 +18,19 @@ from . import loader
 LORA_SOURCE = Path(__file__).resolve().parent / "lora.c"
 
 
-def load_lora() -> Any:
-    """The compiled library (built on first use, cached on disk like the other kernels).
+ISAS = {"native": (), "plain": ("-mno-avx512f",)}  # the AVX-512 code, or the plain C (same bits)
+
+
+def load_lora(isa: str = "native") -> Any:
+    """The compiled library (built on first use, cached on disk like the other kernels):
+    ``isa="native"`` (AVX-512 where the CPU has it), ``"plain"`` (the C loops alone, what a
+    CPU without AVX-512 runs; the tests compare the two bit for bit).
 
     Raises:
         loader.CpuKernelError: no compiler, or it would not build here.
     """
-    return loader.load_library("the CPU LoRA kernel", LORA_SOURCE, _declare)
+    return loader.load_library("the CPU LoRA kernel", LORA_SOURCE, _declare, ISAS[isa],
+                               tag="" if isa == "native" else isa)
 
 
 def _declare(lib: Any) -> None:
