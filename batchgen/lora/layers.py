@@ -49,6 +49,16 @@ class LoRAContext:
 
     row_slot: torch.Tensor | None = None
     active: frozenset[int] = field(default_factory=frozenset)
+    _on: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def set(self, row_slot: torch.Tensor | None, active: frozenset[int]) -> None:
+        self.row_slot, self.active, self._on = row_slot, active, {}
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """``row_slot`` on ``device`` (copied once per step and device)."""
+        if device not in self._on:
+            self._on[device] = self.row_slot.to(device)
+        return self._on[device]
 
 
 def _targets(model: torch.nn.Module) -> dict[str, list[Part]]:
@@ -111,6 +121,7 @@ class LoRALinear(torch.nn.Module):
         self._scales = torch.zeros(n, p, dtype=torch.float32)
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[ModuleDelta, int, int, int, int]]]] = {}
         self._kernel = None
+        self._device_weights: dict[tuple[int, torch.device], tuple[torch.Tensor, list[tuple]]] = {}
 
     def extra_repr(self) -> str:
         return f"parts={[part.module.rsplit('.', 1)[-1] for part in self.parts]}, slots={sorted(self._weights)}"
@@ -119,6 +130,7 @@ class LoRALinear(torch.nn.Module):
         """Put an adapter's deltas for this layer's parts in ``slot`` (None or none of its
         parts: the slot adds nothing here)."""
         self._weights.pop(slot, None)
+        self._device_weights = {k: v for k, v in self._device_weights.items() if k[0] != slot}
         self._a_ptr[slot] = self._b_ptr[slot] = self._rank[slot] = 0
         self._table[slot] = 0
         mine = [(part, deltas[part.module]) for part in self.parts if deltas and part.module in deltas]
@@ -168,12 +180,21 @@ class LoRALinear(torch.nn.Module):
         """Per adapter: its rows' delta in float32, added in the output's dtype."""
         rows_x = x.reshape(-1, self.in_features)
         out = y.view(-1, self.out_features)
-        slots = self.context.row_slot.to(out.device)
-        for slot, (a, _b, parts) in self._weights.items():
+        slots = self.context.slots_on(out.device)
+        for slot in self.context.active.intersection(self._weights):
             index = (slots == slot).nonzero().flatten()
             if not index.numel():
                 continue
-            t = rows_x.index_select(0, index).float() @ a.to(out.device).t()
-            for delta, r0, r1, c0, c1 in parts:
-                d = (t[:, r0:r1] @ delta.b.to(out.device).t()) * delta.scale
-                out[index, c0:c1] += d.to(out.dtype)
+            a, parts = self._on_device(slot, out.device)
+            t = rows_x.index_select(0, index).float() @ a.t()
+            for b, scale, r0, r1, c0, c1 in parts:
+                out[index, c0:c1] += ((t[:, r0:r1] @ b.t()) * scale).to(out.dtype)
+
+    def _on_device(self, slot: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
+        """Slot ``slot``'s stacked A and per-part B on ``device`` (copied once per load)."""
+        key = (slot, device)
+        if key not in self._device_weights:
+            a, _b, parts = self._weights[slot]
+            self._device_weights[key] = (a.to(device), [(d.b.to(device), d.scale, r0, r1, c0, c1)
+                                                        for d, r0, r1, c0, c1 in parts])
+        return self._device_weights[key]

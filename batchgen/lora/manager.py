@@ -70,7 +70,7 @@ class LoRAManager:
         ids = [seq.lora_int_id for seq, _ in scheduled]
         needed = set(ids) - {0}
         if not needed:
-            self.context.row_slot, self.context.active = None, frozenset()
+            self.context.set(None, frozenset())
             return
         slots = {0: -1}
         for lora_id in needed:
@@ -78,8 +78,7 @@ class LoRAManager:
         rows: list[int] = []
         for (_, num_new), lora_id in zip(scheduled, ids):
             rows.extend([slots[lora_id]] * num_new)
-        self.context.row_slot = torch.tensor(rows, dtype=torch.int32)
-        self.context.active = frozenset(s for s in slots.values() if s >= 0)
+        self.context.set(torch.tensor(rows, dtype=torch.int32), frozenset(s for s in slots.values() if s >= 0))
 
     def _slot_for(self, lora_id: int, needed: set[int]) -> int:
         """The slot of adapter ``lora_id``, loading it (evicting the least recently used

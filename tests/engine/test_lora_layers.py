@@ -67,8 +67,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 
 def _run(layer: LoRALinear, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    layer.context.row_slot = torch.tensor(slots, dtype=torch.int32)
-    layer.context.active = frozenset(s for s in slots if s >= 0)
+    layer.context.set(torch.tensor(slots, dtype=torch.int32), frozenset(s for s in slots if s >= 0))
     with torch.no_grad():
         return layer(x)
 
