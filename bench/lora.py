@@ -69,10 +69,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable[[], dict],
              save: Callable[[str, dict, Path], None]) -> dict:
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    from batchgen import LLM, LoRARequest, SamplingParams
+    from batchgen import LoRARequest, SamplingParams
     from batchgen.model_resolver import resolve_model
     from bench.workload import w32_prompts
 
@@ -84,7 +82,43 @@ def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable
     log(f"lora: {NUM_ADAPTERS} adapters of rank {RANK} in {root}")
     paths = _adapters(base, root)
     requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
-    engine = dict(dtype="float32", device="cpu", num_threads=args.threads)
+    multi, merged, hf, loads = _peers(base, root, paths, args.threads)
+    all_prompts = [p for p in prompts for _ in requests]
+    all_loras = [r for _ in prompts for r in requests]
+    multi.generate(prompts[:2], SamplingParams(max_tokens=2), lora_request=requests[0])  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in ("batchgen_multi_lora", "batchgen_merged_sequential",
+                                                     "batchgen_merged_one", "hf_peft")}
+    agree = 0
+    for repeat in range(args.repeats):
+        multi.reset_prefix_cache()
+        t, outs = _timed(lambda: multi.generate(all_prompts, params, lora_request=all_loras))
+        times["batchgen_multi_lora"].append(t)
+        seq, merged_tokens = 0.0, []
+        for llm in merged:
+            t, o = _timed(lambda: llm.generate(prompts, params))
+            seq += t
+            merged_tokens.append([x.outputs[0].token_ids for x in o])
+        times["batchgen_merged_sequential"].append(seq)
+        times["batchgen_merged_one"].append(_timed(lambda: merged[0].generate(all_prompts, params))[0])
+        times["hf_peft"].append(_timed(lambda: _hf_loop(hf, prompts, args.max_tokens))[0])
+        agree = sum(outs[j * NUM_ADAPTERS + i].outputs[0].token_ids == merged_tokens[i][j]
+                    for i in range(NUM_ADAPTERS) for j in range(len(prompts)))
+        log(f"lora repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()))
+    result = _result(args, machine(), len(prompts), times, loads, f"{agree} of {len(all_prompts)}")
+    save("lora", result, out)
+    _plot(result, out)
+    return result
+
+
+def _peers(base: str, root: Path, paths: list[str], threads: int) -> tuple[Any, list[Any], Any, dict[str, float]]:
+    """The multi-LoRA engine, the merged engines, the HF + PEFT model, and their load times."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LLM
+
+    engine = dict(dtype="float32", device="cpu", num_threads=threads)
     loads: dict[str, float] = {}
     loads["batchgen_multi_lora"], multi = _timed(lambda: LLM(base, enable_lora=True, max_loras=NUM_ADAPTERS,
                                                             max_lora_rank=RANK, **engine))
@@ -99,34 +133,16 @@ def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable
                                    paths[0], adapter_name="a0").eval()
     for i in range(1, NUM_ADAPTERS):
         hf.load_adapter(paths[i], adapter_name=f"a{i}")
-    all_prompts = [p for p in prompts for _ in requests]
-    all_loras = [r for _ in prompts for r in requests]
-    multi.generate(prompts[:2], SamplingParams(max_tokens=2), lora_request=requests[0])  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in ("batchgen_multi_lora", "batchgen_merged_sequential",
-                                                     "batchgen_merged_one", "hf_peft")}
-    agree = None
-    for repeat in range(args.repeats):
-        multi.reset_prefix_cache()
-        t, outs = _timed(lambda: multi.generate(all_prompts, params, lora_request=all_loras))
-        times["batchgen_multi_lora"].append(t)
-        seq, merged_tokens = 0.0, []
-        for llm in merged:
-            llm.reset_prefix_cache()
-            t, o = _timed(lambda: llm.generate(prompts, params))
-            seq += t
-            merged_tokens.append([x.outputs[0].token_ids for x in o])
-        times["batchgen_merged_sequential"].append(seq)
-        merged[0].reset_prefix_cache()
-        times["batchgen_merged_one"].append(_timed(lambda: merged[0].generate(all_prompts, params))[0])
-        times["hf_peft"].append(_timed(lambda: _hf_loop(hf, prompts, args.max_tokens))[0])
-        agree = sum(outs[j * NUM_ADAPTERS + i].outputs[0].token_ids == merged_tokens[i][j]
-                    for i in range(NUM_ADAPTERS) for j in range(len(prompts)))
-        log(f"lora repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()))
-    tokens = len(all_prompts) * args.max_tokens
+    return multi, merged, hf, loads
+
+
+def _result(args: Any, machine: dict, num_prompts: int, times: dict[str, list[float]], loads: dict[str, float],
+            agree: str) -> dict:
+    tokens = num_prompts * NUM_ADAPTERS * args.max_tokens
     best = {k: min(v) for k, v in times.items()}
-    result = {
-        "machine": machine(), "note": "shared 2-core machine under load from other jobs: figures are indicative",
-        "workload": {"prompts": len(prompts), "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
+    return {
+        "machine": machine, "note": "shared 2-core machine under load from other jobs: figures are indicative",
+        "workload": {"prompts": num_prompts, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                      "max_tokens": args.max_tokens, "generated_tokens": tokens, "threads": args.threads},
         "vllm": "not run: vLLM's CPU build is not installed in this environment",
         "times_s": times, "load_s": loads,
@@ -134,11 +150,8 @@ def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable
         "ratios": {"multi_lora_vs_merged_one": best["batchgen_merged_one"] / best["batchgen_multi_lora"],
                    "multi_lora_vs_merged_sequential": best["batchgen_merged_sequential"] / best["batchgen_multi_lora"],
                    "multi_lora_vs_hf_peft": best["hf_peft"] / best["batchgen_multi_lora"]},
-        "greedy_rows_equal_to_merged": f"{agree} of {len(all_prompts)}",
+        "greedy_rows_equal_to_merged": agree,
     }
-    save("lora", result, out)
-    _plot(result, out)
-    return result
 
 
 def _hf_loop(model: Any, prompts: list[list[int]], max_tokens: int) -> None:
