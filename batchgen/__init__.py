@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "Request", "RequestOutput", "CompletionOutput",
     "Logprob", "RequestStats", "EngineStats", "TextPrompt", "TokensPrompt", "PromptType", "BeamSearchOutput",
-    "BeamSearchSequence", "hookimpl", "__version__",
+    "BeamSearchSequence", "LoRARequest", "hookimpl", "__version__",
 ]
 
 _LAZY = {
@@ -42,6 +42,7 @@ _LAZY = {
     "PromptType": ("batchgen.engine.prompts", "PromptType"),
     "RequestStats": ("batchgen.engine.sequence", "RequestStats"),
     "hookimpl": ("batchgen.plugins", "hookimpl"),
+    "LoRARequest": ("batchgen.lora.request", "LoRARequest"),
 }
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
                                          Logprob, Request, RequestOutput)
     from batchgen.engine.prompts import PromptType, TextPrompt, TokensPrompt
     from batchgen.engine.sequence import RequestStats
+    from batchgen.lora.request import LoRARequest
     from batchgen.plugins import hookimpl
     from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 

@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the model to run (default: the embedded SmolLM2-135M-Instruct); NAME=MODEL also answers "
         "lines whose 'model' is NAME with MODEL; repeatable",
     )
+    batch.add_argument(
+        "--lora", dest="loras", action="append", default=[], metavar="NAME=PATH",
+        help="a LoRA adapter (PEFT folder) that lines whose 'model' is NAME run under, as vllm serve "
+        "--lora-modules; repeatable",
+    )
     batch.add_argument("--error-file", metavar="FILE", help="write failed requests here instead of to OUTPUT")
     batch.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -238,6 +243,12 @@ def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ConfigError([ConfigIssue("--model", f"one job runs one model; got {', '.join(sorted(set(targets)))}")])
     if targets:
         raw["model"] = {"name": targets[0], "aliases": aliases}
+    loras = [spec.partition("=") for spec in args.loras]
+    bad = [f"{n}{s}{p}" for n, s, p in loras if not (n and s and p)]
+    if bad:
+        raise ConfigError([ConfigIssue("--lora", f"expected NAME=PATH, got '{bad[0]}'")])
+    if loras:
+        raw.setdefault("model", {})["adapters"] = {name: path for name, _, path in loras}
     return _validated(apply_overrides(raw, args.overrides), "batchgen batch")
 
 
@@ -376,6 +387,10 @@ def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
         from batchgen.run.scoring_records import results_table
 
         print(results_table(summary["metrics"], summary.get("metric_rows")))
+    if summary.get("metrics_by_adapter"):  # a LoRA sweep: one column per adapter
+        from batchgen.run.adapters import adapter_table
+
+        print(adapter_table(summary["metrics_by_adapter"]))
     for key, values in ({} if job.scoring is not None else summary.get("metrics") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
         rows = (summary.get("metric_rows") or {}).get(key)

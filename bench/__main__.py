@@ -31,6 +31,9 @@ Parts (``--parts``, comma-separated; default all):
 * ``scoring``: lm-eval's multiple-choice and rolling-perplexity requests through batchgen's
   lm-eval backend against lm-eval's ``hf`` model (and its ``vllm`` one when importable), fp32
   and bf16 (``bench.scoring``). Not in the default set.
+* ``lora``: W32 under 4 LoRA adapters (rank 16, every projection) in one run, against 4
+  merged-adapter runs, one merged run of the same size, and HF + PEFT (``bench.lora``). Not
+  in the default set.
 * ``contention``: batchgen at its defaults, quiet and beside one and two busy loops
   (``bench.machine``). Not in the default set.
 * ``roof``: the machine's read bandwidth and int8 / float32 ceilings, and each workload's
@@ -57,7 +60,7 @@ from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_PARTS = ["throughput", "sharing", "blocksize", "lengths", "scaling", "profile", "scaleout"]
-EXTRA_PARTS = ["prefix", "structured", "machine", "contention", "scoring", "roof"]
+EXTRA_PARTS = ["prefix", "structured", "machine", "contention", "scoring", "roof", "lora"]
 MODES = {
     "greedy": {"kind": "greedy"},
     "n4": {"kind": "sample", "n": 4, "temperature": 0.8, "top_p": 0.95},
@@ -376,6 +379,12 @@ def part_scoring(args, out: Path) -> dict:
     return scoring.run_part(args, out, log, machine, save, importlib.util.find_spec("vllm") is not None)
 
 
+def part_lora(args, out: Path) -> dict:
+    from bench import lora
+
+    return lora.run_part(args, out, log, machine, save)
+
+
 def part_contention(args, out: Path) -> dict:
     from bench import machine as whole
 
@@ -461,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                "lengths": part_lengths, "scaling": part_scaling, "profile": part_profile,
                "scaleout": part_scaleout, "prefix": part_prefix, "structured": part_structured,
                "machine": part_machine, "contention": part_contention,
-               "scoring": part_scoring, "roof": part_roof}
+               "scoring": part_scoring, "roof": part_roof, "lora": part_lora}
         for p in parts:
             t0 = time.time()
             fns[p](args, out)

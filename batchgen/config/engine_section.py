@@ -27,6 +27,9 @@ YAML_TYPES: dict[str, Any] = {
     "kv_cache_memory": ByteSize | None,
     "seed": int,  # always set in a job: resumes need the records' seeds to repeat
 }
+#: The YAML's own default of a setting where a job wants another than Python's (vLLM's) one: a
+#: job sweeping a folder of checkpoints runs several adapters in one batch, at their ranks.
+YAML_DEFAULTS: dict[str, Any] = {"max_loras": 8, "max_lora_rank": 64}
 
 
 class _EngineChecks(_Section):
@@ -81,13 +84,16 @@ class _EngineChecks(_Section):
         values = {key: getattr(self, key) for key in type(self).model_fields}
         if values.get("kv_cache_memory") is not None:
             values["kv_cache_memory"] = int(values["kv_cache_memory"])
+        values["enable_lora"] = bool(getattr(model, "adapters", None))  # model.adapters: LoRA on
+        values["enable_lora"] = values.get("enable_lora") or bool(getattr(model, "adapters", None))
         return EngineConfig(model=model.name, dtype=model.dtype, device=model.device, **values)
 
 
 def _schema_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
     """``(type, pydantic Field)`` of one EngineConfig field in the YAML."""
     return (YAML_TYPES.get(field.name, hint),
-            Field(field.default, description=field.metadata.get("doc"), **field.metadata.get("bounds", {})))
+            Field(YAML_DEFAULTS.get(field.name, field.default), description=field.metadata.get("doc"),
+                  **field.metadata.get("bounds", {})))
 
 
 def _engine_section() -> type[_EngineChecks]:

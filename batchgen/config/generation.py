@@ -156,6 +156,9 @@ class GenerationSection(_Section):
         None, min_length=1, description="column holding the answer: the index of the right choice, or its text")
     target_delimiter: str = Field(" ", description="put before every choice (lm-eval's target_delimiter)")
     truncate: bool = Field(False, description="drop a too-long context's first tokens instead of an error record")
+    adapters: list[str] | None = Field(
+        None, min_length=1, description="run every row under each of these LoRA adapters of model.adapters "
+        "('base': the model without one), in one run; default: every adapter of model.adapters")
 
     @model_validator(mode="after")
     def _mode_keys(self) -> GenerationSection:

@@ -37,6 +37,9 @@ class ModelSection(_Section):
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    adapters: dict[str, str] | str | None = Field(
+        None, description="LoRA adapters (PEFT folders): a map of names to folders, or a glob of checkpoint "
+        "folders (each named by its folder); generation.adapters picks which run (docs/lora.md)")
 
     @field_validator("device")
     @classmethod

@@ -111,7 +111,8 @@ class BlockManager:
         if len(chain) < num_blocks:
             bs = self.block_size
             assert num_blocks * bs <= seq.num_tokens, "only full blocks have a hash"
-            parent = chain[-1] if chain else None
+            # the chain starts from the adapter, so KV is shared only under one adapter
+            parent = chain[-1] if chain else (("lora", seq.lora_int_id) if seq.lora_int_id else None)
             tokens = seq.token_ids
             for i in range(len(chain), num_blocks):
                 parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))

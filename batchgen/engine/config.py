@@ -41,6 +41,7 @@ SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 MAX_BLOCK_SIZE = 256
 #: The settings a job gives in its ``model:`` section (or not at all), not in ``engine:``.
 MODEL_KEYS = ("model", "dtype", "device", "trust_remote_code")
+MAX_LORA_RANK = 1024
 
 _DEVICE = re.compile(r"^[a-z]+(:\d+)?$")
 
@@ -131,6 +132,10 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     else f"max_logprobs must be an integer >= 0 (or -1: no cap), got {v!r}",
     "tensor_parallel_size": tensor_parallel_error,
     "gpu_memory_utilization": lambda v: utilization_error(v, None),
+    "enable_lora": _flag("enable_lora"),
+    "max_loras": _positive("max_loras"),
+    "max_lora_rank": lambda v: None if _positive_int(v) and v <= MAX_LORA_RANK
+    else f"max_lora_rank must be between 1 and {MAX_LORA_RANK}, got {v!r}",
 }
 
 
@@ -205,6 +210,12 @@ class EngineConfig:
         None, "on a GPU, the fraction of its memory the engine may fill (the KV cache gets what the "
         "model and other processes leave); null = 0.9 of the free memory; not on the CPU (use "
         "kv_cache_memory)", gt=0, le=1)
+    enable_lora: bool = _setting(False, "wrap the model's projections for LoRA adapters, given per request as a "
+                                 "LoRARequest (docs/lora.md); a job turns it on with model.adapters")
+    max_loras: int = _setting(1, "most LoRA adapters loaded (and running) at once; more load as needed, the "
+                              "least recently used evicted", ge=1)
+    max_lora_rank: int = _setting(16, f"the largest LoRA adapter rank accepted (1..{MAX_LORA_RANK})", ge=1,
+                                  le=MAX_LORA_RANK)
 
     def __post_init__(self) -> None:
         errors = [e for e in self._errors() if e is not None]

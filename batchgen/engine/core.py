@@ -56,6 +56,7 @@ class EngineCore:
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else 0
         self.sampler = Sampler(fused_greedy=runner.linear_backend == "cpu")
         self.eos_token_ids: list[int] = runner.eos_token_ids()
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler.free_seq)
@@ -107,6 +108,11 @@ class EngineCore:
         if group.error is not None:
             return group
         seq = Sequence(prompt_logprobs.scoring_tokens(params, token_ids), index=0)
+        if request.lora_request is not None:
+            group.error = self.runner.register_lora(request.lora_request)
+            if group.error is not None:
+                return group
+            seq.lora_int_id = group.lora_int_id = request.lora_request.lora_int_id
         self._init_seq(group, seq)
         group.seqs.append(seq)
         group.processors = [p for p in params.logits_processors if is_stateful(p)]

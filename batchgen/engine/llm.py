@@ -20,6 +20,7 @@ from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import BeamSearchOutput, EngineStats, Request, RequestOutput
+from batchgen.lora.request import LoRARequest, per_prompt
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class LLM:
         *,
         on_tokens: Callable[[int], None] | None = None,
         params: Params | Seq[Params] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
         ``LLM.generate``).
@@ -91,6 +93,8 @@ class LLM:
         :mod:`batchgen.engine.prompts`); ``sampling_params`` (or ``params``) is one
         SamplingParams / BeamSearchParams for all, or one per prompt (None: SamplingParams()).
         ``use_tqdm`` shows a progress bar over the prompts (True, or a tqdm-like class).
+        ``lora_request`` (with ``enable_lora``) is one LoRA adapter for all, or one (or None: the
+        base model) per prompt; a bad adapter fails its prompts' outputs (``error``).
 
         Raises:
             ValueError: before anything runs, naming the prompt's index, for a prompt that can
@@ -101,7 +105,10 @@ class LLM:
         """
         items = prompt_forms.as_list(prompts)
         params_list = prompt_forms.params_per_prompt(sampling_params, params, len(items))
+        loras = per_prompt(lora_request, len(items))
         requests = [self._checked_request(i, p, sp) for i, (p, sp) in enumerate(zip(items, params_list))]
+        for request, lora in zip(requests, loras):
+            request.lora_request = lora
         return self._run_in_order(requests, on_tokens, use_tqdm)
 
     def _checked_request(self, index: int, prompt: Any, params: Params) -> Request:
@@ -152,6 +159,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
         on_tokens: Callable[[int], None] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's ``LLM.chat``.
 
@@ -182,13 +190,15 @@ class LLM:
                 continue_final_message=continue_final_message, **kwargs))
         # The template writes the special tokens itself: tokenise the text without adding any.
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, on_tokens=on_tokens)
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, on_tokens=on_tokens,
+                                lora_request=lora_request)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
 
     def loglikelihood(self, requests: Seq[ll.Pair], *, max_length: int | None = None,
-                      truncate: bool = False) -> list[tuple[float, bool]]:
+                      truncate: bool = False,
+                      lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[tuple[float, bool]]:
         """lm-eval's ``loglikelihood``: per ``(context, continuation)`` pair, the sum of the
         continuation's token logprobs given the context and whether every continuation token
         is the most likely one (``is_greedy``), in input order.
@@ -205,16 +215,18 @@ class LLM:
                 is only a target.
             truncate: drop a too-long pair's first context tokens (as lm-eval does) instead of
                 refusing it.
+            lora_request: a LoRA adapter for all pairs, or one (or None) per pair.
 
         Raises:
             ValueError: naming the request index: not a pair, an empty continuation, a pair
                 too long for ``max_length`` (without ``truncate``), or an engine error.
         """
         pairs = ll.tokenize_pairs(self.tokenizer, requests, self.runner.vocab_size)
-        return self._score_pairs(pairs, max_length, truncate)
+        return self._score_pairs(pairs, max_length, truncate, per_prompt(lora_request, len(pairs)))
 
     def loglikelihood_rolling(self, texts: PromptType | Seq[PromptType], *,
-                              max_length: int | None = None) -> list[float]:
+                              max_length: int | None = None,
+                              lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[float]:
         """lm-eval's ``loglikelihood_rolling``: per text (or token-id list, or prompt dict as
         :meth:`generate` takes; a single text or dict is one request, as in :meth:`generate`,
         but token ids always come in a list of requests, as lm-eval gives them), the sum
@@ -222,7 +234,7 @@ class LLM:
         (default: the model's length; see :func:`batchgen.engine.loglikelihood.rolling_windows`),
         the first token conditioned on the BOS (or EOS) token. Every window of every text runs
         in one engine run; each token is scored exactly once. A text of whitespace only is
-        scored (its tokens), as in lm-eval.
+        scored (its tokens), as in lm-eval. ``lora_request``: as :meth:`loglikelihood`'s, per text.
 
         Raises:
             ValueError: naming the request index: a text with no tokens (nothing to score),
@@ -230,10 +242,13 @@ class LLM:
             TypeError: naming the request index: a request that is no text or id list.
         """
         max_length = self._scoring_length(max_length)
+        items = prompt_forms.as_list(texts, ids_alone=False)
+        loras = per_prompt(lora_request, len(items))
+        window_loras: list[LoRARequest | None] = []
         prefix = ll.prefix_token_id(self.tokenizer)
         windows: list[tuple[list[int], list[int]]] = []
         counts: list[int] = []
-        for i, text in enumerate(prompt_forms.as_list(texts, ids_alone=False)):
+        for i, text in enumerate(items):
             _, tokens = prompt_forms.token_ids_of(text, i, self.tokenizer,
                                                   lambda t: ll.encode(self.tokenizer, t), noun="request")
             if not tokens:
@@ -244,7 +259,8 @@ class LLM:
             doc = ll.rolling_windows(tokens, prefix, max_length)
             windows.extend(doc)
             counts.append(len(doc))
-        scores = self._score_pairs(windows, max_length, truncate=False)
+            window_loras.extend([loras[len(counts) - 1]] * len(doc))
+        scores = self._score_pairs(windows, max_length, False, window_loras)
         totals: list[float] = []
         start = 0
         for count in counts:
@@ -261,7 +277,7 @@ class LLM:
         return max_length
 
     def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], max_length: int | None,
-                     truncate: bool) -> list[tuple[float, bool]]:
+                     truncate: bool, loras: list[LoRARequest | None] | None = None) -> list[tuple[float, bool]]:
         max_length = self._scoring_length(max_length)
         requests = []
         for i, (context, continuation) in enumerate(pairs):
@@ -269,6 +285,8 @@ class LLM:
             if isinstance(fitted, str):
                 raise ValueError(f"request {i}: {fitted}")
             requests.append(ll.to_request(str(i), *fitted))
+            if loras and loras[i] is not None:
+                requests[-1].lora_request = loras[i]
         results = {out.request_id: ll.loglikelihood_of(out) for out in self.stream(requests)}
         return [results[r.request_id] for r in requests]
 

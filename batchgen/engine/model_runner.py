@@ -215,6 +215,11 @@ class ModelRunner:
 
         self.workspace = Workspace()
         self.linear_backend = self._setup_linears(config.linear_backend)
+        self.lora = None  # a batchgen.lora.manager.LoRAManager with enable_lora
+        if config.enable_lora:
+            from batchgen.lora.manager import LoRAManager  # torch-side LoRA, only when asked for
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
         self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
         if self.device.type == "cpu":
             threads.apply(self.threads)
@@ -244,6 +249,13 @@ class ModelRunner:
             # the C kernels would have carried the step: say plainly why they do not
             logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
         return backend
+
+    def register_lora(self, request: Any) -> str | None:
+        """Check a request's :class:`~batchgen.lora.LoRARequest` adapter; its error, or None."""
+        if self.lora is None:
+            return (f"LoRA adapter {request.lora_name!r} requested, but the engine runs without LoRA; "
+                    "create it with enable_lora=True")
+        return self.lora.register(request)
 
     @property
     def num_blocks(self) -> int:
@@ -333,6 +345,8 @@ class ModelRunner:
         hidden states a bounded chunk of positions at a time.
         """
         self.copy_blocks(copies)
+        if self.lora is not None:
+            self.lora.begin_step(scheduled)  # each token's adapter slot, in prepare's order
         step = self.prepare(scheduled, sample)
         samples = step.logits_indices.numel() > 0
         if not samples:

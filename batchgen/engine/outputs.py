@@ -21,11 +21,13 @@ class Request:
         prompt: text (tokenised with the model's tokenizer), token ids, ``{"prompt": text}``
             or ``{"prompt_token_ids": ids}`` (see :mod:`batchgen.engine.prompts`).
         params: a SamplingParams or a BeamSearchParams.
+        lora_request: a ``batchgen.lora.LoRARequest`` to run under, or None (the base model).
     """
 
     request_id: str
     prompt: Prompt
     params: Any
+    lora_request: Any = None
 
 
 @dataclass

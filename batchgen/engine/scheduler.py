@@ -107,6 +107,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.max_loras = 0  # LoRA: most adapters running at once (0: no LoRA); set by the engine
         # "prefix" order: the arrival at which each prompt-block hash (a node of the prefix
         # tree) was first seen, within the last ``lookahead`` arrivals.
         self._anchors: dict[int, int] = {}
@@ -243,6 +244,8 @@ class Scheduler:
             group = self.waiting[0]
             if self.running and self.num_running_seqs + _max_seqs(group) > self.max_num_seqs:
                 break
+            if self.max_loras and not _lora_fits(self.running, group.lora_int_id, self.max_loras):
+                break  # its adapter waits for a slot (at most max_loras adapters run at once)
             plan = self._plan(group, budget)
             if plan is None:
                 break
@@ -364,6 +367,15 @@ def _take(plan: list[PlanEntry], decodes: list[tuple[Sequence, int]],
     for seq, n, _ in plan:
         (decodes if n == 1 else prefills).append((seq, n))
     return sum(n for _, n, _ in plan)
+
+
+def _lora_fits(running: list[SequenceGroup], lora_int_id: int, max_loras: int) -> bool:
+    """Whether a group of adapter ``lora_int_id`` may join ``running`` without more than
+    ``max_loras`` adapters running at once (the base model, id 0, always may)."""
+    if not lora_int_id:
+        return True
+    ids = {g.lora_int_id for g in running if g.lora_int_id}
+    return lora_int_id in ids or len(ids) < max_loras
 
 
 def _max_seqs(group: SequenceGroup) -> int:

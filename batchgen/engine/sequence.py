@@ -43,7 +43,7 @@ class Sequence:
         "seq_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
         "block_hashes", "token_block_hashes", "status", "cumulative_logprob", "output_logprobs",
         "finish_reason", "stop_reason", "generator", "detokenizer", "text", "index", "score",
-        "processor_states",
+        "processor_states", "lora_int_id",
     )
 
     def __init__(self, token_ids: list[int], index: int = 0) -> None:
@@ -67,6 +67,7 @@ class Sequence:
         # One state per stateful logits processor of the request (SequenceGroup.processors),
         # or None when they are to be built (again) from the tokens, e.g. after a preemption.
         self.processor_states: list[Any] | None = None
+        self.lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +112,7 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         child.output_logprobs = list(self.output_logprobs)
         child.text = self.text
+        child.lora_int_id = self.lora_int_id
         if self.processor_states is not None:
             child.processor_states = [state.fork() for state in self.processor_states]
         return child
@@ -188,6 +190,8 @@ class SequenceGroup:
     # Prompt logprobs computed so far, one entry per prompt token (None until scored); see
     # batchgen.engine.prompt_logprobs.
     prompt_logprobs: list[Any] | None = None
+    # The request's LoRA adapter (a batchgen.lora.LoRARequest's lora_int_id; 0: the base model).
+    lora_int_id: int = 0
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -26,9 +26,11 @@ The contract, request type by request type (lm-eval's ``Instance.args``):
 
 ``model_args``: ``pretrained`` (an alias such as ``smollm2-135m-instruct`` or a model folder),
 ``max_length`` (the window; default the model's), ``max_gen_toks`` (default 256),
-``add_bos_token``, ``device``, and every :class:`batchgen.engine.config.EngineConfig` setting,
-passed through with its default (``dtype``, ``block_size``, ``kv_cache_memory`` as bytes or
-``"512MiB"``, ``num_threads``, ``seed``, ``max_num_batched_tokens``, ``max_model_len``...). lm-eval's ``batch_size`` and
+``add_bos_token``, ``device``, ``lora`` (or ``lora_local_path``, as lm-eval's ``vllm`` backend
+spells it: a PEFT LoRA folder every request runs under; ``docs/lora.md``), and every
+:class:`batchgen.engine.config.EngineConfig` setting, passed through with its default (``dtype``,
+``block_size``, ``kv_cache_memory`` as bytes or ``"512MiB"``, ``num_threads``, ``seed``,
+``max_num_batched_tokens``, ``max_model_len``...). lm-eval's ``batch_size`` and
 ``max_batch_size`` are accepted and ignored: the engine batches by its token budget.
 """
 
@@ -81,12 +83,16 @@ class BatchgenLM(TemplateLM):
         device: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
+        lora: str | None = None,
+        lora_local_path: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """``engine_kwargs`` are :class:`batchgen.engine.config.EngineConfig`'s settings, with
         its defaults (``kv_cache_memory`` may be a size such as ``"512MiB"``)."""
         super().__init__()
         from batchgen.engine.llm import LLM
+
+        self.lora_request = _lora_request(lora, lora_local_path, engine_kwargs)
 
         if device is not None and device.startswith("cuda"):
             import torch
@@ -97,6 +103,10 @@ class BatchgenLM(TemplateLM):
         if engine_kwargs.get("kv_cache_memory") is not None:
             engine_kwargs["kv_cache_memory"] = _byte_size(engine_kwargs["kv_cache_memory"])
         self.llm = LLM(pretrained, **({"device": device} if device else {}), **engine_kwargs)
+        if self.lora_request is not None:
+            error = self.llm.runner.register_lora(self.lora_request)  # a bad folder fails here, not per task
+            if error is not None:
+                raise ValueError(error)
         self.tokenizer = self.llm.tokenizer
         self.pretrained = pretrained
         self.add_bos_token = add_bos_token
@@ -158,7 +168,8 @@ class BatchgenLM(TemplateLM):
         """Score every ``(key, context ids, continuation ids)`` in one engine call; a pair past
         ``max_length + 1`` tokens loses context tokens from the left, as ``hf`` does."""
         pairs = [(ctx, cont) for _, ctx, cont in requests]
-        results = self.llm.loglikelihood(pairs, max_length=self.max_length, truncate=True)
+        results = self.llm.loglikelihood(pairs, max_length=self.max_length, truncate=True,
+                                         lora_request=self.lora_request)
         results = [(float(lp), bool(greedy)) for lp, greedy in results]
         for (key, _, _), result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", key, result)
@@ -168,7 +179,8 @@ class BatchgenLM(TemplateLM):
         """lm-eval's rolling windows of every text (encoded by :meth:`tok_encode`), all scored
         in one engine call (:meth:`batchgen.LLM.loglikelihood_rolling`)."""
         texts = [req.args[0] for req in requests]
-        totals = self.llm.loglikelihood_rolling([self.tok_encode(t) for t in texts], max_length=self.max_length)
+        totals = self.llm.loglikelihood_rolling([self.tok_encode(t) for t in texts], max_length=self.max_length,
+                                                lora_request=self.lora_request)
         totals = [float(t) for t in totals]
         for text, total in zip(texts, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
@@ -188,7 +200,7 @@ class BatchgenLM(TemplateLM):
             prompts.append(self.tok_encode(context)[-max_ctx:])
             params.append(sp)
             stops.append(until)
-        outputs = self.llm.generate(prompts, params) if prompts else []
+        outputs = self.llm.generate(prompts, params, lora_request=self.lora_request) if prompts else []
         texts: list[str] = []
         for req, out, until in zip(requests, outputs, stops):
             if out.error:
@@ -222,4 +234,25 @@ class BatchgenLM(TemplateLM):
         return sp, until
 
     def get_model_info(self) -> dict:
-        return {"model": self.pretrained, "max_length": self.max_length}
+        info = {"model": self.pretrained, "max_length": self.max_length}
+        if self.lora_request is not None:
+            info["lora"] = self.lora_request.lora_path
+        return info
+
+
+def _lora_request(lora: str | None, lora_local_path: str | None, engine_kwargs: dict[str, Any]) -> Any:
+    """The LoRARequest of ``lora`` / ``lora_local_path`` (one of them, or both the same), with
+    LoRA switched on in ``engine_kwargs``; None without either."""
+    from pathlib import Path
+
+    from batchgen.engine.config import MAX_LORA_RANK
+    from batchgen.lora.request import LoRARequest
+
+    if lora and lora_local_path and lora != lora_local_path:
+        raise ValueError(f"model_args give lora={lora!r} and lora_local_path={lora_local_path!r}; give one")
+    path = lora or lora_local_path
+    if not path:
+        return None
+    engine_kwargs["enable_lora"] = True
+    engine_kwargs.setdefault("max_lora_rank", MAX_LORA_RANK)  # slots hold the adapter's own rank
+    return LoRARequest(Path(path).name or "lora", 1, str(path))

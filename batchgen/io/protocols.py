@@ -106,6 +106,8 @@ class PromptRecord:
             unique within the run (the source's promise); the builder gets all their outputs.
         meta: what the source tells its record builder about the row (e.g. a scoring row's
             choices, their token counts and the answer's index); the record format reads it.
+        lora_request: the LoRA adapter (a ``batchgen.lora.LoRARequest``) the row runs under,
+            or None (the base model); see :mod:`batchgen.run.adapters`.
     """
 
     id: str | None
@@ -118,6 +120,7 @@ class PromptRecord:
     chat: bool | None = None
     requests: list[Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    lora_request: Any = None
 
 
 class EngineView(Protocol):

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchgen.plugins import PluginError
+from batchgen.run.adapters import adapter_metrics
 from batchgen.run.errors import RunFailed, TooManyErrors
 from batchgen.run.executors import ExecutorError, make_executor
 from batchgen.run.plan import Job
@@ -121,6 +122,7 @@ def execute(
         if outcome is None:
             assert tallied is not None
             summary["metrics"] = tallied[1]
+            summary.update(adapter_metrics(job))  # a LoRA sweep: each metric per adapter too
             summary["status"] = "completed"
         elif isinstance(outcome, KeyboardInterrupt):
             summary["status"] = "interrupted"
@@ -205,7 +207,8 @@ def _generate(
                     continue
                 if prompt.requests is None:
                     pending[prompt.id] = (prompt, None)
-                    yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, prompt.params)
+                    yield Request(prompt.id, prompt.prompt_token_ids or prompt.prompt, prompt.params,
+                                  prompt.lora_request)
                     continue
                 group = _Group(prompt)
                 for slot, request in enumerate(prompt.requests):

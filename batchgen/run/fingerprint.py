@@ -48,6 +48,7 @@ FINGERPRINT_KEYS: tuple[str, ...] = (
     "model.dtype",
     "model.device",  # its kind: 'auto' dtype is float32 on the CPU, the checkpoint's on a GPU
     "model.aliases",
+    "model.adapters",  # the LoRA adapters a sweep runs (generation.adapters, fingerprinted, picks them)
     "data.source",
     "data.format",
     "data.name",
@@ -61,6 +62,7 @@ FINGERPRINT_KEYS: tuple[str, ...] = (
     "engine.linear_backend",  # MKL's GEMM blocking differs from batchgen's (docs/kernels.md)
     "engine.tokenizer",  # another tokenizer gives other prompt ids
     "engine.max_model_len",  # caps where generation stops (finish_reason 'length')
+    "engine.enable_lora",  # the projections are wrapped for adapters
     "output.format",
 )
 
@@ -81,6 +83,8 @@ NOT_FINGERPRINTED: dict[str, str] = {
     "engine.num_threads": f"threads: {_SAME_BITS}",
     "engine.index_checks": "only checks indices before a launch",
     "engine.max_logprobs": "an upper bound checked before the run; generation.logprobs, fingerprinted, sets what is kept",
+    "engine.max_loras": f"how many adapters run at once (the LoRA kernel is row-invariant): {_SAME_BITS}",
+    "engine.max_lora_rank": "an upper bound checked when an adapter loads; the adapter (model.adapters) is fingerprinted",
     "engine.tensor_parallel_size": "only 1 runs (a larger value is refused), so it cannot differ between runs",
     "engine.gpu_memory_utilization": f"KV budget on a GPU (preemption recomputes): {_SAME_BITS}",
     "executor": "where the engine runs; every replica runs the same engine settings",

@@ -33,6 +33,7 @@ from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, reso
 from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
 from batchgen.config.formats import RecordKind, ScoringKind, SourceKind, scoring_kind
 from batchgen.plugins import PluginError
+from batchgen.run.adapters import sweep
 from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import SIDECAR_VERSION, SidecarError, config_differences, read_sidecar, schema_defaults
 from batchgen.run.fingerprint import sidecar, sidecar_path, source_digest
@@ -105,9 +106,9 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     source_kind, record_kind = kinds(config)
     scoring = scoring_kind(config.generation)
     if scoring is not None:  # generation.mode loglikelihood / perplexity: a scoring job
-        return _scoring(config, scoring, source_kind, record_kind, metric_columns, metrics)
-    return (_SOURCES[source_kind](config, processors, metric_columns),
-            _RECORDS[record_kind](config, metrics))
+        return sweep(config, *_scoring(config, scoring, source_kind, record_kind, metric_columns, metrics))
+    return sweep(config, _SOURCES[source_kind](config, processors, metric_columns),
+                 _RECORDS[record_kind](config, metrics))  # sweep: model.adapters, if any
 
 
 def _scoring(config: RunConfig, scoring: ScoringKind, source_kind: SourceKind, record_kind: RecordKind,
