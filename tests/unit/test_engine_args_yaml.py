@@ -48,19 +48,20 @@ def test_the_engine_section_is_derived_from_engine_config() -> None:
     import dataclasses
     import typing
 
-    from batchgen.config.engine_section import YAML_TYPES, EngineSection
+    from batchgen.config.engine_section import YAML_DEFAULTS, YAML_TYPES, EngineSection
     from batchgen.engine.config import MODEL_KEYS, EngineConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     hints = typing.get_type_hints(EngineConfig)
     assert list(EngineSection.model_fields) == [n for n in fields if n not in MODEL_KEYS]
     for name, schema in EngineSection.model_fields.items():
-        assert schema.default == fields[name].default, name
+        assert schema.default == YAML_DEFAULTS.get(name, fields[name].default), name
         assert schema.description == fields[name].metadata["doc"], name
         assert schema.annotation == YAML_TYPES.get(name, hints[name]), name
-    # a job's defaults build the engine's defaults
+    # a job's defaults build the engine's defaults (but the few a job sets otherwise, each said why)
     config = validate_config(MINIMAL)
-    assert config.engine.to_engine_config(config.model) == EngineConfig()
+    assert set(YAML_DEFAULTS) <= set(fields) and all(YAML_DEFAULTS[k] != fields[k].default for k in YAML_DEFAULTS)
+    assert config.engine.to_engine_config(config.model) == EngineConfig(**YAML_DEFAULTS)
 
 
 def test_each_choice_is_spelled_once() -> None:
