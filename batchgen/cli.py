@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from batchgen.quiet import quiet_libraries, quiet_notices
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -184,7 +186,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     STOP.install()
     try:
-        return _run(args, STOP)
+        with quiet_notices(bool(args.quiet)):
+            return _run(args, STOP)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", None) or STOP.received or signal.SIGINT
         _error(f"interrupted by {signal.Signals(signum).name}; nothing was started")
@@ -195,22 +198,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
-    from batchgen import quiet
-    from batchgen.quiet import quiet_libraries
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
 
-    quiet.QUIET = bool(args.quiet)
     if args.quiet or not sys.stderr.isatty():
         quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
         with stop.interruptible():
             registry, config = _batch_config(args) if args.command == "batch" else _load(args)
-            if args.resume or args.force_resume:
-                config.output.if_exists = "resume"
-            elif args.overwrite:
-                config.output.if_exists = "overwrite"
+            config = _with_if_exists(config, args)
             job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
         _error(str(exc))
@@ -246,6 +243,18 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         )
         return EXIT_RECORDS_FAILED
     return EXIT_OK
+
+
+def _with_if_exists(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` with ``--resume`` / ``--overwrite`` as its ``output.if_exists``: a copy, the
+    validated config itself is left as it is."""
+    if args.resume or args.force_resume:
+        if_exists = "resume"
+    elif args.overwrite:
+        if_exists = "overwrite"
+    else:
+        return config
+    return config.model_copy(update={"output": config.output.model_copy(update={"if_exists": if_exists})})
 
 
 def _files(config: Any) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.cli import main
+from batchgen.quiet import say
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -153,6 +154,8 @@ def test_runtime_failure_exits_1(job_config, capsys, tmp_path: Path, monkeypatch
     code, _, err = _cli(capsys, "run", str(job_config(plugins=["boom_at_start"])), "--quiet")
     assert code == 1
     assert "run failed:" in err and "boom_at_start" in err and "OSError: disk on fire" in err
+    say("after the run")  # --quiet held for that run only: nothing is left set behind it
+    assert capsys.readouterr().err == "batchgen: after the run\n"
 
 
 def test_plugins_lists_builtins_and_entry_points(capsys) -> None:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgen import quiet
+from batchgen.quiet import quiet_notices
 from batchgen.cache import remove_stale_temp_folders
 from batchgen.model_resolver import ModelNotFoundError, _convert_gguf, check_model
 
@@ -74,12 +74,12 @@ def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
     was_enabled = hf_logging.is_progress_bar_enabled()
     try:
         hf_logging.disable_progress_bar()  # what --quiet (or stderr off a terminal) does
-        monkeypatch.setattr(quiet, "QUIET", True)  # --quiet: nothing at all
-        _convert_gguf(Path("model.gguf"), models / "m-1")
+        with quiet_notices():  # --quiet: nothing at all
+            _convert_gguf(Path("model.gguf"), models / "m-1")
         assert capsys.readouterr().err == ""
         assert (models / "m-1" / "config.json").is_file() and not stale.exists()
         assert sorted(p.name for p in models.iterdir()) == ["m-1"]
-        monkeypatch.setattr(quiet, "QUIET", False)  # off a terminal: what happens, no bar
+        # Off a terminal (and after the quiet block): what happens, no bar.
         _convert_gguf(Path("model.gguf"), models / "m-3")
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 2 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
