@@ -2,7 +2,7 @@
 
 Each step: the scheduler plans (allocation, copy-on-write, preemption), the model runner runs
 one packed forward, then every sequence that reached its last token gets a new token (the
-sampler, or :func:`batchgen.engine.beam_search.beam_step`, which takes the core as its
+sampler, or :func:`batchgen.engine.beam_step.beam_step`, which takes the core as its
 ``BeamHost``), the output processor applies the stop rules, and finished requests leave at
 once, freeing their blocks.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from batchgen.engine import prompt_logprobs
-from batchgen.engine.beam_search import beam_step
+from batchgen.engine.beam_step import beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer
@@ -29,7 +29,7 @@ from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.outputs import EngineStats, Request, RequestOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup
-from batchgen.sampling.beam import BeamSearchState
+from batchgen.sampling.beam_ranking import BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
 from batchgen.sampling.sampler import MaskedRowsError, Sampler, SamplerOutput, SamplingRow, explain_masked
 

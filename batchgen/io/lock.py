@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from batchgen.io.writer import OutputError, OutputInUseError, os_reason
+from batchgen.io.output_file import OutputError, OutputInUseError, os_reason
 
 __all__ = ["OutputLock", "lock_path"]
 

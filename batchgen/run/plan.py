@@ -31,7 +31,7 @@ from batchgen.run.errors import ResumeMismatchError
 from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
 from batchgen.io.lock import OutputLock
 from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
-from batchgen.io.writer import check_writable, prepare_output, read_records, read_summary, write_json_atomic
+from batchgen.io.output_file import check_writable, prepare_output, read_records, read_summary, write_json_atomic
 
 __all__ = ["Job", "output_paths", "pick", "plan"]
 

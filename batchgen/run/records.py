@@ -83,7 +83,7 @@ def score_record(record: dict[str, Any], row: Any, metrics: Sequence[tuple[Any, 
     return record
 
 
-class _Builder:
+class _RecordBuilder:
     """Makes and scores the records of one run."""
 
     def __init__(self, metrics: Sequence[tuple[Any, Any]]) -> None:
@@ -104,8 +104,8 @@ class BatchgenRecords:
     def __init__(self, metrics: Sequence[tuple[Any, Any]] = ()) -> None:
         self.metrics = list(metrics)
 
-    def builder(self, engine: EngineView) -> _Builder:
-        return _Builder(self.metrics)
+    def builder(self, engine: EngineView) -> _RecordBuilder:
+        return _RecordBuilder(self.metrics)
 
     @staticmethod
     def key(record: Mapping[str, Any]) -> str | None:

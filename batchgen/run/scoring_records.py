@@ -50,7 +50,7 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: values[i])  # the first of equal ones, as numpy's
 
 
-class _Builder:
+class _ScoringRecordBuilder:
     def __init__(self, mode: str, metrics: Sequence[tuple[Any, Any]]) -> None:
         self.mode = mode
         self.metrics = metrics
@@ -103,8 +103,8 @@ class ScoringRecords(BatchgenRecords):
         super().__init__(metrics)
         self.mode = mode
 
-    def builder(self, engine: EngineView) -> _Builder:  # type: ignore[override]
-        return _Builder(self.mode, self.metrics)
+    def builder(self, engine: EngineView) -> _ScoringRecordBuilder:  # type: ignore[override]
+        return _ScoringRecordBuilder(self.mode, self.metrics)
 
 
 def results_table(metrics: Mapping[str, Mapping[str, Any]]) -> str:

@@ -262,7 +262,7 @@ def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
 
 def test_resume_with_another_config_is_refused(job_config, capsys, tmp_path: Path) -> None:
     from batchgen.config import load_config, resolved_dict
-    from batchgen.io.writer import write_json_atomic
+    from batchgen.io.output_file import write_json_atomic
     from batchgen.plugins import load_registry
 
     path = job_config()

@@ -1,7 +1,7 @@
 """The beam step: one beam-search request's turn in an engine step.
 
 The ranking (which candidates live on, which hypotheses finish, when the search ends) is
-:class:`batchgen.sampling.beam.BeamSearchState`, pure Python and pinned against HF. This
+:class:`batchgen.sampling.beam_ranking.BeamSearchState`, pure Python and pinned against HF. This
 module is the engine side of it: the log-softmax and top-k over the beams' logits rows, the
 logits processors, and the paged cache: a survivor with several children is forked (sharing
 its blocks; only the partial last block is copied, on its next write), a dead beam's blocks are
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.sampling.beam import BeamHypothesis, BeamSearchState
+from batchgen.sampling.beam_ranking import BeamHypothesis, BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, is_stateful
 from batchgen.sampling.processors import describe_processor
 from batchgen.sampling.stateful import apply_stateful
