@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from batchgen.integrations.lm_eval_command import main as lm_eval_main
 from batchgen.quiet import quiet_libraries, quiet_notices
 
 EXIT_OK = 0
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
+    # deferred: importlib.metadata only for --version
     from importlib import metadata
 
     try:
@@ -144,6 +146,7 @@ def _note(message: str) -> None:
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     """Read the YAML once, build the plugin registry from its ``plugins:`` and validate it
     (raises SETUP_ERRORS)."""
+    # deferred (start-up): the config stack (pydantic, yaml; ~0.7 s) only for the commands that read one
     from batchgen.config import apply_overrides, read_yaml
 
     return _validated(apply_overrides(read_yaml(args.config), args.overrides), str(args.config))
@@ -151,6 +154,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _validated(data: dict[str, Any], source: str) -> tuple[Any, Any]:
     """The registry of ``data``'s plugin modules, and ``data`` validated against it."""
+    # deferred (start-up): the config and plugin stacks (pydantic, pluggy; ~1 s) only when a config is read
     from batchgen.config import validate_config
     from batchgen.plugins import load_registry
 
@@ -161,6 +165,7 @@ def _validated(data: dict[str, Any], source: str) -> tuple[Any, Any]:
 
 def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job of ``batchgen batch``: a config built from its flags, then ``--set`` applied."""
+    # deferred (start-up): the config stack (~0.7 s) only when a config is read
     from batchgen.config import ConfigError, ConfigIssue, apply_overrides
 
     output: dict[str, Any] = {"path": args.output, "format": "openai_batch"}
@@ -182,6 +187,7 @@ def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # deferred (start-up): the run layer (~1.4 s) only for run and batch
     from batchgen.run.signals import STOP
 
     STOP.install()
@@ -198,6 +204,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
+    # deferred (start-up): the run layer (~1.4 s) only for run and batch
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
@@ -285,6 +292,7 @@ def _report(summary: dict[str, Any], config: Any) -> None:
             f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
         )
     if config.generation.scores and summary.get("metrics"):  # an evaluation run: lm-eval's results table
+        # deferred (start-up): the scoring records only for an evaluation run's table
         from batchgen.run.scoring_records import results_table
 
         print(results_table(summary["metrics"]))
@@ -297,11 +305,13 @@ def _report(summary: dict[str, Any], config: Any) -> None:
 def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
     """The model's tokenizer when it is available locally; else (None, why not)."""
     try:
+        # deferred (start-up): the model resolver only when validate checks a chat template
         from batchgen.model_resolver import resolve_model
 
         resolved = resolve_model(model_name)
         if not Path(resolved.path).is_dir():
             return None, f"model '{model_name}' is not a local folder; chat template not checked"
+        # deferred: transformers (~3 s) only when validate checks a chat template
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(resolved.path), None
@@ -310,6 +320,7 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    # deferred (start-up): the config stack and the run layer (~1.4 s) only for validate
     from batchgen.config import ConfigError, ConfigIssue, apply_overrides, read_yaml
     from batchgen.run.errors import SETUP_ERRORS
     from batchgen.run.executors.cluster import check_address
@@ -337,6 +348,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
+    # deferred (start-up): the output lock only for validate
     from batchgen.io.lock import OutputLock
 
     holder = OutputLock(config.output.path).holder()
@@ -355,6 +367,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
     """``error`` (a ConfigError) with the model name's problem added, so that one ``validate``
     lists it beside the others (the model is otherwise checked only once the config is valid)."""
+    # deferred (start-up): the config stack and the run layer (~1.4 s) only for validate
     from batchgen.config import ConfigError, ConfigIssue
     from batchgen.run.plan import check_model_name
 
@@ -372,6 +385,7 @@ def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    # deferred (start-up): the plugin stack (pluggy, the built-ins; ~0.8 s) only for the plugins command
     from batchgen.plugins import PluginError, load_registry
 
     try:
@@ -415,8 +429,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lm-eval"]:  # lm-eval's own CLI parses the rest (batchgen.integrations.lm_eval_command)
-        from batchgen.integrations.lm_eval_command import main as lm_eval_main
-
         return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
     args.console = console

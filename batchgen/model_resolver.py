@@ -107,6 +107,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     Stale temp folders of killed conversions are removed first. Progress bars show only while
     transformers' progress bars are on (the CLI turns them off for ``--quiet`` and off a TTY).
     """
+    # deferred: transformers (~5 s) only for a conversion
     from transformers.utils import logging as hf_logging
 
     for stale in remove_stale_temp_folders(target):
@@ -126,6 +127,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
+    # deferred: torch and transformers (~10 s) only for a conversion
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,6 +192,7 @@ def _gguf_quantization(setting: str, device: str) -> str:
     if setting != "auto":
         return setting
     if device == "auto":
+        # deferred: torch (~5 s) only to pick the device of 'auto'
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,6 +200,7 @@ def _gguf_quantization(setting: str, device: str) -> str:
 
 
 def _gguf_model(name: str, path: Path, quantization: str, device: str, embedded: bool = False) -> ResolvedModel:
+    # deferred: the GGUF reader (numpy; ~0.6 s) only for a GGUF model
     from batchgen.gguf.metadata import metadata_folder
     from batchgen.gguf.reader import GGUFError
 
@@ -246,6 +250,7 @@ def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -
     if expanded.is_dir():
         return _folder_model(name, expanded, quantization, device)
     if expanded.is_file():
+        # deferred: the GGUF reader (numpy; ~0.6 s) only for a file path
         from batchgen.gguf.reader import is_gguf_file
 
         if is_gguf_file(expanded):
@@ -291,6 +296,7 @@ def check_model(name: str, quantization: str = "auto", device: str = "auto") -> 
         "available here"
     )
     try:
+        # optional: the hub client (transformers' dependency) only to name an unknown model
         from huggingface_hub import HfApi, constants, try_to_load_from_cache
         from huggingface_hub.utils import HFValidationError
     except ImportError:  # pragma: no cover - a dependency of transformers

@@ -29,6 +29,7 @@ def quiet_libraries() -> None:
     hub): a run that is quiet, not on a terminal, or inside a replica shows only its own lines."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
+        # deferred: transformers (~4 s) only to switch its logging off
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

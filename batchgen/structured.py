@@ -53,6 +53,7 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 def require() -> Any:
     """The ``xgrammar`` module, or ImportError saying which extra to install."""
     try:
+        # deferred: xgrammar (and torch; ~6 s) only when a constraint is compiled
         import xgrammar
     except ImportError as exc:
         raise ImportError(

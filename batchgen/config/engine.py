@@ -2,16 +2,18 @@
 :class:`~batchgen.engine.config.EngineConfig`, which :meth:`EngineSection.to_engine_config`
 builds), and ``executor:`` where the engine runs.
 
-This module imports neither torch nor the engine.
+This module imports neither torch nor the engine (only the torch-free `engine/config.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import ByteSize, Field, PositiveInt, field_validator, model_validator
 
 from batchgen.config.sections import _Section
+from batchgen.engine.config import EngineConfig
 
 
 class EngineSection(_Section):
@@ -80,10 +82,6 @@ class EngineSection(_Section):
         """The :class:`~batchgen.engine.config.EngineConfig` of this section and the ``model``
         section: every field of this section that EngineConfig has, so a new engine setting is
         a field there plus its schema here."""
-        import dataclasses
-
-        from batchgen.engine.config import EngineConfig
-
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         values = {key: getattr(self, key) for key in type(self).model_fields if key in names}
         if values.get("kv_cache_memory") is not None:

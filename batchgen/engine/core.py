@@ -32,6 +32,7 @@ from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.sampling.beam_ranking import BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
 from batchgen.sampling.sampler import MaskedRowsError, Sampler, SamplerOutput, SamplingRow, explain_masked
+from batchgen.structured import StructuredOutputsProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ class EngineCore:
         constrained request (so its grammar cache and its batched mask fill are too); made on
         first use. Raises ImportError when xgrammar is missing."""
         if self._structured is None:
-            from batchgen.structured import StructuredOutputsProcessor
-
             self._structured = StructuredOutputsProcessor(
                 self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                 max_threads=max(1, min(8, torch.get_num_threads())))

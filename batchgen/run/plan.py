@@ -32,6 +32,9 @@ from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, 
 from batchgen.io.lock import OutputLock
 from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
 from batchgen.io.output_file import check_writable, prepare_output, read_records, read_summary, write_json_atomic
+from batchgen.model_resolver import ModelNotFoundError, check_model
+from batchgen.plugins import load_registry
+from batchgen.run.executors import check_executor
 
 __all__ = ["Job", "output_paths", "pick", "plan"]
 
@@ -203,8 +206,6 @@ def check_model_name(name: str, quantization: str = "auto", device: str = "auto"
 
     Cheap for folders and cached hub ids; converts the embedded GGUF the first time only.
     """
-    from batchgen.model_resolver import ModelNotFoundError, check_model
-
     try:
         check_model(name, quantization, device)
     except ModelNotFoundError as exc:
@@ -231,8 +232,6 @@ def plan(
         one of :data:`~batchgen.run.errors.SETUP_ERRORS`.
     """
     if registry is None:
-        from batchgen.plugins import load_registry
-
         registry = load_registry(config.plugins)
     found = _Issues()
     metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in _metric_refs(config)]
@@ -242,8 +241,6 @@ def plan(
         sampler = config.generation.sampler
         processors.append(registry.build_sampler(sampler.name, sampler.options))
     found.run(lambda: check_model_name(config.model.name, config.engine.quantization, config.model.device))
-    from batchgen.run.executors import check_executor
-
     found.run(lambda: check_executor(config))  # backend 'ray' without Ray installed: say what to install
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
     picked = found.run(lambda: pick(config, processors, required, metrics))

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchgen.plugins import PluginError
 from batchgen.io.protocols import AnsweredKeys, EngineView, PromptRecord
+from batchgen.sampling.params import BeamSearchParams
 
 __all__ = ["BatchgenRecords", "make_record"]
 
@@ -49,8 +50,6 @@ def make_record(prompt: PromptRecord, output: Any | None) -> dict[str, Any]:
             "cached_tokens": stats.num_cached_tokens,
         }
         error = output.error
-        from batchgen.sampling.params import BeamSearchParams
-
         if isinstance(prompt.params, BeamSearchParams):
             # Best beam first, indexed by rank, so that "the first generation" means the same
             # thing (the model's best answer) in every mode.

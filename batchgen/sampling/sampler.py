@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.sampling.params import SamplingParams, is_stateful
 from batchgen.sampling.filters import apply_filters
 from batchgen.sampling.processors import describe_processor
@@ -144,8 +145,6 @@ class Sampler:
             or r.processors or r.params.temperature not in (0.0, 1.0) for r in rows)
         if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
             # Nothing below would change the logits: pick in one C pass where it can run.
-            from batchgen.kernels.cpu import fused as cpu_fused
-
             fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
             if fast is not None:
                 return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * num_rows)
@@ -229,8 +228,6 @@ class Sampler:
         infinities."""
         lse = None
         if self.fused_greedy:
-            from batchgen.kernels.cpu import fused as cpu_fused
-
             lse = cpu_fused.logsumexp(raw)
         if lse is None:
             return torch.logsumexp(raw, dim=-1).double()

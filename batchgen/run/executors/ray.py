@@ -20,6 +20,8 @@ from typing import Any
 
 from batchgen.config import RunConfig
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.outputs import RequestOutput
+from batchgen.model_resolver import resolve_model
 from batchgen.plugins import PluginError
 from batchgen.run.executors import ExecutorError, engine_config, replica_figures
 from batchgen.run.executors.cluster import caller_signal_handlers, import_ray
@@ -120,8 +122,6 @@ class RayExecutor:
         # The driver tokenises the prompts (and checks their length) as a local run does; its
         # tokenizer loads while the replicas load their engines.
         from transformers import AutoTokenizer
-
-        from batchgen.model_resolver import resolve_model
 
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(
             self.config.model.name, self.config.engine.quantization, self.config.model.device).path)
@@ -412,8 +412,6 @@ class _Stream:
 
 
 def _error_output(request: Any, message: str) -> Any:
-    from batchgen.engine.outputs import RequestOutput
-
     prompt = request.prompt
     return RequestOutput(request_id=request.request_id, prompt=prompt if isinstance(prompt, str) else None,
                          prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), error=message)
