@@ -9,13 +9,16 @@ Commands:
   an OpenAI Batch API file in, OpenAI response lines out.
 * ``batchgen validate CONFIG [--set KEY=VALUE ...]``: every check that needs no model run.
 * ``batchgen plugins [--json]``: what is installed, what each plugin registers, and its options.
+* ``batchgen tokenize MODEL TEXT [--json]``: the token ids of TEXT under MODEL's tokenizer (for
+  plugin options such as a banned token id).
 * ``batchgen --version``.
 
 Exit status: 0 ok; 1 runtime failure; 2 config or usage error (argparse's own usage errors
-included, and an output in use by another run); 3 the run finished but no record succeeded, or
-``--max-error-rate`` stopped it; 128 + the signal's number when a signal stopped it (130 for
-SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr as one ``batchgen: error: ...`` line,
-never a traceback.
+included, and an output in use by another run); 3 the run finished but no record succeeded,
+``--max-error-rate`` stopped it, or more rows failed than ``--max-failed-rows`` allows (0 by
+default for a scoring job; ``validate`` applies it to the rows it samples); 128 + the signal's
+number when a signal stopped it (130 for SIGINT / Ctrl-C, 143 for SIGTERM). Errors go to stderr
+as one ``batchgen: error: ...`` line, never a traceback.
 """
 
 from __future__ import annotations
@@ -40,18 +43,45 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM gives 143
 
 # Rows rendered by ``validate`` to catch template errors before a run.
 VALIDATE_ROWS = 5
+# Rows a scoring job's ``validate`` checks (its answers against its choices), before the model loads.
+VALIDATE_SCORING_ROWS = 20
+
+
+#: Where ``--help`` sends a reader (docs/ in the source tree, or on the project's page).
+_HELP_EPILOG = """\
+start with:  batchgen run configs/quickstart.yaml   (an example job; bash scripts/quickstart.sh sets it up)
+every key:   docs/config.md        OpenAI batch files: docs/openai-batch.md
+evaluation:  docs/evaluation.md    plugins: docs/plugins.md    GGUF files: docs/gguf.md
+exit status: 0 ok, 1 runtime failure, 2 config or usage error, 3 no record succeeded, 128+N a signal"""
+
+_RUN_EPILOG = """\
+CONFIG is a YAML job: which model (model.name), which rows (data.source), how a row becomes a
+prompt (prompt), how to generate (generation) and where the records go (output.path), e.g.
+
+  model: {name: smollm2-135m-instruct}
+  data: {source: rows.jsonl}
+  prompt: {column: prompt}
+  generation: {mode: greedy, max_tokens: 64}
+  output: {path: out/results.jsonl}
+
+configs/quickstart.yaml is a complete one and configs/ holds more; docs/config.md lists every key.
+batchgen validate CONFIG checks one without loading the model. Records are written in the order
+they finish, one JSON line each; sort them by "id" (or "index") when the order matters."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchgen",
-        description="Offline batch generation for LLMs over a paged KV cache.",
+        description="Offline batch generation for LLMs over a paged KV cache: a YAML job in, JSON lines out.",
+        epilog=_HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"batchgen {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("config", metavar="CONFIG", help="the run's YAML file")
+        _failed_rows_arg(p)
         p.add_argument(
             "--set",
             dest="overrides",
@@ -80,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--quiet", "-q", action="store_true", help="no progress output and no final report")
 
-    run = sub.add_parser("run", help="generate for every row of the dataset")
+    run = sub.add_parser("run", help="generate for every row of the dataset",
+                         description="Generate (or score) for every row of the job's dataset and write one record per row.",
+                         epilog=_RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     config_args(run)
     run_args(run, "ids")
 
@@ -102,12 +134,24 @@ def _parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set engine.max_num_seqs=64 (VALUE is parsed as YAML); repeatable",
     )
+    _failed_rows_arg(batch)
     run_args(batch, "custom_ids")
 
     validate = sub.add_parser("validate", help="check a config without running the model")
     config_args(validate)
 
-    sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the model 'batchgen' (main() hands it the rest)")
+    sub.add_parser("lm-eval", add_help=False, help="lm-evaluation-harness with batchgen as its model: "
+                   "batchgen lm-eval --model batchgen --tasks ... (docs/evaluation.md; 'batchgen lm-eval --help' "
+                   "for its options)")
+    tokenize = sub.add_parser("tokenize", help="print the token ids of a text under a model's tokenizer",
+                              description="Print the token ids of TEXT under MODEL's tokenizer (a built-in name, a "
+                              "folder, a .gguf file or a hub id), one id and its token a line, as a prompt is "
+                              "encoded without a chat template.")
+    tokenize.add_argument("model", metavar="MODEL", help="e.g. smollm2-135m-instruct")
+    tokenize.add_argument("text", metavar="TEXT", help="the text to encode")
+    tokenize.add_argument("--json", action="store_true", help='print {"ids": [...], "tokens": [...]}')
+    tokenize.add_argument("--no-special-tokens", dest="special", action="store_false",
+                          help="do not add the tokenizer's special tokens (a BOS, for models that use one)")
     plugins = sub.add_parser("plugins", help="list installed plugins and what they register")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument("--plugin", dest="modules", action="append", default=[], metavar="MODULE",
@@ -132,6 +176,24 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
+def _failed_rows_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-failed-rows", type=_count, default=None, metavar="N",
+        help="exit 3 when more than N rows failed (their error records are written); default 0 for "
+        "a scoring job (generation.mode loglikelihood/perplexity), no limit for a generation job",
+    )
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows (0 or more), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows (0 or more), got {text!r}")
     return value
 
 
@@ -205,6 +267,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
     # deferred (start-up): the run layer (~1.4 s) only for run and batch
+    from batchgen.io.output_file import OutputWriteError
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
@@ -217,8 +280,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
             config = _with_if_exists(config, args)
             job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, getattr(args, "config", None) or "batchgen batch"))
         return EXIT_USAGE
+    except OutputWriteError as exc:  # the sidecar could not be written (a full disk): nothing generated
+        _error(str(exc))
+        return EXIT_FAILED
     try:
         summary = execute(job, quiet=args.quiet, max_error_rate=args.max_error_rate)
     except TooManyErrors as exc:
@@ -240,8 +306,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         _note(f"{signal.Signals(stop.received).name} arrived once every record was written: the run is "
               "complete, and the summary says 'completed'")
     if not args.quiet:
-        _report(summary, config)
+        _report(summary, config, job)
     records = summary["records"]
+    status = _failed_rows(records, job, args.max_failed_rows, args.quiet)
+    if status is not None:
+        return status
     if records["total"] and not records["ok"]:
         example = records.get("first_error") or {}
         _error(
@@ -264,6 +333,17 @@ def _with_if_exists(config: Any, args: argparse.Namespace) -> Any:
     return config.model_copy(update={"output": config.output.model_copy(update={"if_exists": if_exists})})
 
 
+def _in_file(error: Exception, source: str) -> str:
+    """The message of a setup error; a config error found after validation (a missing column,
+    a model that is not there) gets the config file's name in front, as every config error does."""
+    # deferred (start-up): the config stack (~0.7 s) only for a setup error
+    from batchgen.config import ConfigError
+
+    if isinstance(error, ConfigError) and error.source is None:
+        return str(ConfigError(error.issues, source))
+    return str(error)
+
+
 def _files(config: Any) -> str:
     """The record file(s) of a run, for messages."""
     if config.output.error_path:
@@ -271,7 +351,26 @@ def _files(config: Any) -> str:
     return str(config.output.path)
 
 
-def _report(summary: dict[str, Any], config: Any) -> None:
+def _failed_rows(records: dict[str, Any], job: Any, given: int | None, quiet: bool) -> int | None:
+    """Say how many rows failed and why (an error always, a note unless quiet);
+    EXIT_RECORDS_FAILED when they break ``--max-failed-rows``
+    (:func:`batchgen.run.failures.verdict`), else None."""
+    # deferred (start-up): the run layer (~1.4 s) only once a run has records
+    from batchgen.run.failures import verdict
+
+    said = verdict(records, job.scoring is not None, given, job.records.example, _files(job.config))
+    if said is None:
+        return None
+    text, over = said
+    if over:
+        _error(text)
+        return EXIT_RECORDS_FAILED
+    if records["ok"] and not quiet:
+        _note(text)
+    return None
+
+
+def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
     records = summary["records"]
     speed = summary["throughput"]
     ok, errors = records["this_run_ok"], records["this_run_error"]
@@ -283,22 +382,23 @@ def _report(summary: dict[str, Any], config: Any) -> None:
         wrote = (f"wrote {records['this_run']} record(s) to {config.output.path} "
                  f"({ok} ok, {errors} error; {records['resumed']} already there)")
     print(f"{wrote} in {summary['timings']['total_s']:.1f}s")
-    if config.generation.scores:  # nothing is generated: what counts is the prompt tokens scored
-        print(f"throughput: {speed['prompt_tokens_per_s']:.1f} prompt tok/s scored, "
+    if job.scoring is not None:  # nothing is generated: what counts is the prompt tokens scored
+        print(f"throughput: {speed['prompt_tokens_per_s']:.1f} tok/s scored, "
               f"{speed['prefill_tokens_per_s']:.1f} tok/s computed (the rest from the prefix cache)")
     else:
         print(
             f"throughput: {speed['generated_tokens_per_s']:.1f} generated tok/s, "
             f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
         )
-    if config.generation.scores and summary.get("metrics"):  # an evaluation run: lm-eval's results table
+    if job.scoring is not None and summary.get("metrics"):  # an evaluation run: lm-eval's results table
         # deferred (start-up): the scoring records only for an evaluation run's table
         from batchgen.run.scoring_records import results_table
 
-        print(results_table(summary["metrics"]))
-    for key, values in ({} if config.generation.scores else summary.get("metrics") or {}).items():
+        print(results_table(summary["metrics"], summary.get("metric_rows")))
+    for key, values in ({} if job.scoring is not None else summary.get("metrics") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
-        print(f"{key}: {shown}")
+        rows = (summary.get("metric_rows") or {}).get(key)
+        print(f"{key}: {shown}" + (f" ({rows['rows']} rows, {rows['failed']} failed)" if rows else ""))
     print(f"summary: {config.output.summary_file}")
 
 
@@ -334,13 +434,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             raise _with_model_issue(exc, data) from None
         job = plan(config, registry, prepare=False, config_path=str(args.config))
         tokenizer, note = _tokenizer_for(config.model.name)
-        preview = job.source.preview(tokenizer, VALIDATE_ROWS)
+        preview = job.source.preview(tokenizer, VALIDATE_ROWS if job.scoring is None else VALIDATE_SCORING_ROWS)
         if preview.issues:
             raise ConfigError([ConfigIssue(path, message) for path, message in preview.issues], str(args.config))
         notes, checked = preview.notes, preview.checked
         cluster = check_address(config.executor)
     except SETUP_ERRORS as exc:
-        _error(str(exc))
+        _error(_in_file(exc, str(args.config)))
         return EXIT_USAGE
     for problem in notes:
         print(f"note: {problem}")
@@ -360,6 +460,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
+    # deferred (start-up): the run layer (~1.4 s) only for validate
+    from batchgen.run.failures import default_limit, over_limit
+
+    limit = default_limit(job.scoring is not None, args.max_failed_rows)
+    if over_limit(preview.failed_rows, limit):
+        _error(f"{args.config}: {checked}: over --max-failed-rows {limit}, so 'batchgen run' would write "
+               f"{'it' if preview.failed_rows == 1 else 'them'} as error records and exit {EXIT_RECORDS_FAILED} "
+               "(see the notes above); fix the rows, or pass --max-failed-rows to accept them")
+        return EXIT_RECORDS_FAILED
     print(f"{args.config}: ok ({checked}, model '{config.model.name}' found, output {config.output.path} is writable)")
     return EXIT_OK
 
@@ -382,6 +491,35 @@ def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
     except Exception:  # noqa: BLE001 - only a hint beside the real errors
         return error
     return error
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    # deferred (start-up): the model resolver only for tokenize
+    from batchgen.model_resolver import ModelError, check_model
+
+    if not sys.stderr.isatty():
+        quiet_libraries()  # a first use converts the built-in model: its steps, without the bars
+    try:
+        resolved = check_model(args.model)
+        # deferred: transformers (~3 s) only for the tokenizer
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    except ModelError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:
+        _error(f"could not load the tokenizer of '{args.model}': {exc}")
+        return EXIT_USAGE
+    ids = list(tokenizer(args.text, add_special_tokens=args.special)["input_ids"])
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    if args.json:
+        print(json.dumps({"ids": ids, "tokens": tokens}, ensure_ascii=False))
+        return EXIT_OK
+    print(json.dumps(ids))
+    for token_id, token in zip(ids, tokens):
+        print(f"{token_id:>8}  {token!r}")
+    return EXIT_OK
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -432,7 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
     args.console = console
-    handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins}[args.command]
+    handler = {"run": _cmd_run, "batch": _cmd_run, "validate": _cmd_validate, "plugins": _cmd_plugins,
+               "tokenize": _cmd_tokenize}[args.command]
     try:
         return handler(args)
     except BrokenPipeError:  # e.g. `batchgen plugins | head`: the reader left, nothing to report

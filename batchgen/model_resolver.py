@@ -11,7 +11,9 @@ A name resolves to (in this order):
 - anything else is passed on as a hub id.
 
 ``quantization`` (the engine setting) says how a GGUF's weights load: ``gguf`` keeps them in
-their stored blocks (quantized linear layers, CPU only), ``none`` de-quantizes them to the dtype.
+their stored blocks (quantized linear layers, CPU only), ``none`` de-quantizes them to the dtype;
+``gguf`` for a model that is not a GGUF file is a :class:`QuantizationError` (nothing would be
+kept quantized).
 ``auto`` is ``gguf`` for a ``.gguf`` file on the CPU and ``none`` on a GPU, and ``none`` for
 the built-in alias (see ``docs/gguf.md`` for why). The built-in alias with ``none`` is converted
 once into a safetensors folder under the cache directory, and later runs load that. The
@@ -27,13 +29,18 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from batchgen.cache import cache_dir, remove_stale_temp_folders
-from batchgen.quiet import say
+from batchgen.quiet import is_quiet, say
+from batchgen.suggest import closest, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +65,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelError(ValueError):
+    """The model cannot be used as named (the base of the errors below; the CLI exits 2)."""
+
+
+class ModelNotFoundError(ModelError):
     """The model name is neither a local folder, a built-in alias nor a loadable hub id."""
+
+
+class ModelFormatError(ModelError):
+    """The model's file exists but cannot be loaded: not the format its name says, corrupt,
+    truncated, or of an architecture batchgen does not build (the message names the file)."""
+
+
+class QuantizationError(ModelError):
+    """``quantization`` asks for something the model cannot give (``gguf`` for a model that is
+    not a GGUF file)."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +122,20 @@ def _embedded_gguf_path(model: EmbeddedModel) -> Path:
     return path
 
 
+#: A step of the conversion that runs longer than this says so again, every this many seconds.
+HEARTBEAT_S = 5.0
+#: What the first conversion takes, as the notice says (35-40 s on a quiet 2-core CPU).
+CONVERSION_TIME = "about 40 s on a 2-core CPU"
+
+
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantise ``gguf_path`` into a safetensors model folder at ``target`` (atomically).
 
-    Stale temp folders of killed conversions are removed first. Progress bars show only while
-    transformers' progress bars are on (the CLI turns them off for ``--quiet`` and off a TTY).
+    Stale temp folders of killed conversions are removed first. Each of its three steps says
+    when it starts, and again every :data:`HEARTBEAT_S` seconds while it runs (nothing is
+    silent for long: reading the GGUF takes most of the time, before transformers' own bar
+    appears). That bar shows only while transformers' progress bars are on (the CLI turns them
+    off for ``--quiet`` and off a TTY); ``--quiet`` silences the step lines too.
     """
     # deferred: transformers (~5 s) only for a conversion
     from transformers.utils import logging as hf_logging
@@ -115,26 +145,58 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
     started = time.perf_counter()
     say(f"converting the built-in model's {gguf_path.name} to float32 safetensors in {target} "
-        "(once: about a minute; later runs load the result)")
+        f"(once: {CONVERSION_TIME}; later runs load the result)")
+    stream = sys.stderr
     if hf_logging.is_progress_bar_enabled():
-        _convert_gguf_files(gguf_path, target)
+        _convert_gguf_files(gguf_path, target, stream)
     else:
         # Quiet (``--quiet``, or stderr is not a terminal): transformers draws the GGUF
         # de-quantisation bar with plain tqdm, which its own switch does not reach.
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
-            _convert_gguf_files(gguf_path, target)
+            _convert_gguf_files(gguf_path, target, stream)
     say(f"converted {gguf_path.name} in {time.perf_counter() - started:.1f} s")
 
 
-def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
-    # deferred: torch and transformers (~10 s) only for a conversion
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@contextlib.contextmanager
+def _step(number: int, what: str, stream: TextIO) -> Iterator[None]:
+    """``batchgen: [N/3] <what>``, then ``still <what> (N s)`` every :data:`HEARTBEAT_S` seconds
+    until the step ends (through ``tqdm.write``, so that a bar on the screen is redrawn below)."""
+    # deferred: tqdm (with transformers) only for a conversion
+    from tqdm import tqdm
 
+    quiet = is_quiet()  # read here: the heartbeat thread does not see the caller's context
+
+    def line(text: str) -> None:
+        if not quiet:
+            tqdm.write(f"batchgen: {text}", file=stream)
+            stream.flush()
+
+    line(f"[{number}/3] {what}")
+    started, done = time.perf_counter(), threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            line(f"      still {what} ({time.perf_counter() - started:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="batchgen-conversion-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _convert_gguf_files(gguf_path: Path, target: Path, stream: TextIO) -> None:
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _step(1, "loading transformers, reading the tokenizer from the GGUF file", stream):
+        import torch  # heavy: inside the step that says so (up to 15 s on a loaded machine)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with _step(2, "reading and de-quantizing the weights to float32", stream):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are now plain fp32 tensors; drop the GGUF quantisation marker so that the
     # folder loads as an ordinary checkpoint.
     model.config.quantization_config = None
@@ -145,8 +207,9 @@ def _convert_gguf_files(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with _step(3, "writing the safetensors folder", stream):
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -170,12 +233,12 @@ _FILE_KINDS = {
 }
 
 
-def _not_a_model_file(name: str, path: Path) -> ModelNotFoundError:
+def _not_a_model_file(name: str, path: Path) -> ModelError:
     kind = _FILE_KINDS.get(path.suffix.lower(), "a file")
     if path.suffix.lower() == ".gguf":
         with open(path, "rb") as handle:
             head = handle.read(4)
-        return ModelNotFoundError(
+        return ModelFormatError(
             f"model path {name!r} is named .gguf but is not a GGUF file (it starts with {head!r}, "
             "not b'GGUF'): it may be a partial download or a git-lfs pointer; download it again")
     hint = ("give the folder that holds it and its config.json" if kind.endswith("weights file")
@@ -207,7 +270,7 @@ def _gguf_model(name: str, path: Path, quantization: str, device: str, embedded:
     try:
         folder = metadata_folder(path)
     except GGUFError as exc:
-        raise ModelNotFoundError(str(exc)) from None
+        raise ModelFormatError(str(exc)) from None
     return ResolvedModel(name=name, path=str(folder), embedded=embedded, gguf_file=str(path.resolve()),
                          quantization=_gguf_quantization(quantization, device))
 
@@ -228,8 +291,37 @@ def _folder_model(name: str, folder: Path, quantization: str, device: str) -> Re
         f"model folder {name!r} exists but holds neither an HF model (config.json) nor a .gguf file")
 
 
+def _sibling_suggestion(path: Path) -> str:
+    """``" (did you mean '/models/llama'?)"`` for the entry beside a missing path most like it."""
+    try:
+        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
+    except OSError:
+        return ""
+    match = closest(path.name, names)
+    return f" (did you mean '{path.parent / match}'?)" if match else ""
+
+
 def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
     """Turn ``name`` into where and how the model loads (see the module docstring).
+
+    Raises:
+        ModelNotFoundError: a built-in alias whose package is missing; a path-like name
+            (starting with ``/``, ``./`` or ``~``) that does not exist; a file that is not a
+            model (saying what it is).
+        ModelFormatError: a file named ``.gguf`` that is not one; a corrupt or truncated GGUF,
+            or one of an architecture batchgen does not load (naming the file, and the tensor).
+        QuantizationError: ``quantization`` ``gguf`` for a model that is not a GGUF file.
+    """
+    resolved = _resolve(name, quantization, device)
+    if quantization == "gguf" and resolved.gguf_file is None:
+        raise QuantizationError(
+            f"quantization 'gguf' keeps a GGUF file's quantized blocks, but model '{name}' is not a GGUF "
+            "file (its weights load as stored); set engine.quantization to 'auto' or 'none', or give a .gguf model")
+    return resolved
+
+
+def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
+    """:func:`resolve_model` without the quantization check.
 
     Args:
         name: a folder, a ``.gguf`` file, a built-in alias or a hub id.
@@ -238,13 +330,8 @@ def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -
             quantization keeps GGUF blocks only on the CPU.
 
     A GGUF file's config and tokenizer are read into the cache the first time (about 20 s);
-    the built-in alias with ``quantization`` ``none`` is converted once into safetensors.
-
-    Raises:
-        ModelNotFoundError: a built-in alias whose package is missing; a path-like name
-            (starting with ``/``, ``./`` or ``~``) that does not exist; a file that is not a
-            model (saying what it is); a corrupt or truncated GGUF, or one of an architecture
-            batchgen does not load (naming the file, and the tensor).
+    the built-in alias with ``quantization`` ``none`` is converted once into safetensors
+    (:data:`CONVERSION_TIME`).
     """
     expanded = Path(os.path.expanduser(name))
     if expanded.is_dir():
@@ -271,7 +358,7 @@ def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -
         return ResolvedModel(name=name, path=str(target), embedded=True)
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(
-            f"model path {name!r} does not exist; give an existing folder, a .gguf file, a hub id, "
+            f"model path {name!r} does not exist{_sibling_suggestion(expanded)}; give an existing folder, a .gguf file, a hub id, "
             f"or one of the built-in models: {', '.join(EMBEDDED_MODELS)}"
         )
     return ResolvedModel(name=name, path=name)
@@ -285,15 +372,16 @@ def check_model(name: str, quantization: str = "auto", device: str = "auto") -> 
     misspelt model fails before anything is written, with the name in the message.
 
     Raises:
-        ModelNotFoundError: naming the model, the built-in aliases and why it is not available.
+        ModelNotFoundError: naming the model, the built-in aliases and why it is not available
+            (and the errors of :func:`resolve_model`).
     """
     resolved = resolve_model(name, quantization, device)
     if resolved.embedded or resolved.gguf_file or os.path.isdir(resolved.path):
         return resolved
     builtin = ", ".join(f"'{alias}'" for alias in EMBEDDED_MODELS)
     unknown = (
-        f"model '{name}' is not a built-in model ({builtin}), not a local folder, and not a hub id "
-        "available here"
+        f"model '{name}'{did_you_mean(name.lower(), EMBEDDED_MODELS)} is not a built-in model ({builtin}), "
+        "not a local folder, and not a hub id available here"
     )
     try:
         # optional: the hub client (transformers' dependency) only to name an unknown model

@@ -38,8 +38,13 @@ def quiet_libraries() -> None:
         pass
 
 
+def is_quiet() -> bool:
+    """True inside :func:`quiet_notices` (``--quiet``): batchgen's own notices stay silent."""
+    return _QUIET.get()
+
+
 def say(text: str) -> None:
     """One ``batchgen: <text>`` line on stderr (a long one-off step such as a model conversion,
     in the CLI and the Python API alike), unless inside :func:`quiet_notices`."""
-    if not _QUIET.get():
+    if not is_quiet():
         print(f"batchgen: {text}", file=sys.stderr, flush=True)

@@ -13,8 +13,8 @@ Shapes: SmolLM2-135M's layers as the engine runs them (q/k/v packed as one 576 -
 gate/up as one 576 -> 3072, o 576 -> 576, down 1536 -> 576, in Q4_1 like the embedded file;
 lm_head 576 -> 49152 in Q8_0, the file's tied embedding), and a ~1B Llama's (hidden 2048, ffn
 8192, 32 heads of 64 and 8 KV heads: q/k/v 2048 -> 3072, o 2048 -> 2048, gate/up 2048 -> 16384,
-down 8192 -> 2048) in Q4_K (down in Q6_K, as Q4_K_M files hold half of them) and in Q8_0. At 1, 8,
-32 and 64 rows. Random weights (``gguf``'s quantizer where it has one, random valid blocks for
+down 8192 -> 2048) in Q4_K (down in Q6_K, as Q4_K_M files hold half of them), in Q8_0, and in
+Q5_K and Q5_0 throughout. At 1, 8, 32 and 64 rows. Random weights (``gguf``'s quantizer where it has one, random valid blocks for
 the K-quants: the kernel's time does not depend on the values).
 
 Timing: the peers' blocks of back-to-back calls (at least ``--block-seconds``) interleaved,
@@ -68,7 +68,7 @@ def layer_specs() -> list[dict]:
 
     specs = [{"model": "smollm2", "layer": name, "n": n, "k": k, "qtype": Q.Q4_1} for name, (n, k) in SMOL.items()]
     specs.append({"model": "smollm2", "layer": "lm_head", "n": 49152, "k": 576, "qtype": Q.Q8_0})
-    for qt in (Q.Q4_K, Q.Q8_0):
+    for qt in (Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q5_0):
         for name, (n, k) in LLAMA_1B.items():
             q = Q.Q6_K if qt == Q.Q4_K and name == "down_proj" else qt
             specs.append({"model": "llama_1b", "layer": name, "n": n, "k": k, "qtype": q})
@@ -83,13 +83,14 @@ def random_raw(qtype, n: int, k: int, seed: int, fast: bool = False) -> torch.Te
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
+    from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS
+
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) and not fast:
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0) and not fast:
         return torch.from_numpy(gguf.quants.quantize(rng.normal(0, 0.02, (n, k)).astype(np.float32), qtype))
     bs, ts = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // bs, ts), dtype=np.uint8)
-    halves = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
-    for off in halves:
+    for off in QUANT_FORMATS[qtype].halves:
         blocks[:, off:off + 2] = rng.normal(0, 1e-3, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(blocks.reshape(n, -1))
 

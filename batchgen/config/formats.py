@@ -1,5 +1,6 @@
 """The run's file formats as the config knows them: which kind of prompt source ``data.format``
-names, which kind of record format ``output.format`` names, and the config rules of each.
+names, which kind of record format ``output.format`` names, which scoring kind
+``generation.mode`` names (:func:`scoring_kind`), and the config rules of each.
 
 :func:`kinds` is the one place that reads ``data.format`` and ``output.format``. It returns
 kind objects, and every other module receives those objects instead of testing a format name:
@@ -12,7 +13,9 @@ kind objects, and every other module receives those objects instead of testing a
 
 The kinds live here, at the bottom of the run layer, because the config must apply their rules
 when it is validated, and the config imports nothing above it. A new format is one kind here
-(its names and its rules) and one entry in ``plan``'s table.
+(its names and its rules) and one entry in ``plan``'s table; a new scoring mode is one
+:class:`ScoringKind` here (its mode, the keys only it reads, its rules, its implied metrics) and
+one entry in :data:`batchgen.run.scoring_kinds.SCORERS`.
 
 ``config`` is a :class:`~batchgen.config.run_config.RunConfig` whose sections validated (taken
 as it is, duck-typed: the config module imports this one). This module imports neither torch
@@ -25,7 +28,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["BATCH_LINES", "BATCHGEN_RECORDS", "DATASET_ROWS", "RESPONSE_LINES", "RecordKind", "SourceKind", "kinds"]
+__all__ = ["BATCH_LINES", "BATCHGEN_RECORDS", "DATASET_ROWS", "LOGLIKELIHOOD", "PERPLEXITY", "RESPONSE_LINES",
+           "SCORING_KINDS", "RecordKind", "ScoringKind", "SourceKind", "kinds", "scoring_kind"]
 
 
 def explicit(section: BaseModel) -> set[str]:
@@ -117,3 +121,67 @@ def kinds(config: Any) -> tuple[SourceKind, RecordKind]:
     ``output.format`` (the schema's choices, so every value has a kind)."""
     source = _SOURCES.get(config.data.format, DATASET_ROWS)
     return source, source.records if config.output.format == "auto" else _RECORDS[config.output.format]
+
+
+class ScoringKind:
+    """A scoring mode as the config knows it (``generation.mode``: score given text instead of
+    generating).
+
+    Attributes:
+        mode: its ``generation.mode`` value.
+        keys: the ``generation`` keys that only this kind reads (an error in any other mode).
+        what: what one of a row's requests scores (``"choice"``, ``"window"``), for messages.
+    """
+
+    def __init__(self, mode: str, what: str, keys: tuple[str, ...] = ()) -> None:
+        self.mode = mode
+        self.what = what
+        self.keys = keys
+
+    def config_issues(self, generation: Any) -> list[str]:
+        """What this kind makes wrong in the ``generation`` section (messages of the section)."""
+        return []
+
+    def implied_metrics(self, generation: Any) -> list[str]:
+        """The metric names a job of this kind gets when its config lists none."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"ScoringKind({self.mode!r})"
+
+
+class _ChoicesKind(ScoringKind):
+    """Multiple choice: each row's ``choices`` scored given its prompt."""
+
+    def config_issues(self, generation: Any) -> list[str]:
+        if generation.choices is None:
+            return [f"mode '{self.mode}' needs 'choices': a column holding each row's list of choices, "
+                    "or a list of templates"]
+        if isinstance(generation.choices, list) and not generation.choices:
+            return ["'choices' is an empty list; give at least one template"]
+        return []
+
+    def implied_metrics(self, generation: Any) -> list[str]:
+        return ["accuracy", "accuracy_norm"] if generation.answer is not None else []
+
+
+class _RollingKind(ScoringKind):
+    """Perplexity: each row's text scored in rolling windows."""
+
+    def implied_metrics(self, generation: Any) -> list[str]:
+        return ["perplexity"]
+
+
+#: ``generation.mode: loglikelihood``: multiple choice.
+LOGLIKELIHOOD = _ChoicesKind("loglikelihood", "choice", keys=("choices", "answer", "target_delimiter", "truncate"))
+#: ``generation.mode: perplexity``: a text's rolling log-likelihood.
+PERPLEXITY = _RollingKind("perplexity", "window")
+
+#: Every scoring kind by its ``generation.mode``.
+SCORING_KINDS = {kind.mode: kind for kind in (LOGLIKELIHOOD, PERPLEXITY)}
+
+
+def scoring_kind(generation: Any) -> ScoringKind | None:
+    """The scoring kind ``generation.mode`` names; None for a mode that generates. The only
+    place that tells a scoring mode by its name."""
+    return SCORING_KINDS.get(generation.mode)

@@ -12,12 +12,13 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationInfo, field_validator, model_serializer, model_validator
 
+from batchgen.config.formats import SCORING_KINDS, scoring_kind
 from batchgen.config.sections import SamplerRef, _Section
 from batchgen.sampling.params import StructuredOutputsParams
 
+#: The decoding modes, then the scoring modes (each a kind of :data:`SCORING_KINDS`; a
+#: section's kind is :func:`~batchgen.config.formats.scoring_kind`).
 GenerationMode = Literal["greedy", "sample", "beam", "loglikelihood", "perplexity"]
-#: The modes that score given text instead of generating (see :mod:`batchgen.run.scoring_rows`).
-SCORING_MODES = ("loglikelihood", "perplexity")
 
 
 class StructuredOutputsSection(_Section):
@@ -108,8 +109,8 @@ _SAMPLE_ONLY = ("n", "temperature", "top_p", "top_k", "min_p")
 _BEAM_ONLY = ("beam_width", "length_penalty", "early_stopping")
 # Per-token knobs of the sampler that beam search (which ranks by raw logprobs) does not apply.
 _NOT_BEAM = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "sampler")
-# What only a loglikelihood job reads, and the decoding keys that a scoring job has no use for.
-_LOGLIKELIHOOD_ONLY = ("choices", "answer", "target_delimiter", "truncate")
+# The decoding keys that a scoring job has no use for (the keys only one scoring kind reads are
+# that kind's ``keys``).
 _NOT_SCORING = ("max_tokens", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logprobs", "sampler", "structured_outputs")
 
@@ -166,18 +167,20 @@ class GenerationSection(_Section):
             wrong += [k for k in _SAMPLE_ONLY if used(k)]
         if self.mode != "beam":
             wrong += [k for k in _BEAM_ONLY if used(k)]
-        if self.mode != "loglikelihood":
-            wrong += [k for k in _LOGLIKELIHOOD_ONLY if used(k)]
-        if self.scores:
+        kind = scoring_kind(self)
+        owner = {k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
+        for other in SCORING_KINDS.values():
+            owner |= {k: other.mode for k in other.keys}
+            if other is not kind:
+                wrong += [k for k in other.keys if used(k)]
+        if kind is not None:
             unused = [k for k in _NOT_SCORING if used(k)]
             if unused:
                 raise ValueError(f"mode '{self.mode}' scores given text and generates nothing: drop "
                                  + ", ".join(f"'{k}'" for k in unused))
-            if self.mode == "loglikelihood" and self.choices is None:
-                raise ValueError("mode 'loglikelihood' needs 'choices': a column holding each row's list of "
-                                 "choices, or a list of templates")
-            if isinstance(self.choices, list) and not self.choices:
-                raise ValueError("'choices' is an empty list; give at least one template")
+            problems = kind.config_issues(self)
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and (used("min_tokens") or used("ignore_eos")):
@@ -191,16 +194,9 @@ class GenerationSection(_Section):
                     + "; use mode 'sample' or 'greedy' for them"
                 )
         if wrong:
-            owner = ({k: "sample" for k in _SAMPLE_ONLY} | {k: "beam" for k in _BEAM_ONLY}
-                     | {k: "loglikelihood" for k in _LOGLIKELIHOOD_ONLY})
             parts = [f"'{k}' applies to mode '{owner[k]}'" for k in wrong]
             raise ValueError(f"with mode '{self.mode}': " + ", ".join(parts))
         return self
-
-    @property
-    def scores(self) -> bool:
-        """True for a mode that scores given text (``loglikelihood``, ``perplexity``)."""
-        return self.mode in SCORING_MODES
 
     @property
     def num_outputs(self) -> int:

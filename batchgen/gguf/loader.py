@@ -4,10 +4,10 @@ The model is built from its HF config (:mod:`batchgen.gguf.metadata`) on the met
 float copy of the weights is ever made, and each weight is then filled from the file:
 
 - norms and biases become float tensors in ``dtype``;
-- each linear layer whose weight is stored in a block type of :data:`KEPT_TYPES` becomes a
+- each linear layer whose weight is stored in a block type of ``QUANT_FORMATS`` becomes a
   :class:`batchgen.kernels.cpu.quant.QuantizedLinear` over the stored blocks
   (``quantization="gguf"``), or an ``nn.Linear`` of the de-quantized weight (``"none"``);
-  a weight in any other type (F16, F32, Q5_K ...) is de-quantized at load, and one logged line
+  a weight in any other type (F16, F32, Q5_1, Q3_K ...) is de-quantized at load, and one logged line
   says which types were;
 - the token embedding becomes a :class:`~batchgen.gguf.embedding.QuantizedEmbedding`, and a
   tied ``lm_head`` a ``QuantizedLinear`` over the same blocks.
@@ -34,14 +34,12 @@ import torch
 from batchgen.gguf.embedding import QuantizedEmbedding
 from batchgen.gguf.metadata import open_gguf
 from batchgen.gguf.reader import GGUFError, GGUFFile
+from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS  # the block types kept as stored
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEPT_TYPES", "QUANTIZATIONS", "load_gguf_model"]
+__all__ = ["QUANTIZATIONS", "load_gguf_model"]
 
-#: Block types kept as stored with ``quantization="gguf"`` (what Q4_0, Q4_1, Q8_0 and
-#: Q4_K_M / Q6_K files hold); others are de-quantized at load.
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 QUANTIZATIONS = ("gguf", "none")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -130,7 +128,7 @@ class _Filler:
         return self.layers[name]
 
     def keeps(self, name: str) -> bool:
-        return self.keep and self.gguf.tensor(name).tensor_type.name in KEPT_TYPES
+        return self.keep and self.gguf.tensor(name).tensor_type in QUANT_FORMATS
 
     def _count_dequantized(self, name: str) -> None:
         kind = self.gguf.tensor(name).tensor_type.name
@@ -231,7 +229,7 @@ def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: 
         config_folder: a folder with its HF ``config.json`` (:func:`batchgen.gguf.metadata.metadata_folder`).
         dtype: the float dtype of activations, norms and de-quantized weights.
         attn_implementation: passed to the model's constructor.
-        quantization: ``"gguf"`` (weights in :data:`KEPT_TYPES` stay as stored) or ``"none"``
+        quantization: ``"gguf"`` (weights in a type of ``QUANT_FORMATS`` stay as stored) or ``"none"``
             (every weight de-quantized to ``dtype``).
         device: where the model runs; ``quantization="gguf"`` runs on the CPU only.
 
@@ -294,7 +292,7 @@ def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: 
     if filler.dequantized and quantization == "gguf":
         logger.info("%s: %s weight(s) are in types kept only as %s (batchgen computes %s quantized): "
                     "de-quantized at load", gguf.path.name, types, str(dtype).removeprefix("torch."),
-                    ", ".join(KEPT_TYPES))
+                    ", ".join(f.name for f in QUANT_FORMATS.values()))
     seconds = time.perf_counter() - started
     model.batchgen_gguf = {"file": str(gguf.path), "quantization": quantization, "kept": dict(filler.kept),
                            "dequantized": dict(filler.dequantized), "tensor_bytes": gguf.tensor_bytes,

@@ -6,8 +6,9 @@ what the loader needs on top:
 
 - a file that is not a GGUF, or one whose header does not parse, raises :class:`GGUFError`
   naming the file;
-- a truncated file (a tensor's bytes run past its end) raises :class:`GGUFError` naming the
-  file and the first tensor that does not fit, before any weight is read;
+- a truncated file raises :class:`GGUFError` saying so: cut inside its header (a field or a
+  tensor entry runs past the end), or cut in its data (naming the first tensor that does not
+  fit), before any weight is read;
 - :meth:`GGUFFile.architecture` is checked against what batchgen builds
   (:data:`SUPPORTED_ARCHITECTURES`) by :meth:`GGUFFile.check_architecture`.
 
@@ -57,7 +58,15 @@ def _reader_class() -> type:
     class _CheckedReader(GGUFReader):
         """GGUFReader that checks every tensor's extent against the file before mapping it
         (the package's own reader fails on a truncated file with a reshape error that names
-        no tensor)."""
+        no tensor), and every header read against the file's end (where it fails with numpy's
+        "When changing to a larger dtype" instead)."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            end = int(offset) + int(np.dtype(dtype).itemsize) * int(count)
+            if end > len(self.data):
+                raise GGUFError(f"its header runs past the end of the file (byte {end} of {len(self.data)}): "
+                                "the file is truncated")
+            return super()._get(offset, dtype, count, override_order)
 
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             size = len(self.data)

@@ -27,6 +27,7 @@ import errno
 import json
 import math
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -39,6 +40,7 @@ __all__ = [
     "OutputExistsError",
     "OutputInUseError",
     "OutputWriteError",
+    "check_output",
     "check_writable",
     "prepare_output",
     "read_summary",
@@ -112,6 +114,9 @@ def check_writable(path: str | Path) -> None:
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"output path {path} is a folder; give a file path such as {path / 'results.jsonl'}")
+    if path.exists() and not path.is_file():
+        raise OutputError(f"output path {path} is not a regular file ({_file_kind(path)}); records and summaries "
+                          "go to regular files: give a file path such as results.jsonl")
     if path.exists():
         if not os.access(path, os.W_OK):
             raise OutputError(f"output file {path} is not writable (permission denied)")
@@ -123,6 +128,26 @@ def check_writable(path: str | Path) -> None:
         raise OutputError(f"output path {path} is not writable: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputError(f"output path {path} is not writable: cannot create files in {ancestor} (permission denied)")
+
+
+def _file_kind(path: Path) -> str:
+    """``a character device`` and the like, for a path that is neither a file nor a folder."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def check_output(path: str | Path, if_exists: Literal["error", "resume", "overwrite"]) -> None:
+    """Raise :class:`OutputExistsError` when ``path`` is a non-empty file and ``if_exists`` is
+    ``"error"`` (naming both flags); check it is writable. Changes nothing."""
+    path = Path(path)
+    check_writable(path)
+    if if_exists == "error" and path.exists() and path.stat().st_size > 0:
+        raise OutputExistsError(
+            f"output file {path} already exists; pass --resume to skip the records already in it "
+            "or --overwrite to start over (or set output.if_exists to 'resume' or 'overwrite')"
+        )
 
 
 def _repair_tail(path: Path) -> int:
@@ -182,13 +207,8 @@ def prepare_output(
       file itself.
     """
     path = Path(path)
-    check_writable(path)
+    check_output(path, if_exists)
     if path.exists() and path.stat().st_size > 0:
-        if if_exists == "error":
-            raise OutputExistsError(
-                f"output file {path} already exists; pass --resume to skip the records already in it "
-                "or --overwrite to start over (or set output.if_exists to 'resume' or 'overwrite')"
-            )
         if if_exists == "resume":
             _repair_tail(path)
             if key is None:

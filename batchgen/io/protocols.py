@@ -52,6 +52,10 @@ Adding a format means one class with the methods of :class:`RecordFormat` (and a
 also among the schema's choices in :mod:`batchgen.config.sections`, and its config rules) and one
 entry in ``plan``'s table of kinds; nothing else changes.
 
+Adding a quant block type (kept quantized in GGUF files) is of the same kind: a row in
+``kernels/cpu/quant_formats.py`` and a row in ``kernels/cpu/quant.c``; see docs/kernels.md,
+"Adding a quant block type".
+
 This module imports nothing of batchgen but the engine's output types (for annotations only),
 and neither torch nor the engine.
 """
@@ -179,11 +183,14 @@ class Preview:
             (validate exits 2 and lists them all, with the config's other errors).
         notes: problems of single rows that a run answers with their own error record (validate
             prints them as ``note:`` lines and still says ok).
+        failed_rows: how many of the rows checked would be error records (validate applies
+            ``--max-failed-rows`` to it, as a run does to its error records).
     """
 
     checked: str
     issues: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failed_rows: int = 0
 
 
 class PromptSource(Protocol):

@@ -2,22 +2,24 @@
 registered with the other built-ins (:mod:`batchgen.plugins.builtin_metrics`).
 
 * ``accuracy``: the most likely choice is the answer (lm-eval's ``acc``): ``{"acc"}``.
-* ``accuracy_norm``: the most likely choice per UTF-8 byte is the answer (lm-eval's
-  ``acc_norm``): ``{"acc_norm"}``.
+* ``accuracy_norm``: the most likely choice per character of its text is the answer (lm-eval's
+  ``acc_norm``, which divides by ``len(choice)`` in characters): ``{"acc_norm"}``
+  (:func:`normalized_choice`, from the record's ``choices``).
 * ``perplexity``: per record its log-likelihood and counts; over the run, lm-eval
   ``wikitext``'s ``word_perplexity = exp(-sum ll / sum words)``, ``byte_perplexity =
   exp(-sum ll / sum bytes)``, ``bits_per_byte = -sum ll / sum bytes / ln 2``, and
   ``token_perplexity = exp(-sum ll / sum tokens)``.
 
-A scoring job with no ``metrics:`` gets ``accuracy`` and ``accuracy_norm`` (loglikelihood with
-an ``answer``) or ``perplexity`` (:func:`implied_metrics`). A record without the fields a
+A scoring job with no ``metrics:`` gets what its kind implies
+(:meth:`batchgen.config.formats.ScoringKind.implied_metrics`: ``accuracy`` and
+``accuracy_norm`` for loglikelihood with an ``answer``, ``perplexity``). A record without the fields a
 metric reads (a generation record, a row with no answer) scores None, left out of the means.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -25,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from batchgen.metrics import Scores, mean_aggregate
 from batchgen.plugins.specs import MetricSpec
 
-__all__ = ["implied_metrics", "scoring_metric_specs"]
+__all__ = ["normalized_choice", "scoring_metric_specs"]
 
 
 class NoOptions(BaseModel):
@@ -34,16 +36,33 @@ class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def normalized_choice(choices: Sequence[Mapping[str, Any]]) -> int | None:
+    """lm-eval's ``acc_norm`` pick: the argmax of ``logprob / len(text)``, the text's length in
+    characters (not its UTF-8 bytes; an empty text counts 1), the first of equal ones. None
+    when ``choices`` (a record's ``[{"text", "logprob", ...}]``) is missing or malformed."""
+    try:
+        normed = [float(c["logprob"]) / max(len(c["text"]), 1) for c in choices]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return max(range(len(normed)), key=lambda i: normed[i]) if normed else None
+
+
 class Accuracy:
-    """``chosen`` (or ``chosen_norm``) equals ``answer``."""
+    """The picked choice equals ``answer``: ``chosen`` (``accuracy``), or for ``accuracy_norm``
+    the :func:`normalized_choice` of the record's choices."""
 
     required_columns: tuple[str, ...] = ()
 
-    def __init__(self, name: str, field: str, key: str) -> None:
-        self.name, self.field, self.key = name, field, key
+    def __init__(self, name: str, key: str, normalized: bool) -> None:
+        self.name, self.key, self.normalized = name, key, normalized
 
     def score(self, record: Mapping[str, Any], row: Mapping[str, Any]) -> Scores:
-        chosen, answer = record.get(self.field), record.get("answer")
+        answer = record.get("answer")
+        if self.normalized:
+            choices = record.get("choices")
+            chosen = normalized_choice(choices) if isinstance(choices, list) else None
+        else:
+            chosen = record.get("chosen")
         if chosen is None or answer is None:
             return {self.key: None}
         return {self.key: float(chosen == answer)}
@@ -81,18 +100,9 @@ def scoring_metric_specs() -> list[MetricSpec]:
     """The specs of ``accuracy``, ``accuracy_norm`` and ``perplexity``."""
     return [
         MetricSpec("accuracy", "Loglikelihood jobs: the most likely choice is the answer (lm-eval's acc).",
-                   NoOptions, lambda o: Accuracy("accuracy", "chosen", "acc")),
-        MetricSpec("accuracy_norm", "Loglikelihood jobs: the most likely choice per byte is the answer "
-                   "(lm-eval's acc_norm).", NoOptions, lambda o: Accuracy("accuracy_norm", "chosen_norm", "acc_norm")),
+                   NoOptions, lambda o: Accuracy("accuracy", "acc", normalized=False)),
+        MetricSpec("accuracy_norm", "Loglikelihood jobs: the most likely choice per character is the answer "
+                   "(lm-eval's acc_norm).", NoOptions, lambda o: Accuracy("accuracy_norm", "acc_norm", normalized=True)),
         MetricSpec("perplexity", "Perplexity jobs: word, byte and token perplexity and bits per byte over the "
                    "run (lm-eval's wikitext).", NoOptions, lambda o: Perplexity()),
     ]
-
-
-def implied_metrics(generation: Any) -> list[str]:
-    """The metric names a scoring job gets when its config lists none."""
-    if generation.mode == "loglikelihood":
-        return ["accuracy", "accuracy_norm"] if generation.answer is not None else []
-    if generation.mode == "perplexity":
-        return ["perplexity"]
-    return []

@@ -179,14 +179,14 @@ def _generate(
     # Group commit: records finishing together (one engine step) share one fsync.
     with JsonlWriter(config.output.path, group_commit=True) as writer, (
         JsonlWriter(error_path, group_commit=True) if error_path else contextlib.nullcontext(writer)
-    ) as errors, Progress(job.todo, mode="off" if quiet else None) as progress:
+    ) as errors, Progress(job.todo, mode="off" if quiet else None, scoring=job.scoring is not None) as progress:
 
         def finish(prompt: PromptRecord, output: Any | None) -> None:
             record = builder.make(prompt, output)
             failed = records.failed(record)
             (errors if failed else writer).write(record)
             new_records["error" if failed else "ok"] += 1
-            progress.record_finished(records.output_tokens(record), failed)
+            progress.record_finished(_progress_tokens(job, record), failed)
             hooks("batchgen_record_finished", record=record)
             if failed:
                 last_failed[0] = records.describe_error(record)
@@ -225,6 +225,13 @@ def _generate(
                 finish(target.prompt, target.outputs)
     if pending:
         raise RunFailed(f"the engine finished without returning {len(pending)} request(s), e.g. {next(iter(pending))!r}")
+
+
+def _progress_tokens(job: Job, record: dict[str, Any]) -> int:
+    """What a finished record adds to the progress: its kept tokens, or a scoring job's scored ones."""
+    if job.scoring is not None:
+        return int((record.get("usage") or {}).get("prompt_tokens") or 0)
+    return job.records.output_tokens(record)
 
 
 class _Group:

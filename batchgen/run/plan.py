@@ -8,10 +8,16 @@ creates, truncates or repairs the files. Problems the user must fix raise one of
 :data:`~batchgen.run.errors.SETUP_ERRORS` (exit status 2); config problems found by different
 checks are reported together in one :class:`~batchgen.config.ConfigError`.
 
+Outputs: never the input dataset (compared as resolved paths, symlinks followed, and as
+inodes, so a hard link counts too, whatever ``if_exists`` says), never inside a dataset folder, always regular files (or new ones), and the
+files batchgen keeps beside them (``.resume.json``, ``.lock``) not folders.
+
 Resume: the config a file's records were written with is kept beside them
-(:func:`batchgen.run.fingerprint.sidecar_path`, written before the first record). A resume
-whose fingerprinted config differs from it is refused, and so is a resume of records without
-one (unless the earlier run's summary still holds its config), both unless ``force_resume``.
+(:func:`batchgen.run.fingerprint.sidecar_path`, written before the first record), with the local
+dataset's size and content hash. A resume whose fingerprinted config or dataset differs from it
+is refused, and so is a resume of records without one (unless the earlier run's summary still
+holds its config) or with a damaged one, all unless ``force_resume``. A refused resume changes
+nothing: the files are checked and read before the torn tail is dropped.
 
 This module imports neither torch nor the engine.
 """
@@ -25,14 +31,16 @@ from typing import Any, TypeVar
 
 from batchgen.config import ConfigError, ConfigIssue, MetricRef, RunConfig, resolved_dict
 from batchgen.config.formats import BATCH_LINES, BATCHGEN_RECORDS, DATASET_ROWS, RESPONSE_LINES, kinds
-from batchgen.config.formats import RecordKind, SourceKind
+from batchgen.config.formats import RecordKind, ScoringKind, SourceKind, scoring_kind
 from batchgen.plugins import PluginError
 from batchgen.run.errors import ResumeMismatchError
-from batchgen.run.fingerprint import config_differences, read_sidecar, sidecar, sidecar_path
-from batchgen.io.lock import OutputLock
+from batchgen.run.fingerprint import SidecarError, config_differences, read_sidecar, sidecar, sidecar_path, source_digest
+from batchgen.io.dataset import DataError, resolve_source
+from batchgen.io.lock import OutputLock, lock_path
 from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
-from batchgen.io.output_file import check_writable, prepare_output, read_records, read_summary, write_json_atomic
-from batchgen.model_resolver import ModelNotFoundError, check_model
+from batchgen.io.output_file import OutputError, check_output, check_writable, prepare_output, read_records
+from batchgen.io.output_file import read_summary, write_json_atomic
+from batchgen.model_resolver import ModelError, QuantizationError, check_model
 from batchgen.plugins import load_registry
 from batchgen.run.executors import check_executor
 
@@ -61,6 +69,11 @@ class Job:
     locks: list[OutputLock] = field(default_factory=list)
     #: The summary of the run this one resumes (None for a fresh run).
     previous: dict[str, Any] | None = None
+    #: The scoring kind of a scoring job (``generation.mode``), None for a generation job.
+    scoring: ScoringKind | None = None
+    #: What the local dataset holds (:func:`~batchgen.run.fingerprint.source_digest`), kept in
+    #: the sidecar; None for a hub dataset, or before :func:`plan` prepared the files.
+    dataset: dict[str, Any] | None = None
 
     def release(self) -> None:
         """Release the outputs' locks (idempotent; ``execute`` does it when it ends)."""
@@ -92,27 +105,30 @@ def pick(config: RunConfig, processors: Sequence[Any] = (),
     Building the source loads or opens the data (raises DataError / ConfigError).
     """
     source_kind, record_kind = kinds(config)
-    if config.generation.scores:  # generation.mode loglikelihood / perplexity: a scoring job
-        return _scoring(config, source_kind, record_kind, metric_columns, metrics)
+    scoring = scoring_kind(config.generation)
+    if scoring is not None:  # generation.mode loglikelihood / perplexity: a scoring job
+        return _scoring(config, scoring, source_kind, record_kind, metric_columns, metrics)
     return (_SOURCES[source_kind](config, processors, metric_columns),
             _RECORDS[record_kind](config, metrics))
 
 
-def _scoring(config: RunConfig, source_kind: SourceKind, record_kind: RecordKind,
+def _scoring(config: RunConfig, scoring: ScoringKind, source_kind: SourceKind, record_kind: RecordKind,
              metric_columns: dict[str, Iterable[str]] | None,
              metrics: Sequence[tuple[MetricRef, Any]]) -> tuple[PromptSource, RecordFormat]:
-    """The scoring rows and records of a ``loglikelihood`` / ``perplexity`` job (dataset rows and
-    batchgen-style records only)."""
+    """The scoring rows and records of a job of the kind ``scoring``, built by the kind's scorer
+    (:data:`batchgen.run.scoring_kinds.SCORERS`; dataset rows and batchgen-style records only)."""
     if source_kind is not DATASET_ROWS:
         raise ConfigError([ConfigIssue("data.format", f"generation.mode '{config.generation.mode}' scores the rows "
                                        f"of a dataset; data.format '{config.data.format}' is not one")])
     if record_kind is not BATCHGEN_RECORDS:
         raise ConfigError([ConfigIssue("output.format", f"generation.mode '{config.generation.mode}' writes "
                                        f"batchgen records; use output.format '{BATCHGEN_RECORDS.name}' or 'auto'")])
+    from batchgen.run.scoring_kinds import SCORERS
     from batchgen.run.scoring_records import ScoringRecords
     from batchgen.run.scoring_rows import ScoringRows
 
-    return ScoringRows(config, metric_columns), ScoringRecords(config.generation.mode, metrics)
+    scorer = SCORERS[scoring]
+    return ScoringRows(config, scorer, metric_columns), ScoringRecords(scorer, metrics)
 
 
 # What each kind is built as (imported when picked: a job needs one source and one format).
@@ -149,13 +165,12 @@ _RECORDS: dict[RecordKind, Callable[..., RecordFormat]] = {BATCHGEN_RECORDS: _ba
 
 
 def _metric_refs(config: RunConfig) -> list[MetricRef]:
-    """The job's metrics: ``metrics:``, or those a scoring job implies when it lists none
-    (:func:`batchgen.plugins.scoring_metrics.implied_metrics`)."""
-    if config.metrics or not config.generation.scores:
+    """The job's metrics: ``metrics:``, or those a scoring job's kind implies when it lists none
+    (:meth:`batchgen.config.formats.ScoringKind.implied_metrics`)."""
+    scoring = scoring_kind(config.generation)
+    if config.metrics or scoring is None:
         return list(config.metrics)
-    from batchgen.plugins.scoring_metrics import implied_metrics
-
-    return [MetricRef(name=name) for name in implied_metrics(config.generation)]
+    return [MetricRef(name=name) for name in scoring.implied_metrics(config.generation)]
 
 
 class _Issues:
@@ -208,8 +223,9 @@ def check_model_name(name: str, quantization: str = "auto", device: str = "auto"
     """
     try:
         check_model(name, quantization, device)
-    except ModelNotFoundError as exc:
-        raise ConfigError([ConfigIssue("model.name", str(exc))]) from None
+    except ModelError as exc:
+        key = "engine.quantization" if isinstance(exc, QuantizationError) else "model.name"
+        raise ConfigError([ConfigIssue(key, str(exc))]) from None
 
 
 def plan(
@@ -247,46 +263,96 @@ def plan(
     found.raise_any()
     assert picked is not None
     source, records = picked
-    outputs = output_paths(config)
-    for path in (*outputs, config.output.summary_file):
-        check_writable(path)
+    check_outputs(config)
     resolved = resolved_dict(config, registry)
-    job = Job(config, registry, source, records, metrics, records.resume_index(()), config_path, resolved)
+    job = Job(config, registry, source, records, metrics, records.resume_index(()), config_path, resolved,
+              scoring=scoring_kind(config.generation))
     if prepare:
         _prepare(job, force_resume)
     return job
 
 
+def _local_source(config: RunConfig) -> Path | None:
+    """The local file or folder ``data.source`` names, or None (a hub dataset)."""
+    try:
+        path = Path(resolve_source(config.data.source))
+    except DataError:
+        return None
+    return path if path.exists() else None
+
+
+def check_outputs(config: RunConfig) -> None:
+    """Raise :class:`~batchgen.io.output_file.OutputError` for an output that is the input dataset
+    (or lies inside its folder), that is not a regular file, that cannot be written, or whose
+    ``.resume.json`` or ``.lock`` is a folder. Creates nothing."""
+    named = [("output.path", config.output.path), ("output.error_path", config.output.error_path),
+             ("output.summary_path", str(config.output.summary_file))]
+    source = _local_source(config)
+    for key, path in named:
+        if path is None:
+            continue
+        if source is not None:
+            target = Path(path).resolve()
+            if target == source.resolve() or (target.is_file() and source.is_file() and target.samefile(source)):
+                raise OutputError(f"the output is the input dataset: {key} {path} and data.source "
+                                  f"{config.data.source} are the same file; write the output to another file")
+            if source.is_dir() and source.resolve() in target.parents:
+                raise OutputError(f"the output is inside the input dataset: {key} {path} is in the data.source "
+                                  f"folder {config.data.source}, so the next run would read it as rows; "
+                                  "write the output outside that folder")
+        check_writable(path)
+    for path in output_paths(config):
+        kept = ((sidecar_path(path), "the config of its records") if path == config.output.path else None,
+                (lock_path(path), "its lock"))
+        for companion, what in filter(None, kept):
+            if companion.is_dir():
+                raise OutputError(f"{companion} is a folder, but batchgen keeps {what} for {path} there; "
+                                  "remove or rename that folder")
+
+
 def _prepare(job: Job, force_resume: bool) -> None:
-    """Take the locks, check a resume against the records' config, prepare the files."""
+    """Take the locks, check a resume against the records' config and dataset, read what the
+    files answer, then prepare the files (nothing is changed before every check passed)."""
     config = job.config
     outputs = job.outputs
     try:
         for path in outputs:  # the error file too: a second job must not write into it either
             job.locks.append(OutputLock(path).acquire())
+        for path in outputs:
+            check_output(path, config.output.if_exists)
         previous = read_summary(config.output.summary_file)
-        resuming = config.output.if_exists == "resume" and any(
-            Path(p).is_file() and Path(p).stat().st_size > 0 for p in outputs
-        )
-        if resuming and not force_resume:
-            _check_same_config(config, previous, job.resolved)
+        source = _local_source(config)
+        job.dataset = source_digest(source)
+        if config.output.if_exists == "resume":
+            resuming = any(Path(p).is_file() and Path(p).stat().st_size > 0 for p in outputs)
+            if resuming and not force_resume:
+                _check_same_config(config, previous, job.resolved, job.dataset)
+            written = (r for path in outputs if Path(path).exists() for r in read_records(path))
+            job.answered = job.records.resume_index(written)  # reads past a torn tail, changes nothing
+            job.previous = previous if len(job.answered) else None
         for path in outputs:
             prepare_output(path, config.output.if_exists, key=None)
-        written = (r for path in outputs if Path(path).exists() for r in read_records(path))
-        job.answered = job.records.resume_index(written)
-        job.previous = previous if len(job.answered) else None
         # Before the first record: the config these records are written with.
-        write_json_atomic(sidecar_path(config.output.path), sidecar(job.resolved))
+        write_json_atomic(sidecar_path(config.output.path), sidecar(job.resolved, job.dataset))
     except BaseException:
         job.release()
         raise
 
 
-def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resolved: dict[str, Any]) -> None:
-    """Raise :class:`ResumeMismatchError` when the records were written with a config that
-    differs in a way that changes what a record holds, or when nothing says what it was."""
-    before = read_sidecar(config.output.path)
+def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resolved: dict[str, Any],
+                       dataset: dict[str, Any] | None) -> None:
+    """Raise :class:`ResumeMismatchError` when the records were written with a config or a
+    dataset that differs in a way that changes what a record holds, or when nothing (or only a
+    damaged sidecar) says what it was."""
     where = str(sidecar_path(config.output.path))
+    try:
+        kept = read_sidecar(config.output.path)
+    except SidecarError as exc:
+        raise ResumeMismatchError(
+            f"cannot resume {config.output.path}: {exc}, so nothing says which config its records were "
+            "written with; pass --force-resume to append anyway (it writes a new one), or --overwrite to start over"
+        ) from None
+    before = kept["config"] if kept is not None else None
     if before is None and previous is not None and isinstance(previous.get("config"), dict):
         before, where = previous["config"], str(config.output.summary_file)  # written by an older batchgen
     if before is None:
@@ -295,6 +361,11 @@ def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resol
             f"({where} is missing); pass --force-resume to append anyway, or --overwrite to start over"
         )
     changes = config_differences(before, resolved)
+    recorded = kept.get("dataset", "(not recorded)") if kept is not None else "(not recorded)"
+    if recorded != dataset:
+        edited = " (the file changed since these records were written)" if isinstance(recorded, dict) else ""
+        changes.append(f"the dataset at data.source {config.data.source}: {_digest_text(recorded)} before, "
+                       f"{_digest_text(dataset)} now{edited}")
     if changes:
         lines = "\n".join(f"  - {change}" for change in changes)
         raise ResumeMismatchError(
@@ -302,3 +373,10 @@ def _check_same_config(config: RunConfig, previous: dict[str, Any] | None, resol
             f"(from {where}); resuming would mix records of both:\n{lines}\n"
             "restore those settings, pass --force-resume to append anyway, or --overwrite to start over"
         )
+
+
+def _digest_text(digest: Any) -> str:
+    """A :func:`~batchgen.run.fingerprint.source_digest` as the resume message shows it."""
+    if isinstance(digest, dict):
+        return f"{digest.get('bytes')} bytes, sha256 {str(digest.get('sha256'))[:12]}"
+    return "not a local file" if digest is None else str(digest)

@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from batchgen.run.failures import Reasons
 from batchgen.run.fingerprint import fingerprint_hash
 from batchgen.run.plan import Job
 from batchgen.io.output_file import OutputError, OutputWriteError, read_records, write_json_atomic
@@ -49,11 +50,14 @@ def signal_name(signum: int | None) -> str:
 def tally(job: Job, with_metrics: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """Count the records of the whole file (resumed ones included) and, if asked, aggregate
     every metric over the ok ones. Returns ``(records, metrics)``; ``records`` holds
-    ``output_tokens`` (this run's) and ``first_error`` (a ``describe_error``) besides the counts.
+    ``output_tokens`` (this run's), ``first_error`` (a ``describe_error``), ``error_reasons``
+    (the most common reasons, :class:`~batchgen.run.failures.Reasons`) and ``metric_rows`` (per
+    metric key, the ok records it scored) besides the counts.
     """
     counts: dict[str, Any] = {"total": 0, "ok": 0, "error": 0, "this_run": 0, "this_run_ok": 0, "this_run_error": 0}
     output_tokens = 0
     first_error = None
+    reasons = Reasons()
     per_metric: dict[str, list[dict[str, Any]]] = {ref.key: [] for ref, _ in job.metrics}
     kind, answered = job.records, job.answered
     keyless_done = answered.keyless  # answered in input order: the first ones are old
@@ -71,8 +75,9 @@ def tally(job: Job, with_metrics: bool) -> tuple[dict[str, Any], dict[str, Any]]
             counts["this_run_error" if failed else "this_run_ok"] += 1
             output_tokens += kind.output_tokens(record)
         if failed:
-            if first_error is None:
-                first_error = kind.describe_error(record)
+            described = kind.describe_error(record)
+            first_error = first_error or described
+            reasons.add(str(described.get("error")), described)
             continue
         for key, scores in per_metric.items():
             value = (record.get("metrics") or {}).get(key)
@@ -81,6 +86,10 @@ def tally(job: Job, with_metrics: bool) -> tuple[dict[str, Any], dict[str, Any]]
     counts["output_tokens"] = output_tokens
     if first_error is not None:
         counts["first_error"] = first_error
+        counts["error_reasons"] = reasons.most_common()
+    # A metric covers the ok records it gave a value (None is "does not apply", e.g. no answer).
+    counts["metric_rows"] = {key: sum(1 for s in scores if any(v is not None for v in s.values()))
+                             for key, scores in per_metric.items()}
     metrics = {ref.key: metric.aggregate(per_metric[ref.key]) for ref, metric in job.metrics} if with_metrics else {}
     return counts, metrics
 
@@ -200,11 +209,16 @@ class Summary:
         summary["finished_at"] = _now()
         timings["total_s"] = time.perf_counter() - self.t0
         output_tokens = counts.pop("output_tokens", 0)
+        metric_rows = counts.pop("metric_rows", None)
         summary["records"] = {**counts, "dataset_rows": len(job.source), "resumed": len(job.answered)}
+        if metric_rows is not None:  # per metric: the rows it covers, the rows that failed
+            summary["metric_rows"] = {key: {"rows": n, "failed": counts.get("error", 0)} for key, n in metric_rows.items()}
         summary.update(job.records.summary_counts(counts))
         stats = executor.stats()
         summary["executor"] = executor.describe()
         speed = throughput(stats, before, timings, counts.get("this_run", 0), output_tokens)
+        if job.scoring is not None:  # nothing is generated: the prompt tokens are what is scored
+            speed |= {"scored_tokens": speed["prompt_tokens"], "scored_tokens_per_s": speed["prompt_tokens_per_s"]}
         previous = job.previous or {}
         if counts.get("this_run", 0) == 0 and previous.get("throughput"):
             # Nothing was generated (a finished run resumed): keep the figures of the run that did

@@ -1,8 +1,8 @@
 """Tiny Llama-shaped GGUF files for the tests, written with the ``gguf`` package's writer.
 
 :func:`write_llama_gguf` writes a random HF Llama model's tensors in chosen block types
-(``gguf.quants.quantize`` for the types it can quantize; for Q4_K and Q6_K, which it can only
-de-quantize, random blocks with small scales), the RoPE permutation of q/k applied as
+(``gguf.quants.quantize`` for the types it can quantize; for Q4_K, Q5_K and Q6_K, which it can
+only de-quantize, random blocks with small scales), the RoPE permutation of q/k applied as
 llama.cpp's converter does, and a small byte-level BPE vocabulary. It returns the fp32 HF
 model whose weights are the *de-quantized* file (the oracle: what the file means, per the
 ``gguf`` package's own ``dequantize``).
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-QTYPE_NAMES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+QTYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _byte_alphabet() -> list[str]:
@@ -72,12 +72,14 @@ def _random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.
     elif qtype == T.Q4_1:  # d, m (f16): d * q + m
         raw[..., 0:2] = f16(0.01)
         raw[..., 2:4] = f16(-0.075)
-    elif qtype == T.Q4_K:
-        # d * sc_j * q - dmin * m_j with sc_j = m_j = v_j (random 6-bit) and dmin = 7.5 d:
-        # d * v_j * (q - 7.5). The 12 scale bytes pack v_0..v_7 twice, as Q4_K does.
-        d = 0.00017
+    elif qtype in (T.Q4_K, T.Q5_K):
+        # d * sc_j * q - dmin * m_j with sc_j = m_j = v_j (random 6-bit) and dmin = c d, c the
+        # middle of q (7.5; 15.5 for Q5_K's 5-bit q): d * v_j * (q - c). The 12 scale bytes pack
+        # v_0..v_7 twice, as the K-quants do.
+        c = 7.5 if qtype == T.Q4_K else 15.5
+        d = 0.00017 if qtype == T.Q4_K else 0.00017 * 7.5 / c
         raw[..., 0:2] = f16(d)
-        raw[..., 2:4] = f16(7.5 * d)
+        raw[..., 2:4] = f16(c * d)
         v = rng.integers(1, 64, size=(rows, cols // block, 8), dtype=np.uint8)
         low, high = v[..., :4], v[..., 4:]
         packed = (low & 63) | ((high >> 4) << 6)
@@ -98,7 +100,7 @@ def encode(weight: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tup
     from gguf.quants import quantize
 
     qtype = T[qtype_name]
-    if qtype in (T.Q4_K, T.Q6_K):
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
         return _random_blocks(*weight.shape, qtype, rng), qtype
     if qtype in (T.F32, T.F16):
         return weight.astype(np.float32 if qtype == T.F32 else np.float16), qtype

@@ -45,10 +45,17 @@ def weight_fields(raw: torch.Tensor, qtype: Q, in_features: int) -> dict[str, to
         out["d"] = _f16(raw.reshape(n, nb, ts)[..., 0:2])
         if qtype == Q.Q4_1:
             out["m"] = _f16(raw.reshape(n, nb, ts)[..., 2:4])
+    elif qtype == Q.Q5_0:  # d, 32 fifth bits (a little-endian uint32: bit j for value j), nibbles
+        qh = sum(blk[..., 2 + i] << (8 * i) for i in range(4))                    # [N, B]
+        qs = blk[..., 6:22]
+        low = torch.cat([qs & 15, qs >> 4], dim=2)                                  # value j at j
+        high = (qh[..., None] >> torch.arange(32)) & 1
+        out["u"] = (low | (high << 4)).reshape(n, in_features)
+        out["d"] = _f16(raw.reshape(n, nb, ts)[..., 0:2])
     elif qtype == Q.Q8_0:
         out["u"] = (raw.reshape(n, nb, ts)[..., 2:].contiguous().view(torch.int8).to(torch.int64) + 128).reshape(n, in_features)
         out["d"] = _f16(raw.reshape(n, nb, ts)[..., 0:2])
-    elif qtype == Q.Q4_K:
+    elif qtype in (Q.Q4_K, Q.Q5_K):
         out["d"] = _f16(raw.reshape(n, nb, ts)[..., 0:2])
         out["dmin"] = _f16(raw.reshape(n, nb, ts)[..., 2:4])
         s = blk[..., 4:16]
@@ -60,8 +67,12 @@ def weight_fields(raw: torch.Tensor, qtype: Q, in_features: int) -> dict[str, to
             sc[..., j + 4] = (s[..., j + 8] & 15) | ((s[..., j] >> 6) << 4)
             mn[..., j + 4] = (s[..., j + 8] >> 4) | ((s[..., j + 4] >> 6) << 4)
         out["sc"], out["mn"] = sc, mn
-        qs = blk[..., 16:].reshape(n, nb, 4, 32)
-        out["u"] = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, in_features)
+        five = qtype == Q.Q5_K  # then 32 bytes of fifth bits first: bit j of byte l, value l of sub-block j
+        qs = blk[..., 48 if five else 16:].reshape(n, nb, 4, 32)
+        u = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, nb, 8, 32)
+        if five:
+            u = u | (((blk[..., None, 16:48] >> torch.arange(8)[:, None]) & 1) << 4)
+        out["u"] = u.reshape(n, in_features)
     elif qtype == Q.Q6_K:
         ql = blk[..., :128].reshape(n, nb, 2, 64)
         qh = blk[..., 128:192].reshape(n, nb, 2, 32)
@@ -91,7 +102,7 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, in_features: int,
     f = weight_fields(raw, qtype, in_features)
     m, n, nb = x.shape[0], raw.shape[0], in_features // bk
     acc = torch.zeros(m, n)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0):
         dots = _dots(q, f["u"], 32)
         sx = s16.reshape(m, nb, 2).sum(dim=2)                                     # [M, B]
         for b in range(nb):
@@ -101,9 +112,9 @@ def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, in_features: int,
                 t2 = f["m"][None, :, b] * (dx[:, b] * sx[:, b].to(torch.int32).float())[:, None]
                 acc = acc + (t1 + t2)
             else:
-                off = (8 if qtype == Q.Q4_0 else 128) * sx[:, b, None]
+                off = {Q.Q4_0: 8, Q.Q5_0: 16, Q.Q8_0: 128}[qtype] * sx[:, b, None]
                 acc = acc + s * (dots[:, :, b] - off).to(torch.int32).float()
-    elif qtype == Q.Q4_K:
+    elif qtype in (Q.Q4_K, Q.Q5_K):
         dots = _dots(q, f["u"], 32).reshape(m, n, nb, 8)
         sx = s16.reshape(m, nb, 8, 2).sum(dim=3)                                  # [M, B, 8]
         isum = (dots * f["sc"][None]).sum(dim=3)                                  # [M, N, B]

@@ -1,6 +1,7 @@
 """De-quantization of GGUF blocks (``kernels/cpu/quant.py``) against the ``gguf`` package's own
 ``dequantize``, bit for bit: random tensors quantized by ``gguf.quants.quantize`` (Q4_0, Q4_1,
-Q8_0), random valid blocks for the K-quants (``gguf`` has no quantizer for them), and every
+Q5_0, Q8_0), random valid blocks for every type (the K-quants only so: ``gguf`` has no
+quantizer for them), and every
 tensor of the embedded SmolLM2 GGUF in a supported type (Q4_1 and Q8_0). And the
 ``QuantizedLinear`` container: concat, select_rows and its errors.
 """
@@ -16,6 +17,10 @@ from gguf import GGMLQuantizationType as Q
 
 from batchgen.kernels.cpu import quant
 from batchgen.kernels.cpu.quant import QuantizedLinear
+from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS
+
+#: what gguf.quants.quantize can write (it only de-quantizes the K-quants)
+GGUF_QUANTIZES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
 
 
 def random_blocks(qtype: Q, rows: int, in_features: int, seed: int) -> np.ndarray:
@@ -25,15 +30,14 @@ def random_blocks(qtype: Q, rows: int, in_features: int, seed: int) -> np.ndarra
     bs, ts = GGML_QUANT_SIZES[qtype]
     n = rows * in_features // bs
     blocks = rng.integers(0, 256, size=(n, ts), dtype=np.uint8)
-    halves = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
-    for offset in halves:
+    for offset in QUANT_FORMATS[qtype].halves:
         blocks[:, offset:offset + 2] = rng.normal(0, 0.02, size=(n, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 def quantized(qtype: Q, rows: int, in_features: int, seed: int) -> np.ndarray:
     """GGUF bytes of a random weight: quantized by ``gguf`` where it can, else random blocks."""
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in GGUF_QUANTIZES:
         w = np.random.default_rng(seed).normal(0, 0.5, size=(rows, in_features)).astype(np.float32)
         return gguf.quants.quantize(w, qtype)
     return random_blocks(qtype, rows, in_features, seed)
@@ -43,7 +47,7 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("qtype", quant.QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("source", ["quantize", "random_blocks"])
 def test_dequantize_equals_gguf_bit_for_bit(qtype: Q, source: str) -> None:
     rows, k = 48, 4 * quant.block_size(qtype)
@@ -72,7 +76,7 @@ def test_dequantize_equals_gguf_on_the_embedded_file() -> None:
     reader = _embedded_reader()
     seen: dict[str, int] = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type not in quant.QTYPES:
+        if tensor.tensor_type not in QUANT_FORMATS:
             continue
         shape = tuple(int(s) for s in reversed(tensor.shape))  # GGUF lists dims innermost first
         if tensor.tensor_type == Q.Q8_0:  # the 49,152 x 576 embedding: check a slice of rows
@@ -106,8 +110,10 @@ def test_concat_and_select_rows_move_whole_rows() -> None:
 
 def test_bad_input_is_a_clear_error() -> None:
     raw = quantized(Q.Q4_0, 4, 64, 0)
-    with pytest.raises(ValueError, match="Q5_K is not computed quantized here"):
-        QuantizedLinear(raw, Q.Q5_K, 4, 64)
+    with pytest.raises(ValueError, match="Q5_1 is not computed quantized here"):
+        QuantizedLinear(raw, Q.Q5_1, 4, 64)
+    with pytest.raises(ValueError, match="unknown GGML quantization type 99"):
+        QuantizedLinear(raw, 99, 4, 64)
     with pytest.raises(ValueError, match="not a positive multiple of 32"):
         QuantizedLinear(raw, Q.Q4_0, 4, 48)
     with pytest.raises(ValueError, match="needs 144 bytes, got 72"):

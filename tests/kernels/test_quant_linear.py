@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from batchgen.kernels.cpu import loader, quant
 from batchgen.kernels.cpu.quant import QuantizedLinear
+from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS
 
 import quant_arith
 from test_quant_dequant import _embedded_reader, quantized
@@ -66,7 +67,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", quant.QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
 def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa: str, rows: int) -> None:
     _isa_or_skip(isa)
     n, k = 40, 512  # two and a half panels; 16 blocks of 32 or 2 of 256
@@ -79,7 +80,7 @@ def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa:
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", quant.QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
 def test_the_builds_agree_bit_for_bit(qtype: Q) -> None:
     n, k = 50, 768
     raw = quantized(qtype, n, k, seed=7)
@@ -197,7 +198,7 @@ def test_activation_rounding_ties_go_to_even(isa: str, qtype: Q) -> None:
 
 
 def test_gather_rows_reads_the_rows_from_the_panels() -> None:
-    for qtype in quant.QTYPES:
+    for qtype in QUANT_FORMATS:
         n, k = 37, 2 * quant.block_size(qtype)
         layer = QuantizedLinear(quantized(qtype, n, k, seed=9), qtype, n, k, isa="torch")
         index = torch.tensor([36, 0, 5, 5, 17, 31])
@@ -228,3 +229,24 @@ def test_the_avxvnni_build_is_refused_without_avx_vnni() -> None:
     it never runs there (native then is the plain AVX2 build)."""
     with pytest.raises(loader.CpuKernelError, match="instructions this CPU lacks"):
         quant.load_quant("avxvnni")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_kernel_refuses_a_type_outside_its_table(isa: str) -> None:
+    """Every type of QUANT_FORMATS runs in every build, and any other id is refused (-2), not
+    read as some other type's blocks (the last row, Q6_K, once was the switch's default)."""
+    _isa_or_skip(isa)
+    lib = quant.load_quant(isa)
+    layer = QuantizedLinear(quantized(Q.Q6_K, 16, 256, seed=4), Q.Q6_K, 16, 256, isa=isa)
+    x, y = torch.randn(2, 256), torch.zeros(2, 16)
+
+    def run(qtype: int) -> int:
+        return lib.batchgen_quant_linear(x.data_ptr(), 256, 2, 256, layer.packed.data_ptr(), qtype, 16, None,
+                                         y.data_ptr(), 16)
+
+    assert run(int(Q.Q6_K)) == 0 and torch.equal(y, layer(x))
+    for other in (Q.F16, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, 99):
+        assert int(other) not in {int(t) for t in QUANT_FORMATS}
+        y.zero_()
+        assert run(int(other)) == -2 and bool((y == 0).all())

@@ -51,8 +51,11 @@ def test_missing_column(job_config, capsys) -> None:
         "prompt.template: column 'questoin' is not in the dataset (did you mean 'question'?); "
         "columns: 'qid', 'question', 'answer'"
     ) in err
-    code, _, err = _cli(capsys, "run", str(job_config(prompt={"column": "text", "template": None})))
-    assert code == 2 and "prompt.column: column 'text' is not in the dataset" in err
+    path = job_config(prompt={"column": "text", "template": None})
+    for command in ("validate", "run"):  # found after validation: the same prefix as every config error
+        code, _, err = _cli(capsys, command, str(path))
+        assert code == 2 and err.startswith(f"batchgen: error: {path}: invalid config: prompt.column: column 'text' "
+                                            "is not in the dataset"), err
 
 
 def test_metric_needs_its_reference_column(job_config, capsys) -> None:
@@ -358,3 +361,141 @@ def test_max_error_rate_names_the_last_failed_record(job_config, capsys, tmp_pat
     assert code == 3, err
     assert err.startswith("batchgen: error: run stopped: 6 of the 10 records written so far are errors (60%)"), err
     assert "the last one, id 'q7': column 'text' is empty (null) in this row\n" in err, err
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """The files batchgen would have created beside an output in ``folder``."""
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".lock", ".resume.json", ".summary.json")))
+
+
+def test_the_output_is_never_the_input_dataset(job_config, capsys, tmp_path: Path, qa_file: Path) -> None:
+    """The same file, a symlink to it, or a file inside a dataset folder: refused with exit 2
+    whatever the flags, at validate too, and nothing is touched."""
+    data = tmp_path / "data" / "qa.jsonl"
+    data.parent.mkdir()
+    data.write_bytes(qa_file.read_bytes())
+    (tmp_path / "link.jsonl").symlink_to(data)
+    before = data.read_bytes()
+    for output in (str(data), str(tmp_path / "link.jsonl"), str(tmp_path / "data" / ".." / "data" / "qa.jsonl")):
+        path = job_config(data={"source": str(data)}, output={"path": output})
+        for argv in (("validate",), ("run", "--overwrite"), ("run", "--resume"), ("run", "--force-resume"), ("run",)):
+            code, _, err = _cli(capsys, argv[0], str(path), *argv[1:])
+            assert code == 2, (output, argv, err)
+            assert err == (f"batchgen: error: the output is the input dataset: output.path {output} and data.source "
+                           f"{data} are the same file; write the output to another file\n"), err
+    os.link(data, tmp_path / "hard.jsonl")  # another name for the same inode
+    path = job_config(data={"source": str(data)}, output={"path": str(tmp_path / "hard.jsonl")})
+    code, _, err = _cli(capsys, "run", str(path), "--overwrite")
+    assert code == 2 and "the output is the input dataset" in err
+    (tmp_path / "hard.jsonl").unlink()
+    path = job_config(data={"source": str(tmp_path / "link.jsonl")}, output={"path": str(data), "error_path": None})
+    code, _, err = _cli(capsys, "run", str(path), "--overwrite")
+    assert code == 2 and "the output is the input dataset" in err
+    path = job_config(data={"source": str(data)}, output={"path": str(tmp_path / "ok.jsonl"), "error_path": str(data)})
+    code, _, err = _cli(capsys, "run", str(path), "--overwrite")
+    assert code == 2 and "the output is the input dataset: output.error_path" in err
+    path = job_config(data={"source": str(data.parent)}, output={"path": str(data.parent / "results.jsonl")})
+    code, _, err = _cli(capsys, "run", str(path), "--overwrite")
+    assert code == 2 and "the output is inside the input dataset" in err and "would read it as rows" in err
+    assert data.read_bytes() == before and _leftovers(data.parent) == [] and _leftovers(tmp_path) == []
+
+
+def test_batch_refuses_to_answer_into_its_own_input(capsys, tmp_path: Path, tiny_llama: str) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "m", "prompt": "Hi", "max_tokens": 2}}) + "\n")
+    before = source.read_bytes()
+    for flag in ("--overwrite", "--resume", "--force-resume"):
+        code, _, err = _cli(capsys, "batch", str(source), "-o", str(source), "--model", tiny_llama, flag)
+        assert code == 2 and "the output is the input dataset: output.path" in err, err
+    assert source.read_bytes() == before and _leftovers(tmp_path) == []
+
+
+def test_a_non_regular_output_is_refused_before_anything_runs(job_config, capsys, tmp_path: Path) -> None:
+    """/dev/null passes no check: refused at validate and at run, and nothing is left beside it."""
+    for key in ("path", "summary_path"):
+        path = job_config(output={key: "/dev/null"} if key == "path" else {key: "/dev/null"})
+        for command in ("validate", "run"):
+            code, _, err = _cli(capsys, command, str(path), "--overwrite") if command == "run" else _cli(
+                capsys, command, str(path))
+            assert code == 2, err
+            assert err == ("batchgen: error: output path /dev/null is not a regular file (a character device); "
+                           "records and summaries go to regular files: give a file path such as results.jsonl\n")
+    assert not Path("/dev/null.resume.json").exists() and not Path("/dev/null.summary.json").exists()
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    code, _, err = _cli(capsys, "validate", str(job_config(output={"path": str(fifo)})))
+    assert code == 2 and "is not a regular file (a named pipe)" in err
+
+
+@pytest.mark.parametrize("companion", [".resume.json", ".lock"])
+def test_a_folder_where_batchgen_keeps_its_files_is_one_error_line(job_config, capsys, tmp_path: Path,
+                                                                  companion: str) -> None:
+    out = tmp_path / "out" / "results.jsonl"
+    folder = out.with_name(out.name + companion)
+    folder.mkdir(parents=True)
+    for argv in (("validate",), ("run",), ("run", "--overwrite")):
+        code, _, err = _cli(capsys, argv[0], str(job_config()), *argv[1:])
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        assert err.startswith(f"batchgen: error: {folder} is a folder, but batchgen keeps "), err
+    assert not out.exists() and folder.is_dir()
+
+
+def test_the_sidecar_that_cannot_be_written_is_one_error_line(job_config, capsys, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while writing the records' config, before the first record: exit 1, one line."""
+    import errno
+
+    from batchgen.io import output_file
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise output_file.OutputWriteError("cannot write results.jsonl.resume.json: no space left on device", errno.ENOSPC)
+
+    monkeypatch.setattr("batchgen.run.plan.write_json_atomic", full)
+    code, _, err = _cli(capsys, "run", str(job_config()))
+    assert (code, err) == (1, "batchgen: error: cannot write results.jsonl.resume.json: no space left on device\n")
+
+
+def test_quantization_gguf_on_a_model_that_is_not_gguf(job_config, capsys, tiny_llama: str) -> None:
+    path = job_config(engine={"quantization": "gguf"})
+    for command in ("validate", "run"):
+        code, _, err = _cli(capsys, command, str(path))
+        assert code == 2
+        assert err == (f"batchgen: error: {path}: invalid config: engine.quantization: quantization 'gguf' keeps a "
+                       f"GGUF file's quantized blocks, but model '{tiny_llama}' is not a GGUF file (its weights load "
+                       "as stored); set engine.quantization to 'auto' or 'none', or give a .gguf model\n"), err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
+def test_help_points_to_the_docs_and_an_example(capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert "docs/config.md" in out and "configs/quickstart.yaml" in out
+    assert "main()" not in out and "hands it" not in out
+    if argv[0] == "run":  # the example job in the epilog is a valid config
+        import yaml
+
+        from batchgen.config import validate_config
+
+        block = out[out.index("  model:"):out.index("configs/quickstart.yaml is")]
+        validate_config(yaml.safe_load(block))
+        assert 'sort them by "id"' in out
+
+
+def test_tokenize_prints_the_ids_a_prompt_gets(capsys, tiny_llama: str, smollm2_tokenizer,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the typo below is not looked up on the hub
+    expected = smollm2_tokenizer("Hello world", add_special_tokens=True)["input_ids"]
+    code, out, err = _cli(capsys, "tokenize", tiny_llama, "Hello world")
+    lines = out.splitlines()
+    assert (code, err) == (0, "") and json.loads(lines[0]) == expected and len(lines) == 1 + len(expected)
+    assert lines[1].split()[0] == str(expected[0]) and "'Hello'" in lines[1]
+    code, out, _ = _cli(capsys, "tokenize", tiny_llama, "Hello world", "--json")
+    assert code == 0 and json.loads(out) == {"ids": expected, "tokens": smollm2_tokenizer.convert_ids_to_tokens(expected)}
+    code, _, err = _cli(capsys, "tokenize", "smollm2-135m-instruc", "Hello")
+    assert code == 2 and err.startswith("batchgen: error: model 'smollm2-135m-instruc' (did you mean "
+                                        "'smollm2-135m-instruct'?) is not a built-in model"), err

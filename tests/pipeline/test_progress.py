@@ -57,3 +57,40 @@ def test_quiet_prints_nothing() -> None:
         progress.on_tokens(5)
         progress.record_finished(5, failed=False)
     assert stream.getvalue() == ""
+
+
+def test_a_terminal_of_no_width_gets_plain_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh pseudo-terminal reports 0 columns: tqdm would draw blank lines there, so the
+    progress falls back to log lines; given a width, it draws the bar."""
+    import fcntl
+    import os
+    import select
+    import struct
+    import termios
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as stream:
+            assert os.get_terminal_size(slave).columns == 0 and stream.isatty()
+            with Progress(num_records=2, stream=stream) as progress:
+                assert progress.mode == "log"
+                progress.record_finished(3, failed=False)
+            stream.flush()
+            text = ""
+            while "1/2 records" not in text and select.select([master], [], [], 5)[0]:
+                text += os.read(master, 4096).decode()  # the pty hands the lines over in pieces
+            lines = [line for line in text.replace("\r", "").split("\n") if line]
+            assert lines[0] == "batchgen: generating 2 record(s)" and lines[-1].startswith("batchgen: 1/2 records")
+            assert all(line.strip() for line in text.replace("\r", "").split("\n")[:-1])  # no blank line
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+            with Progress(num_records=2, stream=stream) as progress:
+                assert progress.mode == "bar"
+    finally:
+        os.close(master)
+        os.close(slave)
+    for columns, mode in ((None, "bar"), ("0", "log"), ("100", "bar")):  # a stream that cannot be asked
+        if columns is not None:
+            monkeypatch.setenv("COLUMNS", columns)
+        with Progress(num_records=1, stream=_Terminal()) as progress:
+            assert progress.mode == mode

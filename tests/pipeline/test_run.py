@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -528,3 +529,94 @@ def test_the_summary_records_batchgen_threads(job_config, tiny_llm) -> None:
     line = summary["executor"]["per_replica"][0]
     assert line["threads"] == resolve_num_threads(tiny_llm.config.num_threads)
     assert line["torch_threads"] == torch.get_num_threads()
+
+
+def _plan_resume(path: Path, *overrides: str, force: bool = False):
+    registry = load_registry()
+    config = load_config(path, ["output.if_exists=resume", *overrides], registry=registry)
+    return plan(config, registry, force_resume=force)
+
+
+def test_a_resume_refuses_another_quantization_backend_or_device(job_config, tiny_llm, tmp_path: Path) -> None:
+    """Every setting that changes bits is fingerprinted (tests/unit/test_fingerprint.py walks
+    the schema); here the ones the second round's probe found missing."""
+    from batchgen.run.errors import ResumeMismatchError
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    cases = {"engine.quantization=none": 'engine.quantization: "auto" before, "none" now',
+             "engine.attention_backend=torch": 'engine.attention_backend: "auto" before, "torch" now',
+             "engine.linear_backend=torch": 'engine.linear_backend: "auto" before, "torch" now',
+             "model.device=auto": 'model.device: "cpu" before, "auto" now',
+             "data.format=json": 'data.format: "auto" before, "json" now'}
+    for override, expected in cases.items():
+        with pytest.raises(ResumeMismatchError) as info:
+            _plan_resume(path, override)
+        assert f"  - {expected}\n" in str(info.value), str(info.value)
+    _plan_resume(path).release()  # the same settings resume
+    assert len(_read(tmp_path / "out" / "results.jsonl")) == 4
+
+
+def test_a_damaged_or_empty_sidecar_does_not_pass(job_config, tiny_llm, tmp_path: Path) -> None:
+    """Damaged is said as damaged, not 'missing'; ``{"config": {}}`` lists every key as a
+    difference; and a refused resume leaves the file as it was, torn tail included."""
+    from batchgen.run.errors import ResumeMismatchError
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    out = tmp_path / "out" / "results.jsonl"
+    sidecar = tmp_path / "out" / "results.jsonl.resume.json"
+    with out.open("ab") as handle:
+        handle.write(b'{"id": "q04", "outp')  # the torn tail of a killed run
+    torn = out.read_bytes()
+    cases = {"{not json": f"cannot resume {out}: {sidecar} is damaged: not valid JSON (",
+             "[1, 2]": f"cannot resume {out}: {sidecar} is damaged: it holds no 'config' object",
+             '{"config": {}}': '  - engine.quantization: (not recorded) before, "auto" now\n'}
+    for text, expected in cases.items():
+        sidecar.write_text(text)
+        with pytest.raises(ResumeMismatchError) as info:
+            _plan_resume(path)
+        message = str(info.value)
+        assert expected in message and "is missing" not in message, message
+        assert out.read_bytes() == torn and sidecar.read_text() == text
+    with pytest.raises(ResumeMismatchError, match=r"(?s)generation.max_tokens: \(not recorded\) before, 8 now.*"
+                       r"model.name: \(not recorded\) before"):
+        _plan_resume(path)
+    job = _plan_resume(path, force=True)  # forced: the torn tail goes, the four records stay
+    job.release()
+    assert out.read_bytes() == torn[: torn.rindex(b"\n") + 1] and len(job.answered) == 4
+
+
+def test_a_refused_resume_of_a_damaged_file_changes_nothing(job_config, tiny_llm, tmp_path: Path) -> None:
+    from batchgen.io.output_file import OutputError
+
+    path = job_config()
+    _run(path, tiny_llm, "data.limit=4")
+    out = tmp_path / "out" / "results.jsonl"
+    lines = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(lines[0] + b"not json\n" + b"".join(lines[1:]) + b'{"id": "q9')
+    damaged = out.read_bytes()
+    with pytest.raises(OutputError, match=r"line 2: not valid JSON"):
+        _plan_resume(path)
+    assert out.read_bytes() == damaged
+
+
+def test_a_resume_refuses_a_dataset_changed_in_place(job_config, tiny_llm, tmp_path: Path, qa_file: Path) -> None:
+    """Same path, other rows: refused (the sidecar keeps the file's size and hash)."""
+    from batchgen.run.errors import ResumeMismatchError
+
+    data = tmp_path / "qa.jsonl"
+    data.write_bytes(qa_file.read_bytes())
+    path = job_config(data={"source": str(data)})
+    _run(path, tiny_llm, "data.limit=4")
+    kept = json.loads((tmp_path / "out" / "results.jsonl.resume.json").read_text())["dataset"]
+    assert kept["bytes"] == data.stat().st_size and len(kept["sha256"]) == 32
+    os.utime(data, (1, 1))  # touched, or copied: the same content still resumes
+    _plan_resume(path).release()
+    edited = data.read_bytes().replace(b"What is 5 plus 5?", b"What is 5 plus 6?")
+    data.write_bytes(edited)
+    with pytest.raises(ResumeMismatchError) as info:
+        _plan_resume(path)
+    assert (f"  - the dataset at data.source {data}: {kept['bytes']} bytes, sha256 {kept['sha256'][:12]} before, "
+            f"{len(edited)} bytes, sha256 ") in str(info.value)
+    assert "(the file changed since these records were written)" in str(info.value)

@@ -87,3 +87,18 @@ def test_builtin_sampler_options_are_documented() -> None:
         for option in describe_options(registry.samplers[name].options_model):
             assert f"`{option['name']}`" in section, (name, option["name"])
             assert f"default `{json.dumps(option['default'])}`" in section, (name, option)
+
+
+def test_the_pyproject_example_is_complete() -> None:
+    """The doc's pyproject.toml builds as the shipped plugins' do: [build-system] included."""
+    tomllib = pytest.importorskip("tomllib")
+    blocks = re.findall(r"```toml\n(.*?)```", DOC.read_text(encoding="utf-8"), re.DOTALL)
+    assert blocks, "docs/plugins.md shows no pyproject.toml"
+    doc = tomllib.loads(blocks[0])
+    shipped = tomllib.loads((DOC.parents[1] / "plugins" / "batchgen-typical" / "pyproject.toml").read_text())
+    assert doc["build-system"] == shipped["build-system"]
+    assert doc["project"]["entry-points"]["batchgen"] == {"myplugin": "batchgen_myplugin"}
+    assert doc["tool"]["setuptools"] == shipped["tool"]["setuptools"]
+    assert {"name", "version", "dependencies", "requires-python"} <= set(doc["project"])
+    text = DOC.read_text(encoding="utf-8")
+    assert "batchgen tokenize MODEL TEXT" in text and "~/.cache/batchgen/models/" in text

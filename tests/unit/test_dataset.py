@@ -199,3 +199,26 @@ def test_a_chat_message_with_an_unknown_role_is_a_row_error(tokenizer: Any) -> N
     bad = builder.build("b", 1, {"messages": [{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "Zap"}]})
     assert bad.error == "column 'messages': message 1 has role 'wizard'; expected one of 'system', 'user', 'assistant'"
     assert bad.prompt_token_ids is None
+
+
+def test_a_source_that_is_neither_local_nor_on_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local folder's typo reads as a hub name; the message says it is neither, and names the
+    local folder it resembles. (The hub's answer is simulated: no network in the tests.)"""
+    import datasets
+
+    def unreachable(name: str, *args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mydata_h").mkdir()
+    def load(source: str) -> str:
+        with pytest.raises(DataError) as info:
+            load_rows(validate_config({"data": {"source": source}, "output": {"path": "o.jsonl"}}).data)
+        return str(info.value)
+
+    for source, hint in {"mydata": " (did you mean 'mydata_h'?)", "zzz": ""}.items():
+        assert load(source) == (f"data.source '{source}': no such local path or dataset on the Hub{hint}: "
+                                f"Couldn't reach '{source}' on the Hub (LocalEntryNotFoundError)")
+    assert load(f"{tmp_path}/mydat_h") == (f"data.source: file not found: {tmp_path}/mydat_h "
+                                           f"(did you mean '{tmp_path}/mydata_h'?)")

@@ -82,14 +82,49 @@ def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
         # Off a terminal (and after the quiet block): what happens, no bar.
         _convert_gguf(Path("model.gguf"), models / "m-3")
         lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 2 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
-        assert "once" in lines[0] and re.fullmatch(r"batchgen: converted model\.gguf in \d+\.\d s", lines[1])
+        assert len(lines) == 5 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
+        assert "once: about 40 s" in lines[0] and re.fullmatch(r"batchgen: converted model\.gguf in \d+\.\d s", lines[4])
+        assert lines[1:4] == ["batchgen: [1/3] loading transformers, reading the tokenizer from the GGUF file",
+                              "batchgen: [2/3] reading and de-quantizing the weights to float32",
+                              "batchgen: [3/3] writing the safetensors folder"]
         hf_logging.enable_progress_bar()
         _convert_gguf(Path("model.gguf"), models / "m-2")
         err = capsys.readouterr().err
         assert "Converting and de-quantizing GGUF tensors" in err and "batchgen: converted model.gguf" in err
     finally:
         (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+def test_a_long_conversion_step_says_so_every_few_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reading the GGUF takes most of the conversion, before transformers' bar: a line every
+    HEARTBEAT_S seconds says the step still runs (here 0.05 s, against a 0.3 s step)."""
+    import time
+    from types import SimpleNamespace
+
+    import transformers
+
+    from batchgen import model_resolver
+
+    def slow_tokenizer(*args: object, **kwargs: object) -> SimpleNamespace:
+        time.sleep(0.3)
+        return SimpleNamespace(save_pretrained=lambda p: None)
+
+    save = lambda path, **kw: (Path(path) / "config.json").write_text("{}")  # noqa: E731
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", slow_tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: SimpleNamespace(
+        config=SimpleNamespace(quantization_config={}), save_pretrained=save))
+    monkeypatch.setattr(model_resolver, "HEARTBEAT_S", 0.05)
+    _convert_gguf(Path("model.gguf"), tmp_path / "m")
+    lines = capsys.readouterr().err.splitlines()
+    beats = [line for line in lines if "still loading transformers, reading the tokenizer from the GGUF file (" in line]
+    assert len(beats) >= 3 and lines.index(beats[0]) == 2, lines
+    last = max(i for i, line in enumerate(lines) if line in beats)
+    assert lines[last + 1:] == lines[-3:] and not any("still" in line for line in lines[last + 1:]), lines
+    with quiet_notices():  # --quiet: the heartbeat thread keeps quiet too
+        _convert_gguf(Path("model.gguf"), tmp_path / "m-quiet")
+    assert "batchgen:" not in capsys.readouterr().err
 
 
 def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,6 +138,18 @@ def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not in the HF cache and HF_HUB_OFFLINE is set" in message
     with pytest.raises(ModelNotFoundError, match="'bad name!' is not a valid hub id"):
         check_model("bad name!")
+    for typo in ("smollm2-135m-instruc", "SmolLM2-135M-Instrct"):  # a typo of a built-in name gets a did-you-mean
+        with pytest.raises(ModelNotFoundError) as info:
+            check_model(typo)
+        assert str(info.value).startswith(f"model '{typo}' (did you mean 'smollm2-135m-instruct'?) is not a built-in")
+
+
+def test_a_missing_model_path_names_the_folder_it_resembles(tmp_path: Path) -> None:
+    (tmp_path / "tiny-llama").mkdir()
+    with pytest.raises(ModelNotFoundError) as info:
+        check_model(f"{tmp_path}/tiny-lama")
+    assert str(info.value).startswith(f"model path '{tmp_path}/tiny-lama' does not exist (did you mean "
+                                      f"'{tmp_path}/tiny-llama'?); give an existing folder")
 
 
 def test_hub_that_cannot_be_reached_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,3 +163,16 @@ def test_hub_that_cannot_be_reached_is_named(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
     with pytest.raises(ModelNotFoundError, match=r"'org/nope-7b' .* the hub did not provide it \(ConnectionError: Name or service"):
         check_model("org/nope-7b")
+
+
+def test_quantization_gguf_needs_a_gguf_model(tmp_path: Path) -> None:
+    """``gguf`` for an HF folder or a hub id would keep nothing quantized: an error, not a
+    summary saying 'gguf' over float weights."""
+    from batchgen.model_resolver import ModelError, QuantizationError, resolve_model
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in (str(tmp_path), "org/some-model"):
+        with pytest.raises(QuantizationError, match=f"model '{name}' is not a GGUF file") as info:
+            resolve_model(name, "gguf", "cpu")
+        assert isinstance(info.value, ModelError) and isinstance(info.value, ValueError)
+        assert resolve_model(name, "none", "cpu").quantization == "none"

@@ -1,5 +1,6 @@
-/* batchgen: the quantized linear layer y = x W^T (+ b), W in GGUF blocks (Q4_0, Q4_1, Q8_0,
- * Q4_K, Q6_K), x in float32; integer dot products on the CPU, threaded on pool.h.
+/* batchgen: the quantized linear layer y = x W^T (+ b), W in GGUF blocks (Q4_0, Q4_1, Q5_0,
+ * Q8_0, Q4_K, Q5_K, Q6_K: one row each in FORMATS_LIST, below), x in float32; integer dot
+ * products on the CPU, threaded on pool.h. A type not in the table is refused (-2).
  *
  * Built and loaded by batchgen/kernels/cpu/quant.py through loader.py. The same source builds
  * four ways, picked by what the compiler targets: AVX512-VNNI (`vpdpbusd` on 16 output
@@ -12,10 +13,11 @@
  * widening them: output rows (= weight rows, "columns" of y) are taken 16 at a time (a panel,
  * zero rows past N), and within a panel, block by block, each field of the 16 blocks is
  * interleaved unit by unit: unit i of column c sits at field_offset * 16 + (i * 16 + c) * unit.
- * The fields (offset, length, unit) of each raw block are listed in quant.py (FIELDS): the
+ * The fields (offset, length, unit) of each raw block are listed in quant_formats.py: the
  * fp16 scales in units of 2 bytes, everything else in units of 4 bytes: 16 columns' 4
  * consecutive bytes form one 64-byte vector (the quants: 4 k of 16 columns, what one vpdpbusd
- * takes; Q4_K's and Q6_K's sub-block scales: one 32-bit lane per column, decoded by shifts).
+ * takes; the K-quants' sub-block scales and Q5_0's 32 fifth bits: one 32-bit lane per column,
+ * decoded by shifts, Q5_0's bits by a byte shuffle).
  * Where the CPU has AVX2 or AVX-512, the quants are decoded in registers as the dot products
  * read them; the plain C build goes through a decoded copy of the panel.
  *
@@ -27,13 +29,14 @@
  * (a division, a reciprocal, a product, one rounding), the same in every build and in torch.
  *
  * Integer dot products. A panel's block is decoded to unsigned bytes u (Q4_*: the nibble
- * 0..15; Q8_0: w + 128; Q4_K: 0..15; Q6_K: 0..63) laid out [group of 4 k][16 columns][4], and
+ * 0..15; Q5_*: 0..31; Q8_0: w + 128; Q6_K: 0..63) laid out [group of 4 k][16 columns][4], and
  * dotted with the row's int8 q: exact int32, whatever the instructions. Then, per block b of
  * output (row i, column c), with dx = the row's scale of b and sx its sum of q over b:
  *   Q4_0:  n = dot - 8 sx;                 acc = acc + (d_c * dx) * (float)n
+ *   Q5_0:  n = dot - 16 sx;                acc = acc + (d_c * dx) * (float)n
  *   Q8_0:  n = dot - 128 sx;               acc = acc + (d_c * dx) * (float)n
  *   Q4_1:  n = dot;                        acc = acc + ((d_c * dx) * (float)n + m_c * (dx * (float)sx))
- *   Q4_K:  n = sum_j sc_cj dot_j,  nm = sum_j mn_cj sx_j  (j: the 8 sub-blocks of 32)
+ *   Q4_K, Q5_K:  n = sum_j sc_cj dot_j,  nm = sum_j mn_cj sx_j  (j: the 8 sub-blocks of 32)
  *                                          acc = acc + ((d_c * dx) * (float)n - (dmin_c * dx) * (float)nm)
  *   Q6_K:  n = sum_j sc_cj (dot_j - 32 sx_j)  (j: the 16 sub-blocks of 16)
  *                                          acc = acc + (d_c * dx) * (float)n
@@ -72,9 +75,6 @@
 #define BG_AVXVNNI 0
 #endif
 
-/* GGML type ids (gguf.GGMLQuantizationType) */
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
-
 #define NR 16  /* columns per panel */
 #define MC 64  /* rows per item at most */
 #define GRAIN_MACS (64 * 1024)
@@ -93,26 +93,6 @@ int batchgen_quant_cpu_ok(void) {
 #else
   return 1;
 #endif
-}
-
-/* ---- formats --------------------------------------------------------------------------- */
-
-struct format {
-  int bk;        /* weights per block */
-  int bytes;     /* bytes per raw block */
-  int units;     /* sub-blocks whose integer sums are scaled apart (1, 8 or 16) */
-  int groups;    /* groups of 4 k per unit */
-};
-
-static int format_of(int qtype, struct format *f) {
-  switch (qtype) {
-    case T_Q4_0: *f = (struct format){32, 18, 1, 8}; return 0;
-    case T_Q4_1: *f = (struct format){32, 20, 1, 8}; return 0;
-    case T_Q8_0: *f = (struct format){32, 34, 1, 8}; return 0;
-    case T_Q4_K: *f = (struct format){256, 144, 8, 8}; return 0;
-    case T_Q6_K: *f = (struct format){256, 210, 16, 4}; return 0;
-    default: return -1;
-  }
 }
 
 /* fp16 bits -> float32, exact (subnormals, infinities and NaN included). */
@@ -237,59 +217,67 @@ void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int 
   quantize_rows(x, ldx, k, bk, 0, m, q, d, s16);
 }
 
-/* ---- decoding one panel's block ------------------------------------------------------------ */
+/* ---- the plain C build's scratch: a panel's block decoded to u ------------------------------
+ * Each format's quants at `src` (16 * bytes, the panel's block) to unsigned bytes u laid out
+ * [group of 4 k][16 columns][4] (the builds with AVX2 decode in registers instead, below). */
 
-/* (unused: the scales are decoded in decode_panel, 16 columns at once) */
-struct scales {
-  int unused;
-};
-
-/* Decode the panel's block at `src` (16 * bytes) to u [groups_total][NR * 4] (and the K-quants'
- * integer scales). */
-static void decode_block(int qtype, const uint8_t *src, uint8_t *restrict u, struct scales *s) {
-  (void)s;
-  if (!u) return; /* nothing but the quants to decode */
-  switch (qtype) {
-    case T_Q4_0:
-    case T_Q4_1: {
-      int qoff = qtype == T_Q4_0 ? 2 : 4;
-      const uint8_t *qs = src + 16 * qoff;
-      for (int i = 0; i < 4; i++)
-        for (int b = 0; b < 64; b++) {
-          u[i * 64 + b] = qs[i * 64 + b] & 15;
-          u[(i + 4) * 64 + b] = qs[i * 64 + b] >> 4;
-        }
-      break;
+/* Q4_0 / Q4_1's 16 bytes of nibbles (4 chunks of 64): chunk i's low nibbles are group i, its
+ * high nibbles group i + 4. */
+static inline void decode_nibbles32(const uint8_t *qs, uint8_t *restrict u) {
+  for (int i = 0; i < 4; i++)
+    for (int b = 0; b < 64; b++) {
+      u[i * 64 + b] = qs[i * 64 + b] & 15;
+      u[(i + 4) * 64 + b] = qs[i * 64 + b] >> 4;
     }
-    case T_Q8_0: {
-      const uint8_t *qs = src + 32;
-      for (int b = 0; b < 8 * 64; b++) u[b] = qs[b] ^ 0x80;
-      break;
+}
+static inline void decode_q4_0(const uint8_t *src, uint8_t *restrict u) { decode_nibbles32(src + 16 * 2, u); }
+static inline void decode_q4_1(const uint8_t *src, uint8_t *restrict u) { decode_nibbles32(src + 16 * 4, u); }
+/* Q5_0: Q4_0's nibbles plus a fifth bit, bit 4g + t of the column's 32-bit qh (lane c) */
+static inline void decode_q5_0(const uint8_t *src, uint8_t *restrict u) {
+  const uint8_t *qh = src + 16 * 2;
+  decode_nibbles32(src + 16 * 6, u);
+  for (int g = 0; g < 8; g++)
+    for (int b = 0; b < 64; b++) {
+      const int bit = 4 * g + b % 4;
+      u[g * 64 + b] |= (uint8_t)(((qh[4 * (b / 4) + bit / 8] >> (bit % 8)) & 1) << 4);
     }
-    case T_Q4_K: {
-      const uint8_t *qs = src + 16 * 16;
-      for (int i = 0; i < 32; i++) {
-        int lo = 16 * (i / 8) + i % 8, hi = lo + 8;
-        for (int b = 0; b < 64; b++) {
-          u[lo * 64 + b] = qs[i * 64 + b] & 15;
-          u[hi * 64 + b] = qs[i * 64 + b] >> 4;
-        }
-      }
-      break;
-    }
-    case T_Q6_K: {
-      const uint8_t *ql = src, *qh = src + 16 * 128;
-      for (int g = 0; g < 64; g++) {
-        int h = g / 32, r = (4 * g) % 128;
-        const uint8_t *l = ql + (16 * h + (r % 64) / 4) * 64, *hb = qh + (8 * h + (r % 32) / 4) * 64;
-        int sl = 4 * (r / 64), sh = 2 * (r / 32);
-        for (int b = 0; b < 64; b++) u[g * 64 + b] = (uint8_t)(((l[b] >> sl) & 15) | (((hb[b] >> sh) & 3) << 4));
-      }
-      break;
+}
+static inline void decode_q8_0(const uint8_t *src, uint8_t *restrict u) {
+  for (int b = 0; b < 8 * 64; b++) u[b] = src[32 + b] ^ 0x80;
+}
+/* Q4_K: 32 chunks of nibbles; chunk i's low nibbles are group i % 8 of sub-block 2 (i / 8), its
+ * high nibbles of sub-block 2 (i / 8) + 1. */
+static inline void decode_q4_k(const uint8_t *src, uint8_t *restrict u) {
+  const uint8_t *qs = src + 16 * 16;
+  for (int i = 0; i < 32; i++) {
+    int lo = 16 * (i / 8) + i % 8, hi = lo + 8;
+    for (int b = 0; b < 64; b++) {
+      u[lo * 64 + b] = qs[i * 64 + b] & 15;
+      u[hi * 64 + b] = qs[i * 64 + b] >> 4;
     }
   }
 }
-
+/* Q5_K: Q4_K's nibbles (after the 32 bytes of qh) plus a fifth bit: bit j of qh chunk g for
+ * group g of sub-block j. */
+static inline void decode_q5_k(const uint8_t *src, uint8_t *restrict u) {
+  const uint8_t *qh = src + 16 * 16, *qs = src + 16 * 48;
+  for (int i = 0; i < 32; i++) {
+    int j = 2 * (i / 8), g = i % 8, lo = 8 * j + g, hi = lo + 8;
+    for (int b = 0; b < 64; b++) {
+      u[lo * 64 + b] = (uint8_t)((qs[i * 64 + b] & 15) | (((qh[g * 64 + b] >> j) & 1) << 4));
+      u[hi * 64 + b] = (uint8_t)((qs[i * 64 + b] >> 4) | (((qh[g * 64 + b] >> (j + 1)) & 1) << 4));
+    }
+  }
+}
+static inline void decode_q6_k(const uint8_t *src, uint8_t *restrict u) {
+  const uint8_t *ql = src, *qh = src + 16 * 128;
+  for (int g = 0; g < 64; g++) {
+    int h = g / 32, r = (4 * g) % 128;
+    const uint8_t *l = ql + (16 * h + (r % 64) / 4) * 64, *hb = qh + (8 * h + (r % 32) / 4) * 64;
+    int sl = 4 * (r / 64), sh = 2 * (r / 32);
+    for (int b = 0; b < 64; b++) u[g * 64 + b] = (uint8_t)(((l[b] >> sl) & 15) | (((hb[b] >> sh) & 3) << 4));
+  }
+}
 /* ---- 16 lanes of float32 / int32 (one per column of a panel) -------------------------------
  * The epilogue is written once on these; each build implements every op lane by lane with the
  * same IEEE operation (no fused multiply-add), so the builds give the same bits. */
@@ -385,98 +373,20 @@ static inline vf vf_half(const uint8_t *p) { vf r; LANES(half_to_float(load_u16(
 #undef LANES
 #endif
 
-/* ---- the integer dot products: up to MR rows x 16 columns over `groups` groups of 4 k -------- */
-
-/* out[r] (16 lanes) = sum_{g, t} u[g][c][t] * q[r][4g + t], exact. `big` says how large u gets:
- * 0: u <= 15 (Q4_0, Q4_1, Q4_K), 1: u <= 63 (Q6_K), 2: u <= 255 (Q8_0). */
+/* ---- the integer dot products: up to MR rows x 16 columns over the groups of 4 k of a unit ----
+ * MR: rows per tile (what the build's accumulators fit in its registers). */
 #if BG_ISA == 2
 #define MR 8
-/* In asm: GCC 12 copies each intrinsic's accumulator to another register and back on every
- * iteration; "+v" keeps it in place. The 4 bytes of q are broadcast from memory ({1to16}). */
-#define DP(r)                                                                         \
-  if (mr > r)                                                                         \
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0"                                            \
-            : "+v"(a##r)                                                              \
-            : "v"(w), "m"(*(const int32_t *)(const void *)(q + (r) * ldq + 4 * g)));
-static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
-                                                           const int8_t *q, int64_t ldq, const int big, vi *out) {
-  (void)big;
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int g = 0; g < groups; g++) {
-    const __m512i w = _mm512_loadu_si512((const void *)(u + 64 * g));
-    DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7)
-  }
-  out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
-}
-#undef DP
-#elif BG_ISA == 1
-/* Without VNNI: vpmaddubsw (u8 x s8 pairs -> int16) then vpmaddwd by 1 (-> int32). A pair is at
- * most 63 * 127 * 2 = 16002 for u <= 63, so int16 cannot saturate; for u <= 15 the pairs of 8
- * groups are summed in int16 first (at most 8 * 3810 = 30480), for u <= 63 of 2 groups (32004).
- * Q8_0's u (up to 255) is split in nibbles. (Not reached: the AVX2 builds read the panel
- * directly, below; the AVX-VNNI one with 4 rows a tile, its 8 accumulators fit in 16 ymm.) */
-#if BG_AVXVNNI
+#elif BG_AVXVNNI
 #define MR 4
 #else
 #define MR 2
 #endif
-static inline __attribute__((always_inline)) void unit_dot(const int mr, const uint8_t *u, const int groups,
-                                                           const int8_t *q, int64_t ldq, const int big, vi *out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-  if (big == 2) {
-    const __m256i sixteen = _mm256_set1_epi16(16), low4 = _mm256_set1_epi8(15);
-    for (int g = 0; g < groups; g++) {
-      __m256i w0 = _mm256_loadu_si256((const __m256i *)(u + 64 * g));
-      __m256i w1 = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32));
-      __m256i lo0 = _mm256_and_si256(w0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-      __m256i lo1 = _mm256_and_si256(w1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
-      for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-          int32_t xv;
-          memcpy(&xv, q + r * ldq + 4 * g, 4);
-          __m256i xb = _mm256_set1_epi32(xv);
-          __m256i a0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo0, xb), ones),
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi0, xb), sixteen));
-          __m256i a1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo1, xb), ones),
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi1, xb), sixteen));
-          out[r].a = _mm256_add_epi32(out[r].a, a0);
-          out[r].b = _mm256_add_epi32(out[r].b, a1);
-        }
-      }
-    }
-    return;
-  }
-  const int step = big == 0 && groups % 8 == 0 ? 8 : 2;
-  for (int g0 = 0; g0 < groups; g0 += step) {
-    __m256i p0[MR], p1[MR];
-    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
-    for (int g = g0; g < g0 + step; g++) {
-      __m256i w0 = _mm256_loadu_si256((const __m256i *)(u + 64 * g));
-      __m256i w1 = _mm256_loadu_si256((const __m256i *)(u + 64 * g + 32));
-      for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-          int32_t xv;
-          memcpy(&xv, q + r * ldq + 4 * g, 4);
-          __m256i xb = _mm256_set1_epi32(xv);
-          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w0, xb));
-          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w1, xb));
-        }
-      }
-    }
-    for (int r = 0; r < MR; r++) {
-      if (r < mr) {
-        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
-        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
-      }
-    }
-  }
-}
-#else
-#define MR 2
+
+#if BG_ISA == 0
+/* out[r] (16 lanes) = sum_{g, t} u[g][c][t] * q[r][4g + t], exact, over a decoded scratch. */
 static inline void unit_dot(const int mr, const uint8_t *u, const int groups, const int8_t *q, int64_t ldq,
-                            const int big, vi *out) {
-  (void)big;
+                            vi *out) {
   for (int r = 0; r < mr; r++)
     for (int c = 0; c < NR; c++) {
       int32_t s = 0;
@@ -505,6 +415,26 @@ static inline __attribute__((always_inline)) __m256i q6_half(const uint8_t *ql, 
   l = _mm256_and_si256(s ? _mm256_srli_epi16(l, 4) : l, m4);
   h = _mm256_and_si256(sh <= 4 ? _mm256_slli_epi16(h, 4 - sh) : _mm256_srli_epi16(h, sh - 4), m30);
   return _mm256_or_si256(l, h);
+}
+/* Q5_0 and Q5_K on 256 bits: half `half` (columns 0-7 or 8-15) of group g's quants, as q5_w in
+ * the AVX-512 build (u <= 31). */
+static inline __attribute__((always_inline)) __m256i q5_half(const uint8_t *qs, const uint8_t *qh, const int j,
+                                                             const int g, const int half) {
+  const __m256i m4 = _mm256_set1_epi8(15), m16 = _mm256_set1_epi8(16);
+  if (j < 0) {
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(qs + 64 * (g % 4) + 32 * half));
+    const __m256i lo = _mm256_and_si256(g < 4 ? c : _mm256_srli_epi16(c, 4), m4);
+    const __m256i spread = _mm256_add_epi8(_mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404,
+                                                             0x08080808, 0x0c0c0c0c),
+                                           _mm256_set1_epi8((char)(g / 2)));
+    const __m256i sel = _mm256_set1_epi32((int)(0x08040201u << (4 * (g % 2))));
+    const __m256i hb = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(qh + 32 * half)), spread);
+    return _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, sel), sel), m16));
+  }
+  const __m256i c = _mm256_loadu_si256((const __m256i *)(qs + 64 * g + 32 * half));
+  const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 64 * g + 32 * half));
+  const __m256i lo = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(c, 4) : c, m4);
+  return _mm256_or_si256(lo, _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4), m16));
 }
 #endif
 #if BG_ISA == 2
@@ -549,6 +479,37 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
     l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
     h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
     const __m512i w = _mm512_or_si512(l, h);
+    DPW_ALL(w, g)
+  }
+  out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
+}
+/* Q5_0 and Q5_K: group g's quants, the nibble plus a fifth bit (u = lo | hi << 4 <= 31).
+ *   j < 0 (Q5_0): chunk g % 4 of qs, its low nibbles for g < 4, high ones above; the fifth bits
+ *     are bits 4g..4g+3 of each column's 32-bit qh (lane c of the one chunk at qh): byte g / 2
+ *     of the lane spread to its 4 bytes, each tested against its own bit;
+ *   j >= 0 (Q5_K, sub-block j): chunk g of qs (nibble j % 2) and bit j of qh chunk g. */
+static inline __attribute__((always_inline)) __m512i q5_w(const uint8_t *qs, const uint8_t *qh, const int j,
+                                                          const int g) {
+  const __m512i m4 = _mm512_set1_epi8(15), m16 = _mm512_set1_epi8(16);
+  if (j < 0) {
+    const __m512i c = _mm512_loadu_si512((const void *)(qs + 64 * (g % 4)));
+    const __m512i lo = _mm512_and_si512(g < 4 ? c : _mm512_srli_epi16(c, 4), m4);
+    const __m512i spread = _mm512_add_epi8(_mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0),
+                                           _mm512_set1_epi8((char)(g / 2)));
+    const __m512i hb = _mm512_shuffle_epi8(_mm512_loadu_si512((const void *)qh), spread);
+    const __mmask64 set = _mm512_test_epi8_mask(hb, _mm512_set1_epi32((int)(0x08040201u << (4 * (g % 2)))));
+    return _mm512_mask_add_epi8(lo, set, lo, m16);
+  }
+  const __m512i c = _mm512_loadu_si512((const void *)(qs + 64 * g));
+  const __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
+  const __m512i lo = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(c, 4) : c, m4);
+  return _mm512_or_si512(lo, _mm512_and_si512(j <= 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4), m16));
+}
+static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
+                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int g = 0; g < 8; g++) {
+    const __m512i w = q5_w(qs, qh, j, g);
     DPW_ALL(w, g)
   }
   out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
@@ -608,6 +569,18 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
   for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
   for (int g = 0; g < 4; g++) {
     const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
+    DP_ROWS(w[0], w[1], g)
+  }
+  for (int r = 0; r < MR; r++)
+    if (r < mr) out[r] = (vi){a[r], b[r]};
+}
+/* Q5_0 and Q5_K (see q5_half): u <= 31. */
+static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
+                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
+  __m256i a[MR], b[MR];
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int g = 0; g < 8; g++) {
+    const __m256i w[2] = {q5_half(qs, qh, j, g, 0), q5_half(qs, qh, j, g, 1)};
     DP_ROWS(w[0], w[1], g)
   }
   for (int r = 0; r < MR; r++)
@@ -700,6 +673,35 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
     }
   }
 }
+/* Q5_0 and Q5_K (see q5_half): u <= 31, so a pair is at most 31 * 127 * 2 = 7874; 4 groups'
+ * pairs summed in int16 (at most 31496), widened once per 4. */
+static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
+                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int g0 = 0; g0 < 8; g0 += 4) {
+    __m256i p0[MR], p1[MR];
+    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
+    for (int g = g0; g < g0 + 4; g++) {
+      const __m256i w[2] = {q5_half(qs, qh, j, g, 0), q5_half(qs, qh, j, g, 1)};
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          __m256i xb = _mm256_set1_epi32(xv);
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
+        }
+      }
+    }
+    for (int r = 0; r < MR; r++) {
+      if (r < mr) {
+        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
+        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
+      }
+    }
+  }
+}
 #define BG_DIRECT 1
 #else
 #define BG_DIRECT 0
@@ -707,9 +709,243 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
 
 /* ---- the layer ----------------------------------------------------------------------------- */
 
+/* One panel decoded for all its blocks: u [k / 4][64], and per block the float scales and the
+ * K-quants' integer ones. */
+struct panel {
+  const uint8_t *src; /* the packed panel itself (the direct dot products read it) */
+  uint8_t *u;         /* decoded, where the dot products read a scratch (plain C) */
+  float *dw, *mw;     /* [nb][16]: d, and Q4_1's m or the K-quants' dmin */
+  int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
+};
+
+/* ---- each format's scales, decoded per block of the panel (16 columns at once) -------------- */
+
+static inline void scales_d(const uint8_t *blk, int64_t b, struct panel *P) { vf_store(P->dw + b * NR, vf_half(blk)); }
+static inline void scales_dm(const uint8_t *blk, int64_t b, struct panel *P) {
+  vf_store(P->dw + b * NR, vf_half(blk));
+  vf_store(P->mw + b * NR, vf_half(blk + 32));
+}
+/* Q4_K / Q5_K: d, dmin, and the 6-bit scales and mins: lane c = column c's bytes */
+static inline void scales_k(const uint8_t *blk, int64_t b, struct panel *P) {
+  scales_dm(blk, b, P);
+  int32_t *sc = P->sc + b * 8 * NR, *mn = P->mn + b * 8 * NR;
+  const vi six = vi_set1(63), four = vi_set1(15), top = vi_set1(3);
+  const vi d = vi_load((const int32_t *)(const void *)(blk + 64)), m = vi_load((const int32_t *)(const void *)(blk + 128));
+  const vi md = vi_load((const int32_t *)(const void *)(blk + 192));
+  for (int j = 0; j < 4; j++) {
+    vi dj = vi_srl(d, 8 * j), mj = vi_srl(m, 8 * j), mdj = vi_srl(md, 8 * j);
+    vi_store(sc + j * NR, vi_and(dj, six));
+    vi_store(mn + j * NR, vi_and(mj, six));
+    vi_store(sc + (j + 4) * NR, vi_or(vi_and(mdj, four), vi_sll(vi_and(vi_srl(dj, 6), top), 4)));
+    vi_store(mn + (j + 4) * NR, vi_or(vi_and(vi_srl(mdj, 4), four), vi_sll(vi_and(vi_srl(mj, 6), top), 4)));
+  }
+}
+/* Q6_K: d last, 16 int8 scales per column, 4 per lane in each of 4 chunks */
+static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {
+  vf_store(P->dw + b * NR, vf_half(blk + 16 * 208));
+  int32_t *sc = P->sc + b * 16 * NR;
+  for (int t = 0; t < 4; t++) {
+    vi v = vi_load((const int32_t *)(const void *)(blk + 16 * 192 + 64 * t));
+    for (int j = 0; j < 4; j++) vi_store(sc + (4 * t + j) * NR, vi_sra(vi_sll(v, 24 - 8 * j), 24));
+  }
+}
+
+/* ---- each format's block: its dot products and their float32 combination (the top) ---------
+ * mr rows (q, xd, xs at the tile's first row) against block b of the panel (its packed bytes at
+ * blk), added to acc. */
+#define AI __attribute__((always_inline))
+#define STEP_ARGS                                                                                    \
+  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t nb, const int8_t *q, \
+      const int64_t k, const float *xd, const int32_t *xs, vf *acc
+
+/* Q4_0, Q5_0, Q8_0: n = dot - off sx; acc += (d_c dx) n */
+static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
+  const vf dw = vf_load(P->dw + b * NR);
+  (void)q, (void)blk;
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      const float dx = xd[r * nb + b];
+      const vi o = vi_set1(off * (xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]));
+      acc[r] = vf_add(acc[r], vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(vi_sub(d[r], o))));
+    }
+  }
+}
+/* a block's (or a unit's) dot products: the build's direct kernel, or the plain C build's scratch */
+#if BG_DIRECT
+#define DOT32(direct) direct
+#define DOT_UNIT(direct, groups) direct
+#else
+#define DOT32(direct) unit_dot(mr, P->u + b * 32 * NR, 8, q + b * 32, k, d)
+#define DOT_UNIT(direct, groups) \
+  unit_dot(mr, P->u + b * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, d)
+#endif
+static inline AI void step_q4_0(STEP_ARGS) {
+  vi d[MR];
+  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, d));
+  add_offset(d, 8, mr, P, blk, b, nb, q, k, xd, xs, acc);
+}
+static inline AI void step_q5_0(STEP_ARGS) {
+  vi d[MR];
+  DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, d));
+  add_offset(d, 16, mr, P, blk, b, nb, q, k, xd, xs, acc);
+}
+static inline AI void step_q8_0(STEP_ARGS) {
+  vi d[MR];
+  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, d));
+  add_offset(d, 128, mr, P, blk, b, nb, q, k, xd, xs, acc);
+}
+/* Q4_1: acc += (d_c dx) dot + m_c (dx sx) */
+static inline AI void step_q4_1(STEP_ARGS) {
+  vi d[MR];
+  (void)blk;
+  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, d));
+  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      const float dx = xd[r * nb + b];
+      const float sxd = dx * (float)(xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]);
+      vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
+      vf t2 = vf_mul(mw, vf_set1(sxd));
+      acc[r] = vf_add(acc[r], vf_add(t1, t2));
+    }
+  }
+}
+/* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
+ * acc += (d_c dx) is - (dmin_c dx) nm */
+static inline AI void add_k(const vi *is, STEP_ARGS) {
+  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
+  const int32_t *mn = P->mn + b * 8 * NR;
+  (void)q, (void)blk;
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      const int32_t *xr = xs + r * (k / 16) + 16 * b;
+      vi im = vi_zero();
+      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j] + xr[2 * j + 1])));
+      const vf dx = vf_set1(xd[r * nb + b]);
+      vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
+      vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
+      acc[r] = vf_add(acc[r], vf_sub(t1, t2));
+    }
+  }
+}
+static inline AI void step_q4_k(STEP_ARGS) {
+  vi d[MR], is[MR];
+  for (int r = 0; r < MR; r++) is[r] = vi_zero();
+  for (int j = 0; j < 8; j++) {
+    DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, d), 8);
+    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    for (int r = 0; r < MR; r++)
+      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
+  }
+  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+}
+static inline AI void step_q5_k(STEP_ARGS) {
+  vi d[MR], is[MR];
+  for (int r = 0; r < MR; r++) is[r] = vi_zero();
+  for (int j = 0; j < 8; j++) {
+    DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, k, d), 8);
+    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    for (int r = 0; r < MR; r++)
+      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
+  }
+  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+}
+/* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16; acc += (d_c dx) n */
+static inline AI void step_q6_k(STEP_ARGS) {
+  vi d[MR], is[MR];
+  (void)blk;
+  for (int r = 0; r < MR; r++) is[r] = vi_zero();
+  for (int j = 0; j < 16; j++) { /* unit j of 16 k: see unit_dot_q6 and decode_q6_k */
+    const int h = j / 8;
+    (void)h;
+    DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
+                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, d), 4);
+    const vi scj = vi_load(P->sc + (b * 16 + j) * NR);
+    for (int r = 0; r < MR; r++)
+      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * (k / 16) + 16 * b + j]))));
+  }
+  const vf dw = vf_load(P->dw + b * NR);
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
+      acc[r] = vf_add(acc[r], t);
+    }
+  }
+}
+
+/* ---- each format's functions, and the table -----------------------------------------------
+ * FORMATS_LIST holds one row per block type: its GGML type id (gguf.GGMLQuantizationType), its
+ * name, weights and bytes per block, units (sub-blocks whose integer sums are scaled apart: 1,
+ * 8 or 16), and its decode, scales and step functions above. FORMAT_FNS makes of a row
+ *   panel_<name>: decode a panel's nb blocks (the scales; the quants too in the plain C build);
+ *   tiles_<name>: rows of an item against a decoded panel, MR rows a tile (then the rest), each
+ *     tile's acc over every block in order (the step inlined: one loop per format and build). */
+typedef void panel_fn(const uint8_t *src, int64_t nb, struct panel *P);
+typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int8_t *q, int64_t k, const float *xd,
+                      const int32_t *xs, float *out);
+
+#define TILE_CALL(name, mr_) tile_##name(mr_, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR)
+#define FORMAT_FNS(ID, name, BK, BYTES, UNITS, DECODE, SCALES, STEP)                                                   \
+  static void panel_##name(const uint8_t *src, int64_t nb, struct panel *P) {                                 \
+    P->src = src;                                                                                             \
+    for (int64_t b = 0; b < nb; b++) {                                                                        \
+      const uint8_t *blk = src + b * NR * (BYTES);                                                            \
+      if (!BG_DIRECT) DECODE(blk, P->u + b * (BK) * NR);                                                      \
+      SCALES(blk, b, P);                                                                                      \
+    }                                                                                                         \
+  }                                                                                                           \
+  static inline AI void tile_##name(const int mr, const struct panel *P, int64_t nb, const int8_t *q, int64_t k, \
+                                    const float *xd, const int32_t *xs, float *out /* [mr][NR] */) {          \
+    vf acc[MR];                                                                                               \
+    for (int r = 0; r < MR; r++) acc[r] = vf_zero();                                                          \
+    for (int64_t b = 0; b < nb; b++) STEP(mr, P, P->src + b * NR * (BYTES), b, nb, q, k, xd, xs, acc);         \
+    for (int r = 0; r < MR; r++)                                                                              \
+      if (r < mr) vf_store(out + r * NR, acc[r]);                                                             \
+  }                                                                                                           \
+  static void tiles_##name(int64_t rows, const struct panel *P, int64_t nb, const int8_t *q, int64_t k,       \
+                           const float *xd, const int32_t *xs, float *out) {                                  \
+    int64_t r = 0;                                                                                            \
+    for (; r + MR <= rows; r += MR) TILE_CALL(name, MR);                                                      \
+    switch (rows - r) {                                                                                       \
+      case 1: TILE_CALL(name, 1); break;                                                                      \
+      case 2: TILE_CALL(name, 2); break;                                                                      \
+      case 3: TILE_CALL(name, 3); break;                                                                      \
+      case 4: TILE_CALL(name, 4); break;                                                                      \
+      case 5: TILE_CALL(name, 5); break;                                                                      \
+      case 6: TILE_CALL(name, 6); break;                                                                      \
+      case 7: TILE_CALL(name, 7); break;                                                                      \
+      default: break;                                                                                         \
+    }                                                                                                         \
+  }
+#define FORMATS_LIST(X)                                                   \
+  X(2, q4_0, 32, 18, 1, decode_q4_0, scales_d, step_q4_0)                 \
+  X(3, q4_1, 32, 20, 1, decode_q4_1, scales_dm, step_q4_1)                \
+  X(6, q5_0, 32, 22, 1, decode_q5_0, scales_d, step_q5_0)                 \
+  X(8, q8_0, 32, 34, 1, decode_q8_0, scales_d, step_q8_0)                 \
+  X(12, q4_k, 256, 144, 8, decode_q4_k, scales_k, step_q4_k)              \
+  X(13, q5_k, 256, 176, 8, decode_q5_k, scales_k, step_q5_k)              \
+  X(14, q6_k, 256, 210, 16, decode_q6_k, scales_q6_k, step_q6_k)
+FORMATS_LIST(FORMAT_FNS)
+
+struct format {
+  int qtype, bk, bytes, units; /* the row's numbers */
+  panel_fn *decode_panel;      /* this build's panel decoding */
+  tiles_fn *tiles;             /* this build's dot products and their combination */
+};
+#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, panel_##name, tiles_##name},
+static const struct format FORMATS[] = {FORMATS_LIST(FORMAT_ROW)};
+
+/* The row of `qtype`, or NULL: an unknown type is refused, never read as another. */
+static const struct format *format_of(int qtype) {
+  for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+    if (FORMATS[i].qtype == qtype) return &FORMATS[i];
+  return NULL;
+}
+
+/* ---- the threads ----------------------------------------------------------------------------- */
+
 struct job {
-  int qtype;
-  struct format f;
+  const struct format *f;
   int64_t m, k, n, nb, npanels, nrb;
   const int8_t *q;   /* [m][k] */
   const float *xd;   /* [m][k / bk] */
@@ -721,183 +957,14 @@ struct job {
   int *failed; /* set when a chunk could not allocate its scratch */
 };
 
-/* One panel decoded for all its blocks: u [k / 4][64], and per block the float scales and the
- * K-quants' integer ones. */
-struct panel {
-  const uint8_t *src; /* the packed panel itself (the direct dot products read it) */
-  uint8_t *u;         /* decoded, where the dot products read a scratch (Q6_K; plain C) */
-  float *dw, *mw;     /* [nb][16]: d, and Q4_1's m or Q4_K's dmin */
-  int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
-};
-
-#define DIRECT(qtype) (BG_DIRECT)
-
-static void decode_panel(int qtype, const struct format *f, const uint8_t *src, int64_t nb, struct panel *P) {
-  struct scales s;
-  P->src = src;
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t *blk = src + b * NR * f->bytes;
-    decode_block(qtype, blk, DIRECT(qtype) ? NULL : P->u + b * f->bk * NR, &s);
-    int doff = qtype == T_Q6_K ? 16 * 208 : 0;
-    vf_store(P->dw + b * NR, vf_half(blk + doff));
-    if (qtype == T_Q4_1 || qtype == T_Q4_K) vf_store(P->mw + b * NR, vf_half(blk + 32));
-    if (qtype == T_Q4_K) { /* the 6-bit scales and mins, 16 columns at once: lane c = column c's bytes */
-      int32_t *sc = P->sc + b * 8 * NR, *mn = P->mn + b * 8 * NR;
-      const vi six = vi_set1(63), four = vi_set1(15), top = vi_set1(3);
-      const vi d = vi_load((const int32_t *)(const void *)(blk + 64)), m = vi_load((const int32_t *)(const void *)(blk + 128));
-      const vi md = vi_load((const int32_t *)(const void *)(blk + 192));
-      for (int j = 0; j < 4; j++) {
-        vi dj = vi_srl(d, 8 * j), mj = vi_srl(m, 8 * j), mdj = vi_srl(md, 8 * j);
-        vi_store(sc + j * NR, vi_and(dj, six));
-        vi_store(mn + j * NR, vi_and(mj, six));
-        vi_store(sc + (j + 4) * NR, vi_or(vi_and(mdj, four), vi_sll(vi_and(vi_srl(dj, 6), top), 4)));
-        vi_store(mn + (j + 4) * NR, vi_or(vi_and(vi_srl(mdj, 4), four), vi_sll(vi_and(vi_srl(mj, 6), top), 4)));
-      }
-    } else if (qtype == T_Q6_K) { /* 16 int8 scales per column, 4 per lane in each of 4 chunks */
-      int32_t *sc = P->sc + b * 16 * NR;
-      for (int t = 0; t < 4; t++) {
-        vi v = vi_load((const int32_t *)(const void *)(blk + 16 * 192 + 64 * t));
-        for (int j = 0; j < 4; j++) vi_store(sc + (4 * t + j) * NR, vi_sra(vi_sll(v, 24 - 8 * j), 24));
-      }
-    }
-  }
-}
-
-/* mr rows (q, xd, xs at the first) against one decoded panel: acc[r] over every block, in order. */
-static inline __attribute__((always_inline)) void tile(const int mr, const int qtype, const struct format f,
-                                                       const struct panel *P, int64_t nb, const int8_t *q,
-                                                       int64_t k, const float *xd, const int32_t *xs,
-                                                       float *out /* [mr][NR] */) {
-  const int64_t s16n = k / 16;
-  const int big = qtype == T_Q8_0 ? 2 : qtype == T_Q6_K ? 1 : 0;
-  (void)big;
-  vf acc[MR];
-  vi d[MR];
-  for (int r = 0; r < MR; r++) acc[r] = vf_zero();
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t *ub = P->u + b * f.bk * NR;
-    const int8_t *qb = q + b * f.bk;
-    const vf dw = vf_load(P->dw + b * NR);
-    const uint8_t *blk = P->src + b * NR * f.bytes;
-    (void)blk;
-    (void)ub;
-    if (f.units == 1) {
-#if BG_DIRECT
-      if (qtype == T_Q8_0)
-        unit_dot_direct(mr, blk + 32, K_Q8, qb, k, d);
-      else
-        unit_dot_direct(mr, blk + 16 * (qtype == T_Q4_0 ? 2 : 4), K_Q4_32, qb, k, d);
-#else
-      unit_dot(mr, ub, f.groups, qb, k, big, d);
-#endif
-      if (qtype == T_Q4_1) {
-        const vf mw = vf_load(P->mw + b * NR);
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            const float dx = xd[r * nb + b];
-            const float sxd = dx * (float)(xs[r * s16n + 2 * b] + xs[r * s16n + 2 * b + 1]);
-            vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
-            vf t2 = vf_mul(mw, vf_set1(sxd));
-            acc[r] = vf_add(acc[r], vf_add(t1, t2));
-          }
-        }
-      } else {
-        const int32_t scale = qtype == T_Q4_0 ? 8 : 128;
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            const float dx = xd[r * nb + b];
-            const vi off = vi_set1(scale * (xs[r * s16n + 2 * b] + xs[r * s16n + 2 * b + 1]));
-            vf t = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(vi_sub(d[r], off)));
-            acc[r] = vf_add(acc[r], t);
-          }
-        }
-      }
-    } else {
-      vi is[MR];
-      for (int r = 0; r < MR; r++) is[r] = vi_zero();
-      const int32_t *sc = P->sc + b * f.units * NR;
-      for (int j = 0; j < f.units; j++) {
-#if BG_DIRECT
-        if (qtype == T_Q4_K) {
-          unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, qb + 32 * j, k, d);
-        } else { /* Q6_K, unit j of 16 k: see unit_dot_q6 and decode_block */
-          const int h = j / 8;
-          unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
-                      (j % 8) / 4, 2 * ((j % 8) / 2), qb + 16 * j, k, d);
-        }
-#else
-        unit_dot(mr, ub + 64 * f.groups * j, f.groups, qb + 4 * f.groups * j, k, big, d);
-#endif
-        const vi scj = vi_load(sc + j * NR);
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            if (qtype == T_Q4_K)
-              is[r] = vi_add(is[r], vi_mul(scj, d[r]));
-            else
-              is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * s16n + 16 * b + j]))));
-          }
-        }
-      }
-      if (qtype == T_Q4_K) {
-        const vf mw = vf_load(P->mw + b * NR);
-        const int32_t *mn = P->mn + b * 8 * NR;
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            const int32_t *xr = xs + r * s16n + 16 * b;
-            vi im = vi_zero();
-            for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j] + xr[2 * j + 1])));
-            const vf dx = vf_set1(xd[r * nb + b]);
-            vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
-            vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
-            acc[r] = vf_add(acc[r], vf_sub(t1, t2));
-          }
-        }
-      } else {
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
-            acc[r] = vf_add(acc[r], t);
-          }
-        }
-      }
-    }
-  }
-  for (int r = 0; r < MR; r++)
-    if (r < mr) vf_store(out + r * NR, acc[r]);
-}
-
-#define TILES(qt)                                                                               \
-  static void tiles_##qt(int64_t rows, const struct format f, const struct panel *P, int64_t nb, \
-                         const int8_t *q, int64_t k, const float *xd, const int32_t *xs, float *out) { \
-    int64_t r = 0;                                                                              \
-    for (; r + MR <= rows; r += MR)                                                             \
-      tile(MR, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR);       \
-    switch (rows - r) {                                                                         \
-      case 1: tile(1, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 2: tile(2, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 3: tile(3, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 4: tile(4, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 5: tile(5, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 6: tile(6, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      case 7: tile(7, qt, f, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR); break; \
-      default: break;                                                                           \
-    }                                                                                           \
-  }
-TILES(T_Q4_0)
-TILES(T_Q4_1)
-TILES(T_Q8_0)
-TILES(T_Q4_K)
-TILES(T_Q6_K)
-
 static void run_items(void *ctx, int64_t begin, int64_t end) {
   const struct job *J = (const struct job *)ctx;
-  const struct format f = J->f;
-  const int qtype = J->qtype;
+  const struct format *f = J->f;
   const int64_t k = J->k, nb = J->nb;
   struct panel P;
   /* one allocation per chunk of items: the decoded panel and its scales */
-  size_t ubytes = (size_t)(k * NR), fl = (size_t)(nb * NR);
-  char *mem = (char *)malloc(ubytes + 2 * fl * sizeof(float) + (size_t)(f.units + 8) * fl * sizeof(int32_t) + 64);
+  size_t ubytes = BG_DIRECT ? 0 : (size_t)(k * NR), fl = (size_t)(nb * NR);
+  char *mem = (char *)malloc(ubytes + 2 * fl * sizeof(float) + (size_t)(f->units + 8) * fl * sizeof(int32_t) + 64);
   if (!mem) {
     __atomic_store_n(J->failed, 1, __ATOMIC_RELAXED);
     return;
@@ -906,26 +973,17 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
   P.dw = (float *)(P.u + ubytes);
   P.mw = P.dw + fl;
   P.sc = (int32_t *)(P.mw + fl);
-  P.mn = P.sc + (size_t)f.units * fl;
+  P.mn = P.sc + (size_t)f->units * fl;
   float out[MC * NR] __attribute__((aligned(64)));
   int64_t decoded = -1;
   for (int64_t item = begin; item < end; item++) {
     int64_t p = item / J->nrb, rb = item % J->nrb; /* a panel's row blocks one after the other */
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
     if (p != decoded) {
-      decode_panel(qtype, &f, J->packed + p * nb * NR * f.bytes, nb, &P);
+      f->decode_panel(J->packed + p * nb * NR * f->bytes, nb, &P);
       decoded = p;
     }
-    const int8_t *q = J->q + r0 * k;
-    const float *xd = J->xd + r0 * nb;
-    const int32_t *xs = J->xs + r0 * (k / 16);
-    switch (qtype) {
-      case T_Q4_0: tiles_T_Q4_0(rows, f, &P, nb, q, k, xd, xs, out); break;
-      case T_Q4_1: tiles_T_Q4_1(rows, f, &P, nb, q, k, xd, xs, out); break;
-      case T_Q8_0: tiles_T_Q8_0(rows, f, &P, nb, q, k, xd, xs, out); break;
-      case T_Q4_K: tiles_T_Q4_K(rows, f, &P, nb, q, k, xd, xs, out); break;
-      default: tiles_T_Q6_K(rows, f, &P, nb, q, k, xd, xs, out); break;
-    }
+    f->tiles(rows, &P, nb, J->q + r0 * k, k, J->xd + r0 * nb, J->xs + r0 * (k / 16), out);
     int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
     for (int64_t r = 0; r < rows; r++) {
       float *yr = J->y + (r0 + r) * J->ldy + p * NR;
@@ -954,11 +1012,11 @@ static void run_quantize(void *ctx, int64_t begin, int64_t end) {
  * ceil(n / 16) panels). Returns 0, -1 (no memory), -2 (unknown type), -3 (k not whole blocks). */
 int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed, int qtype,
                           int64_t n, const float *bias, float *y, int64_t ldy) {
-  struct format f;
-  if (format_of(qtype, &f)) return -2;
-  if (k <= 0 || k % f.bk) return -3;
+  const struct format *f = format_of(qtype);
+  if (!f) return -2;
+  if (k <= 0 || k % f->bk) return -3;
   if (m <= 0 || n <= 0) return 0;
-  int64_t nb = k / f.bk;
+  int64_t nb = k / f->bk;
   int8_t *q = (int8_t *)malloc((size_t)(m * k));
   float *d = (float *)malloc((size_t)(m * nb) * sizeof(float));
   int32_t *s = (int32_t *)malloc((size_t)(m * (k / 16)) * sizeof(int32_t));
@@ -968,12 +1026,12 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f.bk, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, q, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 
   int failed = 0;
-  struct job J = {qtype, f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy, &failed};
+  struct job J = {f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy, &failed};
   int64_t items = J.npanels * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * NR * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);

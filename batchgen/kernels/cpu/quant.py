@@ -1,5 +1,6 @@
-"""QuantizedLinear: a linear layer whose weight stays in its GGUF blocks (Q4_0, Q4_1, Q8_0,
-Q4_K, Q6_K), computed by batchgen's int8 dot-product kernel (``quant.c``) on the CPU.
+"""QuantizedLinear: a linear layer whose weight stays in its GGUF blocks (a type of
+:data:`~batchgen.kernels.cpu.quant_formats.QUANT_FORMATS`: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
+Q6_K), computed by batchgen's int8 dot-product kernel (``quant.c``) on the CPU.
 
 The weight ``W [out_features, in_features]`` arrives as GGUF stores it: each row is
 ``in_features / block_size`` blocks of ``type_size`` bytes (``gguf.GGML_QUANT_SIZES``). The
@@ -17,8 +18,9 @@ Two paths compute it:
   ``gguf.quants.dequantize``), then ``F.linear`` in float32. The kernel differs from it by the
   activations' int8 rounding, within :func:`activation_error_bound`.
 
-``dequantize`` is this project's own de-quantization of the five formats, in torch, bit-equal
-to ``gguf.quants.dequantize`` (the tests check it on random and real tensors).
+``dequantize`` is this project's own de-quantization (each row's de-quantizer in
+``quant_formats.py``), in torch, bit-equal to ``gguf.quants.dequantize`` (the tests check it on
+random and real tensors).
 """
 
 from __future__ import annotations
@@ -32,46 +34,34 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from . import loader
+from .quant_formats import QUANT_FORMATS, format_of
 
 logger = logging.getLogger(__name__)
 
-Q = GGMLQuantizationType
-QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # what this module computes quantized
-QK_K = 256
-
-
 def block_size(qtype: GGMLQuantizationType) -> int:
     """Weights per block of ``qtype`` (32, or 256 for the K-quants)."""
-    return GGML_QUANT_SIZES[qtype][0]
+    return format_of(qtype).block_size
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     """Bytes of one weight row of ``in_features`` weights in ``qtype``.
 
     Raises:
-        ValueError: ``qtype`` not one of :data:`QTYPES`, or ``in_features`` not a multiple of
-            its block size.
+        ValueError: ``qtype`` not in :data:`QUANT_FORMATS`, or ``in_features`` not a multiple
+            of its block size.
     """
-    qtype = _check_qtype(qtype)
-    size, nbytes = GGML_QUANT_SIZES[qtype]
-    if in_features <= 0 or in_features % size:
-        raise ValueError(f"{qtype.name} stores rows in blocks of {size} weights; "
-                         f"in_features={in_features} is not a positive multiple of {size}")
-    return in_features // size * nbytes
+    fmt = format_of(qtype)
+    if in_features <= 0 or in_features % fmt.block_size:
+        raise ValueError(f"{fmt.name} stores rows in blocks of {fmt.block_size} weights; "
+                         f"in_features={in_features} is not a positive multiple of {fmt.block_size}")
+    return in_features // fmt.block_size * fmt.type_size
 
 
 def _check_qtype(qtype) -> GGMLQuantizationType:  # noqa: ANN001 - an int or the enum
-    try:
-        qtype = GGMLQuantizationType(int(qtype))
-    except (ValueError, TypeError):
-        raise ValueError(f"unknown GGML quantization type {qtype!r}") from None
-    if qtype not in QTYPES:
-        raise ValueError(f"{qtype.name} is not computed quantized here (supported: "
-                         f"{', '.join(t.name for t in QTYPES)}); de-quantize it at load")
-    return qtype
+    return format_of(qtype).qtype
 
 
 def _as_bytes(raw) -> torch.Tensor:  # noqa: ANN001 - numpy array or tensor
@@ -88,63 +78,13 @@ def _as_bytes(raw) -> torch.Tensor:  # noqa: ANN001 - numpy array or tensor
 
 # ---- de-quantization (bit-equal to gguf.quants.dequantize) -------------------------------
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> float32 (little-endian half, exact)."""
-    return b.contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return qs & 0x0F, qs >> 4
-
-
-def _dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """[n, type_size] uint8 -> [n, block_size] float32, the same float operations as gguf's."""
-    n = blocks.shape[0]
-    if qtype == Q.Q4_0:
-        d = _f16(blocks[:, :2])
-        lo, hi = _nibbles(blocks[:, 2:])
-        q = torch.cat([lo, hi], dim=1).to(torch.int8) - 8
-        return d * q.float()
-    if qtype == Q.Q4_1:
-        d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        lo, hi = _nibbles(blocks[:, 4:])
-        return d * torch.cat([lo, hi], dim=1).float() + m
-    if qtype == Q.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks[:, :2])
-    if qtype == Q.Q4_K:
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        sc, m = _q4k_scale_min(blocks[:, 4:16])
-        lo, hi = _nibbles(blocks[:, 16:].reshape(n, 4, 32))
-        q = torch.stack([lo, hi], dim=2).reshape(n, 8, 32).float()  # sub-block 2p: lo, 2p+1: hi
-        ds = (d * sc.float()).reshape(n, 8, 1)
-        dm = (dmin * m.float()).reshape(n, 8, 1)
-        return (ds * q - dm).reshape(n, QK_K)
-    if qtype == Q.Q6_K:
-        ql, qh = blocks[:, :128].reshape(n, 2, 64), blocks[:, 128:192].reshape(n, 2, 32)
-        scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-        d = _f16(blocks[:, 208:210])
-        low = torch.stack([ql & 0x0F, ql >> 4], dim=2).reshape(n, 2, 128)      # e = 128h + 64s + l
-        high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 2, 128)
-        q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-        return ((d * scales).reshape(n, 16, 1) * q).reshape(n, QK_K)
-    raise AssertionError(qtype)
-
-
-def _q4k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's 12 bytes of 6-bit scales and mins -> ([n, 8], [n, 8]) uint8."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return sc, mn
-
-
 def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN001
     """De-quantize GGUF blocks to a float32 tensor of ``shape`` (the last dimension is the one
     stored in blocks), bit for bit as ``gguf.quants.dequantize``.
 
     Args:
         raw: uint8 numpy array or tensor holding the blocks (any shape; read as flat bytes).
-        qtype: one of :data:`QTYPES` (a ``gguf.GGMLQuantizationType`` or its integer id).
+        qtype: a type of :data:`QUANT_FORMATS` (a ``gguf.GGMLQuantizationType`` or its integer id).
         shape: the weight's shape, e.g. ``(out_features, in_features)``.
 
     Raises:
@@ -157,33 +97,21 @@ def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN00
     expected = rows * row_bytes(qtype, shape[-1])
     if data.numel() != expected:
         raise ValueError(f"{qtype.name} weight of shape {shape} needs {expected} bytes, got {data.numel()}")
-    nbytes = GGML_QUANT_SIZES[qtype][1]
-    return _dequantize_blocks(data.reshape(-1, nbytes), qtype).reshape(shape)
+    fmt = QUANT_FORMATS[qtype]
+    return fmt.dequantize_blocks(data.reshape(-1, fmt.type_size)).reshape(shape)
 
 
 # ---- the kernel's weight layout and library ----------------------------------------------
 
 PANEL = 16  # output columns per panel (quant.c's NR)
 
-# Each raw block's fields as (offset, length, unit): in a panel, unit i of column c of a field
-# lands at offset * 16 + (i * 16 + c) * unit (quant.c's header). Every unit of 4 bytes puts 16
-# columns' bytes side by side in one 64-byte vector.
-FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, int], ...]] = {
-    Q.Q4_0: ((0, 2, 2), (2, 16, 4)),
-    Q.Q4_1: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),
-    Q.Q8_0: ((0, 2, 2), (2, 32, 4)),
-    Q.Q4_K: ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 4)),
-    Q.Q6_K: ((0, 128, 4), (128, 64, 4), (192, 16, 4), (208, 2, 2)),
-}
-
-
 @functools.lru_cache(maxsize=None)
 def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
     """``perm`` with ``panel_block[dst] = columns_block[perm[dst]]``, where ``columns_block`` is
     16 columns' raw blocks one after the other (``c * type_size + byte``)."""
-    ts = GGML_QUANT_SIZES[qtype][1]
+    ts = QUANT_FORMATS[qtype].type_size
     perm = torch.empty(PANEL * ts, dtype=torch.long)
-    for off, length, unit in FIELDS[qtype]:
+    for off, length, unit in QUANT_FORMATS[qtype].fields:
         i = torch.arange(length // unit).view(-1, 1, 1)
         c = torch.arange(PANEL).view(1, -1, 1)
         t = torch.arange(unit).view(1, 1, -1)
@@ -204,7 +132,7 @@ def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Te
     """The kernel's layout of ``raw_rows`` ([N, row_bytes] uint8): a byte permutation, padded
     with zero rows to whole panels; 1-D uint8, ``ceil(N / 16) * 16 * row_bytes`` bytes."""
     n, rb = raw_rows.shape
-    ts = GGML_QUANT_SIZES[qtype][1]
+    ts = QUANT_FORMATS[qtype].type_size
     panels = -(-n // PANEL)
     if panels * PANEL != n:
         raw_rows = torch.cat([raw_rows, raw_rows.new_zeros(panels * PANEL - n, rb)])
@@ -214,7 +142,7 @@ def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Te
 
 def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_features: int) -> torch.Tensor:
     """The inverse of :func:`pack_panels`: [n, row_bytes] uint8 raw rows."""
-    ts = GGML_QUANT_SIZES[qtype][1]
+    ts = QUANT_FORMATS[qtype].type_size
     nb = in_features // block_size(qtype)
     panels = packed.numel() // (PANEL * nb * ts)
     blocks = packed.view(panels, nb, PANEL * ts)[..., _inverse_permutation(qtype)].view(panels, nb, PANEL, ts)
@@ -321,7 +249,7 @@ def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, qtype) -> torc
 
 
 class QuantizedLinear(torch.nn.Module):
-    """``y = x W^T + b`` with ``W`` kept in GGUF blocks of one of :data:`QTYPES`.
+    """``y = x W^T + b`` with ``W`` kept in GGUF blocks of a type of :data:`QUANT_FORMATS`.
 
     Args:
         raw: the weight's GGUF bytes (uint8 numpy array or tensor, read as flat bytes:
@@ -351,6 +279,7 @@ class QuantizedLinear(torch.nn.Module):
                  bias: torch.Tensor | None = None, isa: str = "native") -> None:
         super().__init__()
         self.qtype = _check_qtype(qtype)
+        self._kernel_id = QUANT_FORMATS[self.qtype].kernel_id  # the row of quant.c's FORMATS_LIST
         self.out_features, self.in_features = int(out_features), int(in_features)
         self.row_bytes = row_bytes(self.qtype, self.in_features)
         data = _as_bytes(raw)
@@ -390,7 +319,7 @@ class QuantizedLinear(torch.nn.Module):
         """The GGUF bytes of the weight rows ``index`` (``[len(index), row_bytes]`` uint8, as the
         file stores them), read from the panels without unpacking the others: a token embedding
         tied to this layer looks its rows up here, so the two share one copy of the bytes."""
-        ts = GGML_QUANT_SIZES[self.qtype][1]
+        ts = QUANT_FORMATS[self.qtype].type_size
         nb = self.in_features // block_size(self.qtype)
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         cols = _inverse_permutation(self.qtype).view(PANEL, ts)[index % PANEL]                            # [n, ts]
@@ -460,7 +389,7 @@ class QuantizedLinear(torch.nn.Module):
         y = torch.empty(m, self.out_features)
         if m:
             rc = self._lib.batchgen_quant_linear(
-                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), int(self.qtype),
+                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), self._kernel_id,
                 self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                 self.out_features)
             if rc == -1:
