@@ -21,7 +21,6 @@ ALLOWED = {
     ("run/execute.py", "execute"),
     ("run/execute.py", "_generate"),
     ("gguf/loader.py", "load_gguf_model"),
-    ("engine/model_runner.py", "ModelRunner.__init__"),
     ("cli.py", "_parser"),
 }
 
