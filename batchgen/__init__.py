@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        # lazy names: `LLM` imports torch, the others stay torch-free
         import importlib
 
         module, attr = _LAZY[name]

@@ -32,6 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from batchgen.integrations.lm_eval_command import main as lm_eval_main
+from batchgen.quiet import quiet_libraries, quiet_notices
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -162,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
+    # deferred: importlib.metadata only for --version
     from importlib import metadata
 
     try:
@@ -209,6 +213,7 @@ def _note(message: str) -> None:
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     """Read the YAML once, build the plugin registry from its ``plugins:`` and validate it
     (raises SETUP_ERRORS)."""
+    # deferred (start-up): the config stack (pydantic, yaml; ~0.7 s) only for the commands that read one
     from batchgen.config import apply_overrides, read_yaml
 
     return _validated(apply_overrides(read_yaml(args.config), args.overrides), str(args.config))
@@ -216,6 +221,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _validated(data: dict[str, Any], source: str) -> tuple[Any, Any]:
     """The registry of ``data``'s plugin modules, and ``data`` validated against it."""
+    # deferred (start-up): the config and plugin stacks (pydantic, pluggy; ~1 s) only when a config is read
     from batchgen.config import validate_config
     from batchgen.plugins import load_registry
 
@@ -226,6 +232,7 @@ def _validated(data: dict[str, Any], source: str) -> tuple[Any, Any]:
 
 def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job of ``batchgen batch``: a config built from its flags, then ``--set`` applied."""
+    # deferred (start-up): the config stack (~0.7 s) only when a config is read
     from batchgen.config import ConfigError, ConfigIssue, apply_overrides
 
     output: dict[str, Any] = {"path": args.output, "format": "openai_batch"}
@@ -253,11 +260,13 @@ def _batch_config(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # deferred (start-up): the run layer (~1.4 s) only for run and batch
     from batchgen.run.signals import STOP
 
     STOP.install()
     try:
-        return _run(args, STOP)
+        with quiet_notices(bool(args.quiet)):
+            return _run(args, STOP)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", None) or STOP.received or signal.SIGINT
         _error(f"interrupted by {signal.Signals(signum).name}; nothing was started")
@@ -268,23 +277,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any) -> int:
-    from batchgen import quiet
-    from batchgen.quiet import quiet_libraries
-    from batchgen.io.writer import OutputWriteError
+    # deferred (start-up): the run layer (~1.4 s) only for run and batch
+    from batchgen.io.output_file import OutputWriteError
     from batchgen.run.errors import SETUP_ERRORS, RunFailed, TooManyErrors
     from batchgen.run.execute import execute
     from batchgen.run.plan import plan
 
-    quiet.QUIET = bool(args.quiet)
     if args.quiet or not sys.stderr.isatty():
         quiet_libraries()  # before plan: converting the embedded model draws bars too
     try:
         with stop.interruptible():
             registry, config = _batch_config(args) if args.command == "batch" else _load(args)
-            if args.resume or args.force_resume:
-                config.output.if_exists = "resume"
-            elif args.overwrite:
-                config.output.if_exists = "overwrite"
+            config = _with_if_exists(config, args)
             job = plan(config, registry, config_path=getattr(args, "config", None), force_resume=args.force_resume)
     except SETUP_ERRORS as exc:
         _error(_in_file(exc, getattr(args, "config", None) or "batchgen batch"))
@@ -328,9 +332,22 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
     return EXIT_OK
 
 
+def _with_if_exists(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` with ``--resume`` / ``--overwrite`` as its ``output.if_exists``: a copy, the
+    validated config itself is left as it is."""
+    if args.resume or args.force_resume:
+        if_exists = "resume"
+    elif args.overwrite:
+        if_exists = "overwrite"
+    else:
+        return config
+    return config.model_copy(update={"output": config.output.model_copy(update={"if_exists": if_exists})})
+
+
 def _in_file(error: Exception, source: str) -> str:
     """The message of a setup error; a config error found after validation (a missing column,
     a model that is not there) gets the config file's name in front, as every config error does."""
+    # deferred (start-up): the config stack (~0.7 s) only for a setup error
     from batchgen.config import ConfigError
 
     if isinstance(error, ConfigError) and error.source is None:
@@ -349,6 +366,7 @@ def _failed_rows(records: dict[str, Any], job: Any, given: int | None, quiet: bo
     """Say how many rows failed and why (an error always, a note unless quiet);
     EXIT_RECORDS_FAILED when they break ``--max-failed-rows``
     (:func:`batchgen.run.failures.verdict`), else None."""
+    # deferred (start-up): the run layer (~1.4 s) only once a run has records
     from batchgen.run.failures import verdict
 
     said = verdict(records, job.scoring is not None, given, job.records.example, _files(job.config))
@@ -384,6 +402,7 @@ def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
             f"{speed['prompt_tokens_per_s']:.1f} prompt tok/s"
         )
     if job.scoring is not None and summary.get("metrics"):  # an evaluation run: lm-eval's results table
+        # deferred (start-up): the scoring records only for an evaluation run's table
         from batchgen.run.scoring_records import results_table
 
         print(results_table(summary["metrics"], summary.get("metric_rows")))
@@ -401,11 +420,13 @@ def _report(summary: dict[str, Any], config: Any, job: Any) -> None:
 def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
     """The model's tokenizer when it is available locally; else (None, why not)."""
     try:
+        # deferred (start-up): the model resolver only when validate checks a chat template
         from batchgen.model_resolver import resolve_model
 
         resolved = resolve_model(model_name)
         if not Path(resolved.path).is_dir():
             return None, f"model '{model_name}' is not a local folder; chat template not checked"
+        # deferred: transformers (~3 s) only when validate checks a chat template
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(resolved.path), None
@@ -414,6 +435,7 @@ def _tokenizer_for(model_name: str) -> tuple[Any, str | None]:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    # deferred (start-up): the config stack and the run layer (~1.4 s) only for validate
     from batchgen.config import ConfigError, ConfigIssue, apply_overrides, read_yaml
     from batchgen.run.errors import SETUP_ERRORS
     from batchgen.run.executors.cluster import check_address
@@ -441,6 +463,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if cluster:
         print(f"note: {cluster}")
+    # deferred (start-up): the output lock only for validate
     from batchgen.io.lock import OutputLock
 
     holder = OutputLock(config.output.path).holder()
@@ -452,6 +475,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"note: {output} exists; 'batchgen run' will need --resume or --overwrite")
         else:
             print(f"note: {output} exists; 'batchgen run' will {config.output.if_exists} it")
+    # deferred (start-up): the run layer (~1.4 s) only for validate
     from batchgen.run.failures import default_limit, over_limit
 
     limit = default_limit(job.scoring is not None, args.max_failed_rows)
@@ -467,6 +491,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
     """``error`` (a ConfigError) with the model name's problem added, so that one ``validate``
     lists it beside the others (the model is otherwise checked only once the config is valid)."""
+    # deferred (start-up): the config stack and the run layer (~1.4 s) only for validate
     from batchgen.config import ConfigError, ConfigIssue
     from batchgen.run.plan import check_model_name
 
@@ -484,13 +509,14 @@ def _with_model_issue(error: Any, data: dict[str, Any]) -> Any:
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
+    # deferred (start-up): the model resolver only for tokenize
     from batchgen.model_resolver import ModelError, check_model
-    from batchgen.quiet import quiet_libraries
 
     if not sys.stderr.isatty():
         quiet_libraries()  # a first use converts the built-in model: its steps, without the bars
     try:
         resolved = check_model(args.model)
+        # deferred: transformers (~3 s) only for the tokenizer
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolved.path)
@@ -512,6 +538,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    # deferred (start-up): the plugin stack (pluggy, the built-ins; ~0.8 s) only for the plugins command
     from batchgen.plugins import PluginError, load_registry
 
     try:
@@ -555,8 +582,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["lm-eval"]:  # lm-eval's own CLI parses the rest (batchgen.integrations.lm_eval_command)
-        from batchgen.integrations.lm_eval_command import main as lm_eval_main
-
         return lm_eval_main(argv[1:])
     args = _parser().parse_args(argv)
     args.console = console

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO, get_args
 
-from batchgen import quiet
 from batchgen.cache import cache_dir, remove_stale_temp_folders
-from batchgen.quiet import say
+from batchgen.quiet import is_quiet, say
 from batchgen.suggest import closest, did_you_mean
 
 logger = logging.getLogger(__name__)
@@ -140,6 +139,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     appears). That bar shows only while transformers' progress bars are on (the CLI turns them
     off for ``--quiet`` and off a TTY); ``--quiet`` silences the step lines too.
     """
+    # deferred: transformers (~5 s) only for a conversion
     from transformers.utils import logging as hf_logging
 
     for stale in remove_stale_temp_folders(target):
@@ -163,10 +163,13 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 def _step(number: int, what: str, stream: TextIO) -> Iterator[None]:
     """``batchgen: [N/3] <what>``, then ``still <what> (N s)`` every :data:`HEARTBEAT_S` seconds
     until the step ends (through ``tqdm.write``, so that a bar on the screen is redrawn below)."""
+    # deferred: tqdm (with transformers) only for a conversion
     from tqdm import tqdm
 
+    quiet = is_quiet()  # read here: the heartbeat thread does not see the caller's context
+
     def line(text: str) -> None:
-        if not quiet.QUIET:
+        if not quiet:
             tqdm.write(f"batchgen: {text}", file=stream)
             stream.flush()
 
@@ -254,6 +257,7 @@ def _gguf_quantization(setting: str, device: str) -> str:
     if setting != "auto":
         return setting
     if device == "auto":
+        # deferred: torch (~5 s) only to pick the device of 'auto'
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -261,6 +265,7 @@ def _gguf_quantization(setting: str, device: str) -> str:
 
 
 def _gguf_model(name: str, path: Path, quantization: str, device: str, embedded: bool = False) -> ResolvedModel:
+    # deferred: the GGUF reader (numpy; ~0.6 s) only for a GGUF model
     from batchgen.gguf.metadata import metadata_folder
     from batchgen.gguf.reader import GGUFError
 
@@ -334,6 +339,7 @@ def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
     if expanded.is_dir():
         return _folder_model(name, expanded, quantization, device)
     if expanded.is_file():
+        # deferred: the GGUF reader (numpy; ~0.6 s) only for a file path
         from batchgen.gguf.reader import is_gguf_file
 
         if is_gguf_file(expanded):
@@ -380,6 +386,7 @@ def check_model(name: str, quantization: str = "auto", device: str = "auto") -> 
         "not a local folder, and not a hub id available here"
     )
     try:
+        # optional: the hub client (transformers' dependency) only to name an unknown model
         from huggingface_hub import HfApi, constants, try_to_load_from_cache
         from huggingface_hub.utils import HFValidationError
     except ImportError:  # pragma: no cover - a dependency of transformers

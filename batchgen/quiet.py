@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
-#: Set by ``batchgen ... --quiet``: :func:`say` prints nothing.
-QUIET = False
+#: True inside :func:`quiet_notices` (``batchgen ... --quiet``): :func:`say` prints nothing.
+_QUIET: ContextVar[bool] = ContextVar("batchgen_quiet", default=False)
+
+
+@contextmanager
+def quiet_notices(quiet: bool = True) -> Iterator[None]:
+    """Within the block, :func:`say` prints nothing when ``quiet`` is true; the setting before
+    comes back on the way out (a scoped setting, not a module flag a run leaves behind)."""
+    token = _QUIET.set(quiet)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
 
 
 def quiet_libraries() -> None:
@@ -15,6 +29,7 @@ def quiet_libraries() -> None:
     hub): a run that is quiet, not on a terminal, or inside a replica shows only its own lines."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
+        # deferred: transformers (~4 s) only to switch its logging off
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -23,8 +38,13 @@ def quiet_libraries() -> None:
         pass
 
 
+def is_quiet() -> bool:
+    """True inside :func:`quiet_notices` (``--quiet``): batchgen's own notices stay silent."""
+    return _QUIET.get()
+
+
 def say(text: str) -> None:
     """One ``batchgen: <text>`` line on stderr (a long one-off step such as a model conversion,
-    in the CLI and the Python API alike), unless :data:`QUIET` is set."""
-    if not QUIET:
+    in the CLI and the Python API alike), unless inside :func:`quiet_notices`."""
+    if not is_quiet():
         print(f"batchgen: {text}", file=sys.stderr, flush=True)

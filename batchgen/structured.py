@@ -53,6 +53,7 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 def require() -> Any:
     """The ``xgrammar`` module, or ImportError saying which extra to install."""
     try:
+        # deferred: xgrammar (and torch; ~6 s) only when a constraint is compiled
         import xgrammar
     except ImportError as exc:
         raise ImportError(
@@ -242,8 +243,6 @@ class StructuredOutputsProcessor(StatefulLogitsProcessor):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-grammar")
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
-        #: Compilations started (one per distinct constraint).
-        self.num_compiled = 0
 
     # -- compiling -----------------------------------------------------------------------------
 
@@ -264,7 +263,6 @@ class StructuredOutputsProcessor(StatefulLogitsProcessor):
             if future is None:
                 future = self._pool.submit(self._compile_now, params)
                 self._futures[key] = future
-                self.num_compiled += 1
         return future
 
     def compiled(self, params: StructuredOutputsParams) -> Any:

@@ -139,6 +139,7 @@ def plan(num_threads: int, c_kernels: bool) -> ThreadPlan:
 def apply(threads: ThreadPlan) -> None:
     """Set the C kernels' pool and torch's intra-op pool to ``threads``. Both are per process:
     the last engine built sets them."""
+    # deferred: torch and the CPU kernels (~5 s) only when the split is applied; threads.py stays torch-free
     import torch
 
     from batchgen.kernels.cpu import loader

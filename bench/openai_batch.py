@@ -178,7 +178,7 @@ def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dic
     """
     if per_line_fsync:
         import batchgen.run.execute
-        from batchgen.io.writer import JsonlWriter
+        from batchgen.io.output_file import JsonlWriter
 
         class PerLineWriter(JsonlWriter):
             def __init__(self, path: Any, *, group_commit: bool = False) -> None:

@@ -247,7 +247,7 @@ def driver_ceiling(rows: int, replicas: int, folder: Path) -> dict:
 
 def writer_ceiling(rows: int, folder: Path) -> dict:
     """Records/s of the JSONL writer alone (one write + fsync per record), for comparison."""
-    from batchgen.io.writer import JsonlWriter
+    from batchgen.io.output_file import JsonlWriter
 
     record = {"id": "r0", "index": 0, "prompt": "Row 0: say something.",
               "generations": [{"index": 0, "text": "x" * 32, "finish_reason": "length", "num_tokens": 32}],

@@ -8,7 +8,7 @@ setting is a field of EngineConfig and appears here by itself. What a job file s
 way is :data:`YAML_TYPES` (a size such as ``'512MiB'``; a seed that is always set) and the
 friendlier messages of the ``_size`` / ``_threads`` validators.
 
-This module imports neither torch nor the engine.
+This module imports neither torch nor the engine (only the torch-free `engine/config.py`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ This module imports neither torch nor the engine (a constraint is compiled throu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, Positi
 
 from batchgen.config.formats import SCORING_KINDS, scoring_kind
 from batchgen.config.sections import SamplerRef, _Section
+from batchgen.sampling.params import StructuredOutputsParams
 
 #: The decoding modes, then the scoring modes (each a kind of :data:`SCORING_KINDS`; a
 #: section's kind is :func:`~batchgen.config.formats.scoring_kind`).
@@ -45,8 +47,6 @@ class StructuredOutputsSection(_Section):
             if not path.is_file():
                 raise ValueError(f"the JSON schema file '{value}' does not exist; give a path to a "
                                  ".json file or the schema itself as a mapping")
-            import json
-
             try:
                 value = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -85,8 +85,6 @@ class StructuredOutputsSection(_Section):
 
     def params(self) -> Any:
         """The engine's :class:`batchgen.sampling.params.StructuredOutputsParams`."""
-        from batchgen.sampling.params import StructuredOutputsParams
-
         return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice,
                                        grammar=self.grammar, json_object=self.json_object)
 
@@ -94,7 +92,7 @@ class StructuredOutputsSection(_Section):
 def _check_constraint(kind: str, value: Any) -> None:
     """Raise ValueError unless the constraint compiles and some output can match it (as far
     as a cheap bounded search can tell), or when xgrammar is missing."""
-    from batchgen.sampling.params import StructuredOutputsParams
+    # deferred: batchgen.structured (~0.1 s) only when a constraint is configured
     from batchgen.structured import check, satisfiable
 
     params = StructuredOutputsParams(**{kind: value})

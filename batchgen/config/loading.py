@@ -99,6 +99,7 @@ def _resolved_options(registry: Any, kind: str, name: str, options: dict[str, An
     """A plugin's options with its defaults filled in, or as given when that is not possible."""
     if registry is None:
         return dict(options)
+    # deferred: the plugins package (pluggy, the built-ins; ~0.5 s) only with a registry
     from batchgen.plugins.errors import PluginError
 
     try:

@@ -94,6 +94,7 @@ class PromptSection(_Section):
         if self.column is not None and self.template is not None:
             raise ValueError("set either 'column' or 'template', not both")
         if self.template is not None:
+            # deferred: jinja2 (~0.1 s) only for a template
             # Syntax errors surface at load time (with a line number), not once per row.
             import jinja2
             from jinja2.sandbox import SandboxedEnvironment
@@ -156,6 +157,7 @@ def _check_plugin(info: ValidationInfo, noun: str, name: str, options: dict[str,
     registry = (info.context or {}).get("registry")
     if registry is None:
         return
+    # deferred: the plugins package (pluggy, the built-ins; ~0.5 s) only with a registry
     from batchgen.plugins.errors import PluginError
 
     try:

@@ -2,7 +2,7 @@
 
 Each step: the scheduler plans (allocation, copy-on-write, preemption), the model runner runs
 one packed forward, then every sequence that reached its last token gets a new token (the
-sampler, or :func:`batchgen.engine.beam_search.beam_step`, which takes the core as its
+sampler, or :func:`batchgen.engine.beam_step.beam_step`, which takes the core as its
 ``BeamHost``), the output processor applies the stop rules, and finished requests leave at
 once, freeing their blocks.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from batchgen.engine import prompt_logprobs, prompts
-from batchgen.engine.beam_search import beam_step
+from batchgen.engine.beam_step import beam_step
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer
@@ -29,9 +29,10 @@ from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.outputs import EngineStats, Request, RequestOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceGroup
-from batchgen.sampling.beam import BeamSearchState
+from batchgen.sampling.beam_ranking import BeamSearchState
 from batchgen.sampling.params import BeamSearchParams, SamplingParams, is_stateful
 from batchgen.sampling.sampler import MaskedRowsError, Sampler, SamplerOutput, SamplingRow, explain_masked
+from batchgen.structured import StructuredOutputsProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,6 @@ class EngineCore:
         constrained request (so its grammar cache and its batched mask fill are too); made on
         first use. Raises ImportError when xgrammar is missing."""
         if self._structured is None:
-            from batchgen.structured import StructuredOutputsProcessor
-
             self._structured = StructuredOutputsProcessor(
                 self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                 max_threads=max(1, min(8, torch.get_num_threads())))
@@ -193,7 +192,21 @@ class EngineCore:
                   for seq, n in plan.scheduled]
         scores = prompt_logprobs.plan_scores(plan.scheduled, seq_to_group)
         logits = self.runner.execute(plan.scheduled, sample, plan.copies, scores)
-        for i, (seq, n) in enumerate(plan.scheduled):
+        self._computed(plan.scheduled, seq_to_group, scores)
+        num_new = self._sample_groups(self._rows_by_group(plan.scheduled, sample, seq_to_group), logits)
+        self._num_generated_tokens += num_new
+        for group in list(self.scheduler.running):
+            self._account_blocks(group)
+            if group.is_finished:
+                self.scheduler.finish_group(group)
+                finished.append(self.make_output(group))
+        return finished, num_new
+
+    def _computed(self, scheduled: list[tuple[Sequence, int]], seq_to_group: dict[int, SequenceGroup],
+                  scores: Any) -> None:
+        """After the forward pass: count the computed tokens, cache the full blocks, store the
+        prompt scores and finish the scoring-only sequences."""
+        for i, (seq, n) in enumerate(scheduled):
             if n > 1 or seq.num_output_tokens == 0 or seq.num_computed_tokens + 1 < seq.num_tokens:
                 self._num_prefill_tokens += n  # all but decodes: prompts, and recomputes
             seq.num_computed_tokens += n
@@ -203,14 +216,25 @@ class EngineCore:
                 prompt_logprobs.store(group, scores[i])
             if seq.num_computed_tokens == seq.num_tokens and prompt_logprobs.is_scoring_only(group.params):
                 self.output.finish_seq(seq, "length", None)
-        # Group the sampling sequences by request, keeping their logits rows.
+
+    @staticmethod
+    def _rows_by_group(scheduled: list[tuple[Sequence, int]], sample: list[bool],
+                       seq_to_group: dict[int, SequenceGroup],
+                       ) -> dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]]:
+        """The sampling sequences grouped by request, each with its row in the logits."""
         rows_by_group: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]] = {}
         row = 0
-        for (seq, _), samples in zip(plan.scheduled, sample):
+        for (seq, _), samples in zip(scheduled, sample):
             if samples:
                 group = seq_to_group[id(seq)]
                 rows_by_group.setdefault(id(group), (group, []))[1].append((seq, row))
                 row += 1
+        return rows_by_group
+
+    def _sample_groups(self, rows_by_group: dict[int, tuple[SequenceGroup, list[tuple[Sequence, int]]]],
+                       logits: torch.Tensor) -> int:
+        """A beam step per beam-search request, one sampler call for all the others; returns the
+        number of new tokens."""
         num_new = 0
         sampling_rows: list[SamplingRow] = []
         sampling_seqs: list[tuple[SequenceGroup, Sequence]] = []
@@ -232,13 +256,7 @@ class EngineCore:
                 top = result.top_logprobs[i] if result.top_logprobs else None
                 append(group, seq, result.token_ids[i], result.logprobs[i], top)
                 num_new += 1
-        self._num_generated_tokens += num_new
-        for group in list(self.scheduler.running):
-            self._account_blocks(group)
-            if group.is_finished:
-                self.scheduler.finish_group(group)
-                finished.append(self.make_output(group))
-        return finished, num_new
+        return num_new
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                 seqs: list[tuple[SequenceGroup, Sequence]], logit_rows: list[int],

@@ -49,6 +49,7 @@ from batchgen.engine import paged_attention
 from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
 from batchgen.gguf.loader import release_freed_memory
+from batchgen.kernels import torch_attention
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu.quant import QuantizedLinear
 
@@ -171,8 +172,6 @@ class _Probe:
 
     def __init__(self, rotary: torch.nn.Module, hidden: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, layer_type: str | None = None) -> None:
-        from batchgen.kernels import torch_attention
-
         gen = torch.Generator().manual_seed(0)
         tokens = len(PROBE_POSITIONS)
         self.hidden_states = (torch.randn(1, tokens, hidden, generator=gen) * 2.0).to(dtype)

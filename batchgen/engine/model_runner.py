@@ -21,93 +21,13 @@ from typing import Any
 import torch
 
 from batchgen.engine import paged_attention, prompt_logprobs
-from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
-from batchgen.engine.kv_cache import CacheShape, KVCache, check_utilization_device, num_blocks_for_budget
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
+from batchgen.engine.model_loader import UnsupportedModelError, expected_windows, load_model
 from batchgen.engine.sequence import Sequence
 from batchgen.sampling.logprobs import chunk_rows_for, reduce_logprobs
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {name: getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot run correctly on the paged cache; refused rather than run wrong."""
-
-
-def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
-    """``"auto"`` = the checkpoint's dtype on GPU, float32 on CPU; else a named dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(cfg_dtype, str):
-            cfg_dtype = _DTYPES.get(cfg_dtype)
-        return cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(dtype_error(dtype))
-    if dtype == "bfloat16" and device.type == "cpu":
-        from batchgen.kernels.cpu.loader import missing_cpu_features
-
-        if missing_cpu_features("avx512f") and missing_cpu_features("avx512_bf16"):
-            logger.warning("dtype bfloat16 on a CPU without AVX-512 or AVX512-BF16: the linear layers "
-                           "widen every bfloat16 weight to float32 as it loads, which is no faster than "
-                           "float32 and can be slower (docs/kernels.md, AVX2); dtype auto keeps float32")
-    return _DTYPES[dtype]
-
-
-# The layer types (HF's ``config.layer_types``) the paged attention runs: causal attention over
-# all of a sequence's positions, or over the last ``sliding_window`` of them.
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def check_supported(config: Any, model_cls: type | None = None) -> None:
-    """Refuse models the paged attention cannot run exactly.
-
-    Sliding-window layers (each layer's window as HF passes it to the attention interface) and
-    attention logit soft-capping run in the paged attention; what the model passes is checked
-    against its config on the first step (:func:`expected_windows`).
-
-    Raises:
-        UnsupportedModelError: naming the model type and the reason.
-    """
-    model_type = getattr(config, "model_type", "?")
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder; batchgen runs decoder-only models")
-    if model_cls is not None and not getattr(model_cls, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"model type {model_type!r} ({model_cls.__name__}) does not route attention through "
-            "transformers' attention interface, so the paged cache cannot serve it")
-    if getattr(config, "alibi", False) or getattr(config, "use_alibi", False):
-        raise UnsupportedModelError(f"model type {model_type!r} uses ALiBi position biases, which the paged attention does not apply")
-    if model_type in {"gpt_oss"}:
-        raise UnsupportedModelError(f"model type {model_type!r} uses attention sinks, which the paged attention does not apply")
-    if getattr(config, "attention_chunk_size", None):
-        raise UnsupportedModelError(f"model type {model_type!r} uses chunked attention (attention_chunk_size), which the paged attention does not apply")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(f"model type {model_type!r} uses bidirectional attention, which the paged (causal) attention does not apply")
-    other = sorted({str(t) for t in getattr(config, "layer_types", None) or []} - set(LAYER_TYPES))
-    if other:
-        raise UnsupportedModelError(f"model type {model_type!r} has {', '.join(other)} layers; the paged attention runs {' and '.join(LAYER_TYPES)} layers")
-    if any(w is not None and w < 1 for w in expected_windows(config)):
-        raise UnsupportedModelError(f"model type {model_type!r} has sliding-window layers without a window size")
-
-
-def expected_windows(config: Any) -> list[int | None]:
-    """Each layer's sliding window as HF's masks apply it (None: a global layer): from
-    ``layer_types`` where the config has them, else ``sliding_window`` for every layer unless
-    ``use_sliding_window`` is false (Mistral, Phi-3)."""
-    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return [int(window or 0) if t == "sliding_attention" else None for t in layer_types]
-    if window and getattr(config, "use_sliding_window", True):
-        return [int(window)] * num_layers
-    return [None] * num_layers
-
 
 @dataclass
 class StepInput:
@@ -133,7 +53,8 @@ class ModelRunner:
     """Owns the HF model and the KV cache; ``execute`` runs one packed step.
 
     ``ModelRunner(config)`` reads an :class:`~batchgen.engine.config.EngineConfig`: the model
-    (resolved here, once: :attr:`model_path` is where it loads from), ``dtype``, ``device``,
+    (resolved and loaded once, by :func:`~batchgen.engine.model_loader.load_model`:
+    :attr:`model_path` is where it loaded from), ``dtype``, ``device``,
     ``block_size``, ``kv_cache_memory``, ``attention_backend``, ``linear_backend``
     (the model's ``nn.Linear`` layers through batchgen's C GEMM; see
     :mod:`batchgen.kernels.cpu.linear`), ``num_threads``, ``trust_remote_code`` and
@@ -142,42 +63,19 @@ class ModelRunner:
     """
 
     def __init__(self, config: EngineConfig | str, **kwargs: Any) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from batchgen import threads
-        from batchgen.model_resolver import resolve_model
 
         if not isinstance(config, EngineConfig):
             config = EngineConfig.from_kwargs(config, **kwargs)
         elif kwargs:
             config = config.replace(**kwargs)
         self.engine_config = config
-        dtype, device, block_size = config.dtype, config.device, config.block_size
+        block_size, num_threads = config.block_size, config.num_threads
         attention_backend, index_checks = config.attention_backend, config.index_checks
-        num_threads, trust_remote_code = config.num_threads, config.trust_remote_code
-        # a GGUF's weights load through batchgen.gguf, as config.quantization says
-        self.source = resolve_model(config.model, config.quantization, device)
-        self.model_path = model_path = self.source.path
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        check_utilization_device(self.device, config.gpu_memory_utilization)  # before the weights load
         self.num_threads = threads.resolve_num_threads(num_threads)
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        model_cls = _causal_lm_class(hf_config)
-        check_supported(hf_config, model_cls)
-        self.dtype = resolve_dtype(dtype, hf_config, self.device)
-        if self.source.gguf_file:
-            from batchgen.gguf.loader import load_gguf_model
-
-            self.model = load_gguf_model(self.source.gguf_file, model_path, dtype=self.dtype, device=self.device,
-                                         attn_implementation=paged_attention.register(),
-                                         quantization=self.source.quantization)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=self.dtype, attn_implementation=paged_attention.register(),
-                trust_remote_code=trust_remote_code,
-            ).to(self.device).eval()
+        loaded = load_model(config)  # resolved, checked, loaded on its device (engine/model_loader.py)
+        self.source, self.device, self.dtype, self.model = loaded.source, loaded.device, loaded.dtype, loaded.model
+        self.model_path = self.source.path
         self.config = self.model.config
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -441,18 +339,3 @@ def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     data = [t + [0] * (width - len(t)) for t in tables]
     return torch.tensor(data, dtype=torch.int32, device=device).reshape(len(tables), width)
-
-
-def _causal_lm_class(config: Any) -> type | None:
-    """The class AutoModelForCausalLM would build for ``config`` (None if unknown)."""
-    from transformers import AutoModelForCausalLM
-
-    mapping = AutoModelForCausalLM._model_mapping
-    try:
-        return mapping[type(config)]
-    except KeyError:
-        if getattr(config, "is_encoder_decoder", False):
-            return None
-        raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', '?')!r} is not a causal language model "
-            "that transformers' AutoModelForCausalLM can load")

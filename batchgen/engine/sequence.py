@@ -150,13 +150,6 @@ class RequestStats:
     num_cow_copies: int = 0
     num_preemptions: int = 0
 
-    @property
-    def block_saving(self) -> float:
-        """1 - physical / logical (0.0 when nothing was allocated)."""
-        if self.num_logical_blocks == 0:
-            return 0.0
-        return 1.0 - self.num_physical_blocks / self.num_logical_blocks
-
 
 @dataclass
 class SequenceGroup:

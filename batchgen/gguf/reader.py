@@ -235,10 +235,3 @@ class GGUFFile:
                 mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
             except (OSError, ValueError):
                 pass
-
-    def type_counts(self) -> dict[str, int]:
-        """How many tensors of each block type (``{"Q4_K": 120, "F32": 61}``)."""
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-        return counts

@@ -40,6 +40,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ByteSize, TypeAdapter
+
 try:
     import lm_eval.models  # noqa: F401  (fills the registry's built-in names before ours is added)
     from lm_eval.api.model import TemplateLM
@@ -52,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 from batchgen.engine.loglikelihood import encode, prefix_token_id
 from batchgen.model_resolver import DEFAULT_MODEL
+from batchgen.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,6 @@ _IGNORED_KEYS = ("num_beams", "use_cache")
 def _byte_size(value: Any) -> int | None:
     if value is None or isinstance(value, int):
         return value
-    from pydantic import ByteSize, TypeAdapter
-
     return int(TypeAdapter(ByteSize).validate_python(value))
 
 
@@ -90,11 +91,13 @@ class BatchgenLM(TemplateLM):
         """``engine_kwargs`` are :class:`batchgen.engine.config.EngineConfig`'s settings, with
         its defaults (``kv_cache_memory`` may be a size such as ``"512MiB"``)."""
         super().__init__()
+        # deferred: the engine and torch (~10 s) load with the model, not with the registration
         from batchgen.engine.llm import LLM
 
         self.lora_request = _lora_request(lora, lora_local_path, engine_kwargs)
 
         if device is not None and device.startswith("cuda"):
+            # deferred: torch (~5 s) with the model, not with the registration
             import torch
 
             if not torch.cuda.is_available():
@@ -212,8 +215,6 @@ class BatchgenLM(TemplateLM):
 
     def _sampling_params(self, gen_kwargs: dict, eos: str) -> tuple[Any, list[str]]:
         """lm-eval's gen_kwargs -> (SamplingParams, the stop strings)."""
-        from batchgen.sampling.params import SamplingParams
-
         if not isinstance(gen_kwargs, dict):
             raise TypeError(f"gen_kwargs must be a dict, got {type(gen_kwargs).__name__}")
         kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> int:
     """Run lm-eval's CLI on ``argv`` (the arguments after ``lm-eval``); returns its exit status."""
     try:
+        # deferred: lm-eval (~2 s, an extra) only when the command runs; `batchgen` starts without it
         import batchgen.integrations.lm_eval  # noqa: F401  (registers the model "batchgen")
         from lm_eval.__main__ import cli_evaluate
     except ImportError as exc:

@@ -6,7 +6,7 @@
   dataset rows in :mod:`batchgen.run`, OpenAI Batch files in :mod:`batchgen.openai_batch`).
 * :mod:`batchgen.io.dataset`: rows from HF ``datasets`` (load, select, ids, UTF-8, columns).
 * :mod:`batchgen.io.prompts`: a row's prompt (template, chat template, tokens, checks).
-* :mod:`batchgen.io.writer`: the JSONL file (written, repaired, read back) and the summary file.
+* :mod:`batchgen.io.output_file`: the JSONL file (written, repaired, read back) and the summary file.
 * :mod:`batchgen.io.lock`: one run per output file.
 
 Nothing here imports the run layer, a format, torch or the engine. Nothing is imported here.

@@ -123,6 +123,7 @@ def _builder_for(path: Path, fmt: str) -> str:
 
 def _pick_split(dataset: Any, split: str, where: str) -> Any:
     """Return ``dataset[split]`` for a DatasetDict, or ``dataset`` itself."""
+    # deferred: HF datasets (~5 s, pyarrow) only when rows are loaded
     import datasets
 
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
@@ -136,6 +137,7 @@ def _pick_split(dataset: Any, split: str, where: str) -> Any:
 
 
 def _load_dataset(cfg: DataSection) -> Any:
+    # deferred: HF datasets (~5 s, pyarrow) only when rows are loaded
     import datasets
 
     datasets.disable_progress_bars()
@@ -272,6 +274,7 @@ _ARROW_UTF8 = re.compile(r"Column (\d+): In chunk (\d+): Invalid: Invalid UTF8 s
 def _check_utf8(dataset: Any, cfg: DataSection) -> None:
     """Raise :class:`DataError` naming the file and line (or the row and column) of text that
     is not valid UTF-8; one scan of the Arrow table, in C."""
+    # deferred: pyarrow (~0.8 s) only when rows are loaded
     import pyarrow as pa
 
     table = getattr(getattr(dataset, "data", None), "table", None)

@@ -10,13 +10,14 @@ This module imports neither torch nor the engine.
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import logging
 import os
 import socket
 from pathlib import Path
 
-from batchgen.io.writer import OutputError, OutputInUseError, os_reason
+from batchgen.io.output_file import OutputError, OutputInUseError, os_reason
 
 __all__ = ["OutputLock", "lock_path"]
 
@@ -67,8 +68,6 @@ class OutputLock:
 
     def acquire(self) -> OutputLock:
         """Take the lock or raise :class:`OutputInUseError`; returns self."""
-        import fcntl
-
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +123,6 @@ class OutputLock:
 
     def holder(self) -> str | None:
         """Who holds the lock now (``pid N (started ...)``), or None when it is free."""
-        import fcntl
-
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

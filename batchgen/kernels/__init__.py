@@ -20,6 +20,7 @@ import torch
 from batchgen.engine.config import AttentionBackend
 
 from .ops import AttentionOps
+from .torch_attention import get_torch_ops
 
 BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
@@ -68,6 +69,7 @@ def cuda_unsupported_reason(dtype: torch.dtype, head_size: int, block_size: int)
     Lets ``auto`` fall back to ``torch`` (and ``cuda`` fail early) instead of the first launch
     raising. Does not import cupy.
     """
+    # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
     from .cuda.cuda_attention import BLOCK_SIZES, DTYPE_CODES, HEAD_SIZES
 
     if dtype not in DTYPE_CODES:
@@ -88,6 +90,7 @@ def cuda_unavailable_reason(dtype: torch.dtype, head_size: int, block_size: int,
     model needs (which the first launch would do anyway; cached by cupy on disk), so a missing
     header or an NVRTC error shows up here, where ``auto`` can still fall back to ``torch``.
     """
+    # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
     from .cuda import get_cuda_ops, loader
 
     why = loader.unavailable_reason()
@@ -110,6 +113,7 @@ def cpu_unsupported_reason(dtype: torch.dtype, head_size: int, num_heads: int, n
 
     Builds the kernel for this shape on first call (about a second; cached on disk after).
     """
+    # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
     from . import cpu
 
     why = cpu.unsupported_reason(dtype, head_size, num_heads, num_kv_heads)
@@ -129,14 +133,14 @@ def get_ops(backend: str, check_indices: bool = True) -> AttentionOps:
     ``check_indices=False`` skips the ``cuda`` ops' value checks of context lengths, block ids
     and slots (:mod:`batchgen.kernels.cuda.checks`); the cpu backend checks always."""
     if backend == "torch":
-        from .torch_attention import get_torch_ops
-
         return get_torch_ops()
     if backend == "cpu":
+        # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
         from .cpu import get_cpu_ops
 
         return get_cpu_ops()
     if backend == "cuda":
+        # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
         from .cuda import get_cuda_ops
 
         return get_cuda_ops(check_indices)

@@ -37,7 +37,7 @@ as a record format).
 This package imports neither torch nor the engine (their parameter classes are torch-free).
 """
 
-from batchgen.openai_batch.batch_file import BatchFile, ResumeIndex, open_input
+from batchgen.openai_batch.batch_file import AnsweredOnDisk, BatchFile, open_input
 from batchgen.openai_batch.errors import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -52,6 +52,7 @@ from batchgen.openai_batch.responses import ResponseBuilder, error_line, error_m
 from batchgen.openai_batch.source import BatchLines
 
 __all__ = [
+    "AnsweredOnDisk",
     "BatchFile",
     "BatchLines",
     "BatchPrompt",
@@ -64,7 +65,6 @@ __all__ = [
     "MODEL_NOT_FOUND",
     "ResponseBuilder",
     "ResponseLines",
-    "ResumeIndex",
     "error_line",
     "error_message",
     "is_failed",

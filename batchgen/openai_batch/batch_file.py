@@ -1,5 +1,5 @@
 """The OpenAI Batch input file: :class:`BatchFile` (its lines, read lazily, each answered
-exactly once across kills and resumes) and :class:`ResumeIndex` (what the outputs already
+exactly once across kills and resumes) and :class:`AnsweredOnDisk` (what the outputs already
 answer, on disk), with the envelope check of one raw line.
 
 This module imports neither torch nor the engine.
@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, RunConfig
-from batchgen.io.protocols import ResumeIndex as AnsweredIndex
+from batchgen.io.protocols import ResumeIndex
 from batchgen.openai_batch.errors import DUPLICATE_CUSTOM_ID, LINE_FIELDS, LineError
 from batchgen.openai_batch.requests import BatchPrompt, LineParser
 from batchgen.io.dataset import DataError, resolve_source
 
 
-class ResumeIndex:
-    """What a previous run already answered, kept on disk (see the module's resume contract).
+class AnsweredOnDisk:
+    """What a previous run already answered, kept on disk (see the module's resume contract): a
+    :class:`~batchgen.io.protocols.ResumeIndex`, as :class:`~batchgen.io.protocols.AnsweredKeys`
+    is one in memory.
 
     ``answered`` custom_ids sit in a temporary SQLite table; ``keyless`` counts the answered
     lines whose key is None (no usable custom_id, or a duplicate).
@@ -46,7 +48,7 @@ class ResumeIndex:
             self.num_answered += self._db.execute("INSERT OR IGNORE INTO answered VALUES (?)", (key,)).rowcount
 
     @classmethod
-    def of(cls, records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], str | None]) -> ResumeIndex:
+    def of(cls, records: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], str | None]) -> AnsweredOnDisk:
         """The index of ``records`` (every output file's, in file order) under ``key``."""
         index = cls()
         for record in records:
@@ -110,11 +112,11 @@ class BatchFile:
             self._count = count if self.limit is None else min(count, self.limit)
         return self._count
 
-    def todo(self, done: AnsweredIndex) -> int:
+    def todo(self, done: ResumeIndex) -> int:
         """Lines this run still has to answer."""
         return max(len(self) - len(done), 0)
 
-    def prompts(self, parser: LineParser, done: AnsweredIndex) -> Iterator[BatchPrompt]:
+    def prompts(self, parser: LineParser, done: ResumeIndex) -> Iterator[BatchPrompt]:
         """Every line not answered yet, as a :class:`BatchPrompt`, in file order.
 
         ``done`` is what the outputs answer (``custom_id in done``, and ``done.keyless``). Lines
@@ -123,7 +125,7 @@ class BatchFile:
         are kept in a private on-disk table, to find duplicates.
         """
         keyless = 0
-        seen = ResumeIndex()
+        seen = AnsweredOnDisk()
         for index, raw in self.lines():
             custom_id, line, problem = _envelope(raw)
             first = seen.first_line(custom_id, index) if custom_id is not None else None

@@ -12,14 +12,14 @@ from typing import Any
 
 from batchgen.config import RunConfig
 from batchgen.io.protocols import EngineView, PromptRecord
-from batchgen.openai_batch.batch_file import ResumeIndex
+from batchgen.openai_batch.batch_file import AnsweredOnDisk
 from batchgen.openai_batch.requests import BatchPrompt
 from batchgen.openai_batch.responses import ResponseBuilder, is_failed, response_key
 
 __all__ = ["ResponseLines"]
 
 
-class _Builder:
+class _ResponseLineBuilder:
     """A run's :class:`~batchgen.io.protocols.RecordBuilder`: a batch line answers as its url
     asks; a dataset row as its template was applied (chat completion or text completion)."""
 
@@ -39,17 +39,17 @@ class ResponseLines:
         self.model = config.model.name
         self.top_logprobs = config.generation.logprobs  # for rows of a dataset
 
-    def builder(self, engine: EngineView) -> _Builder:
-        return _Builder(ResponseBuilder(self.model, engine.tokenizer, top_logprobs=self.top_logprobs))
+    def builder(self, engine: EngineView) -> _ResponseLineBuilder:
+        return _ResponseLineBuilder(ResponseBuilder(self.model, engine.tokenizer, top_logprobs=self.top_logprobs))
 
     key = staticmethod(response_key)
     failed = staticmethod(is_failed)
     output_tokens = staticmethod(ResponseBuilder.output_tokens)
     describe_error = staticmethod(ResponseBuilder.describe_error)
 
-    def resume_index(self, records: Iterable[Mapping[str, Any]]) -> ResumeIndex:
+    def resume_index(self, records: Iterable[Mapping[str, Any]]) -> AnsweredOnDisk:
         """On disk: an output file may answer more lines than fit in memory."""
-        return ResumeIndex.of(records, self.key)
+        return AnsweredOnDisk.of(records, self.key)
 
     @staticmethod
     def example(described: Mapping[str, Any]) -> str:

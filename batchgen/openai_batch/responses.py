@@ -76,6 +76,7 @@ class _TokenText:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         if type(decoder).__name__ == "ByteLevel":
             try:
+                # deferred: transformers (~5 s) only for a byte-level tokenizer; the module stays torch-free
                 from transformers.convert_slow_tokenizer import bytes_to_unicode
             except ImportError:  # pragma: no cover - the bytes then come from the decoded text
                 pass

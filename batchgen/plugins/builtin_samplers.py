@@ -29,6 +29,7 @@ def mask_below(logits: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     ``threshold`` broadcasts against ``[rows, vocab]`` (a scalar or a ``[rows, 1]`` column). Each
     row's most likely token is always kept. Rows without any finite logit are left unchanged.
     """
+    # deferred: torch (~5 s) only when a sampler runs; the plugins package stays torch-free
     import torch
 
     probs = torch.softmax(logits, dim=-1)
@@ -70,6 +71,7 @@ class TopAProcessor:
         self.a = a
 
     def __call__(self, logits: torch.Tensor, output_token_ids: list[list[int]]) -> torch.Tensor:
+        # deferred: torch (~5 s) only when a sampler runs; the plugins package stays torch-free
         import torch
 
         p_max = torch.softmax(logits, dim=-1).amax(dim=-1, keepdim=True)

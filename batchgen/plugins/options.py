@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from batchgen.suggest import did_you_mean
 
@@ -61,8 +62,6 @@ def describe_options(model: type[BaseModel]) -> list[dict[str, Any]]:
     """One entry per option of a plugin's options model: ``name``, ``type``, ``constraints``
     (e.g. ``"> 0, <= 1"``, or None), ``required``, ``default`` (JSON data; None when required)
     and ``description``."""
-    from pydantic_core import to_jsonable_python
-
     options = []
     for name, info in model.model_fields.items():
         bounds = [

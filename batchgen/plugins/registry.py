@@ -27,7 +27,6 @@ from typing import Any, Literal
 import pluggy
 from pydantic import BaseModel, ValidationError
 
-from batchgen.metrics import Metric, Scores
 from batchgen.plugins.errors import PluginError, failures_named
 from batchgen.plugins.guards import GuardedProcessor, GuardedStatefulProcessor, PluginMetric
 from batchgen.plugins.hookspecs import LIFECYCLE_HOOKS, PROJECT_NAME
@@ -213,20 +212,7 @@ class PluginRegistry:
         installed = ", ".join(f"'{n}'" for n in sorted(table)) or "none"
         raise PluginError(f"unknown {kind} plugin '{name}'{did_you_mean(name, known)}; installed: {installed}")
 
-    def plugin_of(self, kind: Kind, name: str) -> str:
-        """The registered name of the plugin whose ``kind`` ``name`` picks."""
-        return self.resolve(kind, name).plugin.name
-
     # -- building ------------------------------------------------------------------------------
-
-    def validate_options(self, kind: Kind, name: str, options: Mapping[str, Any] | None) -> BaseModel:
-        """Validate ``options`` against the named sampler's or metric's options model.
-
-        Raises:
-            PluginError: unknown or ambiguous name (see :meth:`resolve`), or invalid options
-                (naming the plugin and listing every field error).
-        """
-        return self._validated(self.resolve(kind, name), options)
 
     @staticmethod
     def _validated(reg: Registration, options: Mapping[str, Any] | None) -> BaseModel:
@@ -288,18 +274,6 @@ class PluginRegistry:
                 plugin=reg.plugin.name,
             )
         return PluginMetric(built, reg.name, reg.plugin.name, reg.plugin.label)
-
-    def safe_score(self, metric: Metric, record: Mapping[str, Any], row: Mapping[str, Any]) -> Scores:
-        """Score one record; any failure becomes a :class:`PluginError` naming the plugin.
-
-        Metrics from :meth:`build_metric` already behave this way; this also covers a metric
-        object built some other way. The pipeline is expected to catch the error, store its
-        message in the record's ``error`` (keeping the generations) and go on with the run.
-        """
-        if isinstance(metric, PluginMetric):
-            return metric.score(record, row)
-        name = getattr(metric, "name", type(metric).__name__)
-        return PluginMetric(metric, name, name, f"metric object {type(metric).__name__}").score(record, row)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -218,7 +218,7 @@ class AdapterRecords:
 def adapter_metrics(job: Any) -> dict[str, Any]:
     """``{"metrics_by_adapter": {adapter: {metric key: aggregate}}}`` of a swept job's ok
     records (each metric aggregated over one adapter's records), or ``{}`` for another job."""
-    from batchgen.io.writer import read_records
+    from batchgen.io.output_file import read_records
 
     if not isinstance(job.records, AdapterRecords) or not job.metrics:
         return {}

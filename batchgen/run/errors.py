@@ -12,7 +12,7 @@ from __future__ import annotations
 from batchgen.config import ConfigError
 from batchgen.plugins import PluginError
 from batchgen.io.dataset import DataError
-from batchgen.io.writer import OutputError
+from batchgen.io.output_file import OutputError
 
 __all__ = ["Interrupted", "ResumeMismatchError", "RunFailed", "SETUP_ERRORS", "TooManyErrors"]
 

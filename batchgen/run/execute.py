@@ -28,7 +28,7 @@ from batchgen.run.progress import Progress, announce
 from batchgen.io.protocols import PromptRecord
 from batchgen.run.signals import STOP
 from batchgen.run.summary import Summary, signal_name, tally
-from batchgen.io.writer import JsonlWriter, OutputWriteError
+from batchgen.io.output_file import JsonlWriter, OutputWriteError
 
 __all__ = ["MIN_RECORDS_FOR_ERROR_RATE", "execute"]
 

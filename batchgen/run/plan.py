@@ -40,8 +40,11 @@ from batchgen.run.fingerprint import sidecar, sidecar_path, source_digest
 from batchgen.io.dataset import DataError, resolve_source
 from batchgen.io.lock import OutputLock, lock_path
 from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
-from batchgen.io.writer import OutputError, check_output, check_writable, prepare_output, read_records, read_summary
-from batchgen.io.writer import write_json_atomic
+from batchgen.io.output_file import OutputError, check_output, check_writable, prepare_output, read_records
+from batchgen.io.output_file import read_summary, write_json_atomic
+from batchgen.model_resolver import ModelError, QuantizationError, check_model
+from batchgen.plugins import load_registry
+from batchgen.run.executors import check_executor
 
 __all__ = ["Job", "output_paths", "pick", "plan"]
 
@@ -220,8 +223,6 @@ def check_model_name(name: str, quantization: str = "auto", device: str = "auto"
 
     Cheap for folders and cached hub ids; converts the embedded GGUF the first time only.
     """
-    from batchgen.model_resolver import ModelError, QuantizationError, check_model
-
     try:
         check_model(name, quantization, device)
     except ModelError as exc:
@@ -249,8 +250,6 @@ def plan(
         one of :data:`~batchgen.run.errors.SETUP_ERRORS`.
     """
     if registry is None:
-        from batchgen.plugins import load_registry
-
         registry = load_registry(config.plugins)
     found = _Issues()
     metrics = [(ref, registry.build_metric(ref.name, ref.options)) for ref in _metric_refs(config)]
@@ -260,8 +259,6 @@ def plan(
         sampler = config.generation.sampler
         processors.append(registry.build_sampler(sampler.name, sampler.options))
     found.run(lambda: check_model_name(config.model.name, config.engine.quantization, config.model.device))
-    from batchgen.run.executors import check_executor
-
     found.run(lambda: check_executor(config))  # backend 'ray' without Ray installed: say what to install
     required = {ref.key: tuple(getattr(metric, "required_columns", ()) or ()) for ref, metric in metrics}
     picked = found.run(lambda: pick(config, processors, required, metrics))
@@ -287,7 +284,7 @@ def _local_source(config: RunConfig) -> Path | None:
 
 
 def check_outputs(config: RunConfig) -> None:
-    """Raise :class:`~batchgen.io.writer.OutputError` for an output that is the input dataset
+    """Raise :class:`~batchgen.io.output_file.OutputError` for an output that is the input dataset
     (or lies inside its folder), that is not a regular file, that cannot be written, or whose
     ``.resume.json`` or ``.lock`` is a folder. Creates nothing."""
     named = [("output.path", config.output.path), ("output.error_path", config.output.error_path),

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchgen.plugins import PluginError
 from batchgen.io.protocols import AnsweredKeys, EngineView, PromptRecord
+from batchgen.sampling.params import BeamSearchParams
 
 __all__ = ["BatchgenRecords", "make_record"]
 
@@ -49,8 +50,6 @@ def make_record(prompt: PromptRecord, output: Any | None) -> dict[str, Any]:
             "cached_tokens": stats.num_cached_tokens,
         }
         error = output.error
-        from batchgen.sampling.params import BeamSearchParams
-
         if isinstance(prompt.params, BeamSearchParams):
             # Best beam first, indexed by rank, so that "the first generation" means the same
             # thing (the model's best answer) in every mode.
@@ -83,7 +82,7 @@ def score_record(record: dict[str, Any], row: Any, metrics: Sequence[tuple[Any, 
     return record
 
 
-class _Builder:
+class _RecordBuilder:
     """Makes and scores the records of one run."""
 
     def __init__(self, metrics: Sequence[tuple[Any, Any]]) -> None:
@@ -104,8 +103,8 @@ class BatchgenRecords:
     def __init__(self, metrics: Sequence[tuple[Any, Any]] = ()) -> None:
         self.metrics = list(metrics)
 
-    def builder(self, engine: EngineView) -> _Builder:
-        return _Builder(self.metrics)
+    def builder(self, engine: EngineView) -> _RecordBuilder:
+        return _RecordBuilder(self.metrics)
 
     @staticmethod
     def key(record: Mapping[str, Any]) -> str | None:

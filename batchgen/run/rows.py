@@ -14,6 +14,7 @@ from batchgen.config import ConfigError, ConfigIssue, GenerationSection, RunConf
 from batchgen.io.dataset import check_columns, load_rows
 from batchgen.io.prompts import PromptBuilder, iter_prompts
 from batchgen.io.protocols import EngineView, Preview, PromptRecord, ResumeIndex
+from batchgen.sampling.params import BeamSearchParams, SamplingParams
 
 __all__ = ["DatasetRows", "build_params"]
 
@@ -21,8 +22,6 @@ __all__ = ["DatasetRows", "build_params"]
 def build_params(gen: GenerationSection, logits_processors: Sequence[Any] = ()) -> Any:
     """The engine parameters of a ``generation`` section: SamplingParams (greedy, sample) or
     BeamSearchParams. Raises ValueError for values the engine refuses."""
-    from batchgen.sampling.params import BeamSearchParams, SamplingParams
-
     common: dict[str, Any] = dict(
         max_tokens=gen.max_tokens,
         min_tokens=gen.min_tokens,

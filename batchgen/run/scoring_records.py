@@ -50,7 +50,7 @@ def _usage(outputs: Sequence[Any]) -> dict[str, int]:
     }
 
 
-class _Builder:
+class _ScoringRecordBuilder:
     def __init__(self, scorer: Scorer, metrics: Sequence[tuple[Any, Any]]) -> None:
         self.scorer = scorer
         self.metrics = metrics
@@ -86,8 +86,8 @@ class ScoringRecords(BatchgenRecords):
         super().__init__(metrics)
         self.scorer = scorer
 
-    def builder(self, engine: EngineView) -> _Builder:  # type: ignore[override]
-        return _Builder(self.scorer, self.metrics)
+    def builder(self, engine: EngineView) -> _ScoringRecordBuilder:  # type: ignore[override]
+        return _ScoringRecordBuilder(self.scorer, self.metrics)
 
 
 def results_table(metrics: Mapping[str, Mapping[str, Any]],

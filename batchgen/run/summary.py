@@ -20,7 +20,7 @@ from typing import Any
 from batchgen.run.failures import Reasons
 from batchgen.run.fingerprint import fingerprint_hash
 from batchgen.run.plan import Job
-from batchgen.io.writer import OutputError, OutputWriteError, read_records, write_json_atomic
+from batchgen.io.output_file import OutputError, OutputWriteError, read_records, write_json_atomic
 
 __all__ = ["Summary", "tally", "throughput"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen.sampling.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from batchgen.sampling.beam import BeamHypothesis, BeamSearchState
+    from batchgen.sampling.beam_ranking import BeamHypothesis, BeamSearchState
     from batchgen.sampling.sampler import Sampler, SamplerOutput, SamplingRow
 
 __all__ = [
@@ -33,8 +33,8 @@ _LAZY = {
     "Sampler": "batchgen.sampling.sampler",
     "SamplingRow": "batchgen.sampling.sampler",
     "SamplerOutput": "batchgen.sampling.sampler",
-    "BeamSearchState": "batchgen.sampling.beam",
-    "BeamHypothesis": "batchgen.sampling.beam",
+    "BeamSearchState": "batchgen.sampling.beam_ranking",
+    "BeamHypothesis": "batchgen.sampling.beam_ranking",
 }
 
 

@@ -120,7 +120,7 @@ def _mask_sorted(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
 def top_candidates(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each row's ``k`` best next tokens as ``(token_id, logprob)``, best first, with logprobs
     from ``log_softmax`` of the float32 logits, exactly as HF's beam search computes them; this
-    is the ``candidates`` argument of :meth:`batchgen.sampling.beam.BeamSearchState.step`."""
+    is the ``candidates`` argument of :meth:`batchgen.sampling.beam_ranking.BeamSearchState.step`."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, indices = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
     return [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]

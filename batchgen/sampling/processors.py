@@ -113,6 +113,7 @@ class StatefulLogitsProcessor:
 def allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Set row ``row`` of a ``fill_mask`` bitmask so that exactly ``token_ids`` are allowed
     (a helper for plugins; it packs the bits as the engine reads them)."""
+    # deferred: torch (~5 s); sampling/processors.py stays torch-free
     import torch
 
     allowed = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)

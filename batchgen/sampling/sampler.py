@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.sampling.params import SamplingParams, is_stateful
 from batchgen.sampling.filters import apply_filters
 from batchgen.sampling.processors import describe_processor
@@ -132,10 +133,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-        num_rows, vocab = logits.shape
+        num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput([], [], [])
-        device = logits.device
         raw = logits.float()
         params = [r.params for r in rows]
         greedy = [p.is_greedy for p in params]
@@ -145,8 +145,6 @@ class Sampler:
             or r.processors or r.params.temperature not in (0.0, 1.0) for r in rows)
         if self.fused_greedy and not modifies and all(p.logprobs is None for p in params):
             # Nothing below would change the logits: pick in one C pass where it can run.
-            from batchgen.kernels.cpu import fused as cpu_fused
-
             fast = cpu_fused.greedy(raw)  # None: not float32 CPU, or NaN/inf in a row
             if fast is not None:
                 return SamplerOutput(token_ids=fast[0], logprobs=fast[1], top_logprobs=[None] * num_rows)
@@ -163,20 +161,7 @@ class Sampler:
         if sampled_idx:
             self._apply_filters(x, params, sampled_idx)
 
-        # One row-wise max finds every row that cannot be sampled from: all -inf (masked
-        # away), or holding a NaN or a +inf (the max propagates both).
-        top = x.amax(dim=-1)
-        broken = ~torch.isfinite(top)
-        if bool(broken.any()):
-            bad = broken.nonzero().flatten().tolist()
-            masked = torch.isneginf(top).nonzero().flatten().tolist()
-            if masked and bool(torch.isneginf(top[broken]).all()):
-                raise MaskedRowsError(masked)
-            what = "NaN" if bool(top[broken].isnan().any()) else "+inf"
-            raise ValueError(
-                f"rows {bad} hold {what} logits (from the model or a logits processor); "
-                "nothing can be sampled from them")
-
+        self._check_finite(x)
         if len(sampled_idx) == num_rows:
             chosen = self._sample(x, rows, sampled_idx)
         else:
@@ -191,12 +176,38 @@ class Sampler:
         chosen_lp = raw.gather(1, chosen[:, None]).squeeze(1).double() - lse
         token_ids = chosen.tolist()
         logprobs = chosen_lp.tolist()
+        top = self._top_logprobs(raw, lse, params, token_ids, logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+
+    @staticmethod
+    def _check_finite(x: torch.Tensor) -> None:
+        """Raise for the rows that cannot be sampled from: all -inf (masked away:
+        :class:`MaskedRowsError`), or holding a NaN or a +inf (``ValueError``). One row-wise
+        max finds them all (the max propagates both)."""
+        top = x.amax(dim=-1)
+        broken = ~torch.isfinite(top)
+        if bool(broken.any()):
+            bad = broken.nonzero().flatten().tolist()
+            masked = torch.isneginf(top).nonzero().flatten().tolist()
+            if masked and bool(torch.isneginf(top[broken]).all()):
+                raise MaskedRowsError(masked)
+            what = "NaN" if bool(top[broken].isnan().any()) else "+inf"
+            raise ValueError(
+                f"rows {bad} hold {what} logits (from the model or a logits processor); "
+                "nothing can be sampled from them")
+
+    @staticmethod
+    def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, params: list[SamplingParams],
+                      token_ids: list[int], logprobs: list[float]) -> list[dict[int, float] | None]:
+        """For each row that asked for logprobs: its chosen token and its ``params.logprobs``
+        best tokens, token id -> raw-logit logprob (None for the other rows)."""
+        num_rows, vocab = raw.shape
         top: list[dict[int, float] | None] = [None] * num_rows
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             k_max = min(max(params[i].logprobs or 0 for i in want), vocab)
             if k_max > 0:
-                want_t = torch.tensor(want, device=device)
+                want_t = torch.tensor(want, device=raw.device)
                 values, indices = torch.topk(raw[want_t], k_max, dim=-1)
                 values = (values.double() - lse[want_t, None]).tolist()
                 indices = indices.tolist()
@@ -207,7 +218,7 @@ class Sampler:
                     for t, v in zip(indices[j][:k], values[j][:k]):
                         entry.setdefault(t, v)
                 top[i] = entry
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+        return top
 
     def _logsumexp(self, raw: torch.Tensor) -> torch.Tensor:
         """Each row's logsumexp (float32 values, returned as float64); a row's value never
@@ -217,8 +228,6 @@ class Sampler:
         infinities."""
         lse = None
         if self.fused_greedy:
-            from batchgen.kernels.cpu import fused as cpu_fused
-
             lse = cpu_fused.logsumexp(raw)
         if lse is None:
             return torch.logsumexp(raw, dim=-1).double()

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from batchgen.sampling import BeamSearchParams, BeamSearchState
-from batchgen.sampling.beam import BeamHypothesis
+from batchgen.sampling.beam_ranking import BeamHypothesis
 from batchgen.sampling.filters import top_candidates
 
 MAX_NEW_TOKENS = 12

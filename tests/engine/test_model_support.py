@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engine.model_runner import UnsupportedModelError, check_supported, expected_windows, resolve_dtype
+from batchgen.engine.model_loader import UnsupportedModelError, check_supported, expected_windows, resolve_dtype
 
 
 def _config(model_type: str, **kwargs):

@@ -211,12 +211,12 @@ def test_bfloat16_asked_for_on_a_cpu_without_avx512_says_it_is_no_faster(monkeyp
     ``auto`` is float32 on the CPU and says nothing."""
     import logging
 
-    from batchgen.engine.model_runner import resolve_dtype
+    from batchgen.engine.model_loader import resolve_dtype
 
     monkeypatch.setattr(loader, "missing_cpu_features",
                         lambda *names: ", ".join(n for n in names if n in missing) or None)
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_loader"):
         assert resolve_dtype("auto", None, cpu) is torch.float32
         assert not caplog.records
         assert resolve_dtype("bfloat16", None, cpu) is torch.bfloat16

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.cli import main
+from batchgen.quiet import say
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -156,6 +157,8 @@ def test_runtime_failure_exits_1(job_config, capsys, tmp_path: Path, monkeypatch
     code, _, err = _cli(capsys, "run", str(job_config(plugins=["boom_at_start"])), "--quiet")
     assert code == 1
     assert "run failed:" in err and "boom_at_start" in err and "OSError: disk on fire" in err
+    say("after the run")  # --quiet held for that run only: nothing is left set behind it
+    assert capsys.readouterr().err == "batchgen: after the run\n"
 
 
 def test_plugins_lists_builtins_and_entry_points(capsys) -> None:
@@ -262,7 +265,7 @@ def test_output_in_use_is_refused(job_config, capsys, tmp_path: Path) -> None:
 
 def test_resume_with_another_config_is_refused(job_config, capsys, tmp_path: Path) -> None:
     from batchgen.config import load_config, resolved_dict
-    from batchgen.io.writer import write_json_atomic
+    from batchgen.io.output_file import write_json_atomic
     from batchgen.plugins import load_registry
 
     path = job_config()
@@ -443,10 +446,10 @@ def test_the_sidecar_that_cannot_be_written_is_one_error_line(job_config, capsys
     """A full disk while writing the records' config, before the first record: exit 1, one line."""
     import errno
 
-    from batchgen.io import writer
+    from batchgen.io import output_file
 
     def full(*args: object, **kwargs: object) -> None:
-        raise writer.OutputWriteError("cannot write results.jsonl.resume.json: no space left on device", errno.ENOSPC)
+        raise output_file.OutputWriteError("cannot write results.jsonl.resume.json: no space left on device", errno.ENOSPC)
 
     monkeypatch.setattr("batchgen.run.plan.write_json_atomic", full)
     code, _, err = _cli(capsys, "run", str(job_config()))

@@ -310,7 +310,7 @@ def test_summary_fills_plugin_defaults_labels_and_token_counts(job_config, tiny_
 
 
 def test_full_disk_mid_run(job_config, tiny_llm, tmp_path: Path, full_disk, monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchgen.io.writer import JsonlWriter
+    from batchgen.io.output_file import JsonlWriter
 
     out = tmp_path / "out" / "results.jsonl"
     elsewhere = tmp_path / "summaries" / "run.summary.json"
@@ -448,7 +448,7 @@ def test_interrupt_counts_what_is_in_the_file(job_config, tiny_llama: str, tmp_p
     """A signal right after a record is written, before the run's own bookkeeping: the summary
     still counts that record (it is read back from the file)."""
     from batchgen import LLM
-    from batchgen.io.writer import JsonlWriter
+    from batchgen.io.output_file import JsonlWriter
     from batchgen.run.errors import Interrupted
 
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory=8 * 2**20, max_num_seqs=4)
@@ -611,7 +611,7 @@ def test_a_sidecar_of_an_older_batchgen_still_resumes(job_config, tiny_llm, tmp_
 
 
 def test_a_refused_resume_of_a_damaged_file_changes_nothing(job_config, tiny_llm, tmp_path: Path) -> None:
-    from batchgen.io.writer import OutputError
+    from batchgen.io.output_file import OutputError
 
     path = job_config()
     _run(path, tiny_llm, "data.limit=4")

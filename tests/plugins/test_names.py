@@ -22,6 +22,7 @@ import yaml
 
 from batchgen.config import ConfigError, load_config, plugin_modules, resolved_dict
 from batchgen.plugins import PluginError, load_registry
+from registry_lookup import plugin_of
 
 MakeModule = Callable[[str, str], str]
 
@@ -97,7 +98,7 @@ def check_builtin_clash(registry, plugin: str, qualifiers: list[str], caplog: py
         assert registry.build_metric(f"{qualifier}:json_valid", {}).score(RECORD, {}) == {"mine": 7}
     assert registry.metrics["json_valid"] is registry.resolve("metric", f"{plugin}:json_valid").spec
     # The other built-ins are untouched, and still answer their bare names.
-    assert registry.plugin_of("metric", "exact_match") == "batchgen-builtin-metrics"
+    assert plugin_of(registry, "metric", "exact_match") == "batchgen-builtin-metrics"
 
 
 def test_builtin_clash_with_a_yaml_listed_module(make_module: MakeModule, caplog: pytest.LogCaptureFixture) -> None:
@@ -126,7 +127,7 @@ def check_third_party_clash(registry, first: str, second: str) -> None:
     assert "masker" not in registry.samplers
     assert masked_token(registry.build_sampler(f"{first}:masker", {})) == 1
     assert masked_token(registry.build_sampler(f"{second}:masker", {})) == 2
-    assert registry.plugin_of("sampler", "epsilon") == "batchgen-builtin-samplers"  # nothing else is touched
+    assert plugin_of(registry, "sampler", "epsilon") == "batchgen-builtin-samplers"  # nothing else is touched
 
 
 def test_third_party_clash_between_yaml_listed_modules(make_module: MakeModule) -> None:

@@ -20,6 +20,7 @@ from batchgen.plugins import (
     load_registry,
 )
 from batchgen.plugins.loaders import BUILTIN_METRICS_PLUGIN, BUILTIN_SAMPLERS_PLUGIN
+from registry_lookup import plugin_of, safe_score, validate_options
 
 MakeModule = Callable[[str, str], str]
 
@@ -93,8 +94,8 @@ def test_builtins_register_through_the_public_hooks() -> None:
     assert set(hooked_metrics) == set(registry.metrics)
     for name, spec in registry.samplers.items():
         assert hooked_samplers[name].options_model is spec.options_model
-    assert registry.plugin_of("sampler", "epsilon") == BUILTIN_SAMPLERS_PLUGIN
-    assert registry.plugin_of("metric", "exact_match") == BUILTIN_METRICS_PLUGIN
+    assert plugin_of(registry, "sampler", "epsilon") == BUILTIN_SAMPLERS_PLUGIN
+    assert plugin_of(registry, "metric", "exact_match") == BUILTIN_METRICS_PLUGIN
     described = {entry["name"]: entry for entry in registry.describe()}
     assert described[BUILTIN_METRICS_PLUGIN]["source"] == "built-in"
     assert [m["name"] for m in described[BUILTIN_METRICS_PLUGIN]["metrics"]] == [
@@ -134,7 +135,7 @@ def test_hookimpl_marker_is_pluggys() -> None:
 def test_extra_module_contributes_sampler_metric_and_lifecycle(make_module: MakeModule) -> None:
     name = make_module("bg_good_plugin", GOOD_PLUGIN)
     registry = load_registry([name])
-    assert registry.plugin_of("sampler", "mask_token") == name
+    assert plugin_of(registry, "sampler", "mask_token") == name
     proc = registry.build_sampler("mask_token", {"token": 2})
     out = proc(torch.zeros(3, 5), [[], [], []])
     assert torch.isinf(out[:, 2]).all() and torch.isfinite(out[:, [0, 1, 3, 4]]).all()
@@ -325,8 +326,8 @@ def test_invalid_options_name_the_plugin_and_every_field() -> None:
     with pytest.raises(PluginError, match=r"^metric 'length' \(plugin 'batchgen-builtin-metrics' \(built-in\)\): "
                        r"options must be a mapping, got list$"):
         registry.build_metric("length", [1])
-    # validate_options is the check `batchgen validate` can run without building anything.
-    assert registry.validate_options("sampler", "top_a", {"a": 0.5}).a == 0.5
+    # Options validate against the model without building the sampler.
+    assert validate_options(registry, "sampler", "top_a", {"a": 0.5}).a == 0.5
 
 
 FAILING = """
@@ -401,11 +402,11 @@ def test_crashing_plugin_code_is_named(make_module: MakeModule) -> None:
     with pytest.raises(PluginError) as info:
         crashy.score(record, {})
     assert str(info.value) == f"metric 'crashy' {where} failed on record 'q-7': ZeroDivisionError: division by zero"
-    # safe_score gives the same message, also for a metric object built by hand.
+    # safe_score (tests' registry_lookup) gives the same message, also for a metric object built by hand.
     with pytest.raises(PluginError, match="failed on record 'q-7': ZeroDivisionError"):
-        registry.safe_score(crashy, record, {})
+        safe_score(crashy, record, {})
     with pytest.raises(PluginError, match=r"^metric 'crashy' \(metric object Crashy\) failed on record 'q-7'"):
-        registry.safe_score(sys.modules[name].Crashy(), record, {})
+        safe_score(sys.modules[name].Crashy(), record, {})
     with pytest.raises(PluginError, match=f"^metric 'crashy' {where.replace('(', '[(]').replace(')', '[)]')} "
                        "failed to aggregate: RuntimeError: nothing to fold$"):
         crashy.aggregate([])
@@ -528,5 +529,5 @@ def test_two_distributions_with_one_plugin_name_both_load(make_module: MakeModul
     assert f"is registered as '{second['name']}', so write '{second['name']}:NAME'" in warning
     for entry in (first, second):
         (sampler,) = entry["samplers"]
-        assert registry.plugin_of("sampler", sampler["name"]) == entry["name"]
-        assert registry.plugin_of("sampler", f"{entry['distribution']}:{sampler['name']}") == entry["name"]
+        assert plugin_of(registry, "sampler", sampler["name"]) == entry["name"]
+        assert plugin_of(registry, "sampler", f"{entry['distribution']}:{sampler['name']}") == entry["name"]

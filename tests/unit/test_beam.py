@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.sampling.beam import BeamSearchState, beam_candidates_per_beam
+from batchgen.sampling.beam_ranking import BeamSearchState, beam_candidates_per_beam
 from batchgen.sampling.params import BeamSearchParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -202,7 +202,7 @@ def test_misuse_is_reported() -> None:
 
 
 def test_beam_module_does_not_import_torch() -> None:
-    code = ("import sys; import batchgen.sampling.beam, batchgen.sampling; "
+    code = ("import sys; import batchgen.sampling.beam_ranking, batchgen.sampling; "
             "batchgen.sampling.BeamSearchState; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchgen import quiet
+from batchgen.quiet import quiet_notices
 from batchgen.cache import remove_stale_temp_folders
 from batchgen.model_resolver import ModelNotFoundError, _convert_gguf, check_model
 
@@ -74,12 +74,12 @@ def test_conversion_cleans_up_and_is_quiet_when_bars_are_off(
     was_enabled = hf_logging.is_progress_bar_enabled()
     try:
         hf_logging.disable_progress_bar()  # what --quiet (or stderr off a terminal) does
-        monkeypatch.setattr(quiet, "QUIET", True)  # --quiet: nothing at all
-        _convert_gguf(Path("model.gguf"), models / "m-1")
+        with quiet_notices():  # --quiet: nothing at all
+            _convert_gguf(Path("model.gguf"), models / "m-1")
         assert capsys.readouterr().err == ""
         assert (models / "m-1" / "config.json").is_file() and not stale.exists()
         assert sorted(p.name for p in models.iterdir()) == ["m-1"]
-        monkeypatch.setattr(quiet, "QUIET", False)  # off a terminal: what happens, no bar
+        # Off a terminal (and after the quiet block): what happens, no bar.
         _convert_gguf(Path("model.gguf"), models / "m-3")
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 5 and lines[0].startswith("batchgen: converting the built-in model's model.gguf")
@@ -105,7 +105,7 @@ def test_a_long_conversion_step_says_so_every_few_seconds(
 
     import transformers
 
-    from batchgen import model_resolver, quiet
+    from batchgen import model_resolver
 
     def slow_tokenizer(*args: object, **kwargs: object) -> SimpleNamespace:
         time.sleep(0.3)
@@ -116,13 +116,15 @@ def test_a_long_conversion_step_says_so_every_few_seconds(
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: SimpleNamespace(
         config=SimpleNamespace(quantization_config={}), save_pretrained=save))
     monkeypatch.setattr(model_resolver, "HEARTBEAT_S", 0.05)
-    monkeypatch.setattr(quiet, "QUIET", False)
     _convert_gguf(Path("model.gguf"), tmp_path / "m")
     lines = capsys.readouterr().err.splitlines()
     beats = [line for line in lines if "still loading transformers, reading the tokenizer from the GGUF file (" in line]
     assert len(beats) >= 3 and lines.index(beats[0]) == 2, lines
     last = max(i for i, line in enumerate(lines) if line in beats)
     assert lines[last + 1:] == lines[-3:] and not any("still" in line for line in lines[last + 1:]), lines
+    with quiet_notices():  # --quiet: the heartbeat thread keeps quiet too
+        _convert_gguf(Path("model.gguf"), tmp_path / "m-quiet")
+    assert "batchgen:" not in capsys.readouterr().err
 
 
 def test_unknown_model_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.io.lock import OutputLock, lock_path
-from batchgen.io.writer import (
+from batchgen.io.output_file import (
     JsonlWriter,
     OutputError,
     OutputExistsError,

@@ -119,7 +119,7 @@ def test_package_exports_resolve_lazily_and_unknown_names_fail() -> None:
     import batchgen.sampling as sampling
 
     assert sampling.SamplingParams is SamplingParams
-    from batchgen.sampling.beam import BeamSearchState
+    from batchgen.sampling.beam_ranking import BeamSearchState
 
     assert sampling.BeamSearchState is BeamSearchState
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):

@@ -54,9 +54,11 @@ def engine_config(config: RunConfig) -> EngineConfig:
 def make_executor(config: RunConfig, llm: Any = None) -> LocalExecutor | RayExecutor:
     """The executor ``config.executor`` asks for (not started); ``llm`` reuses a loaded engine."""
     if llm is not None or config.executor.backend == "local":
+        # cycle: local.py imports this package
         from batchgen.run.executors.local import LocalExecutor
 
         return LocalExecutor(config, llm)
+    # cycle: ray.py imports this package
     from batchgen.run.executors.ray import RayExecutor
 
     return RayExecutor(config)
@@ -69,6 +71,7 @@ def check_executor(config: RunConfig) -> None:
         ConfigError: naming ``executor.backend`` and the extra to install.
     """
     if config.executor.backend == "ray":
+        # cycle: cluster.py imports this package (and it defers Ray)
         from batchgen.run.executors.cluster import import_ray
 
         import_ray()
@@ -81,6 +84,7 @@ def stats_dict(stats: Any) -> dict[str, Any]:
 def thread_figures(engine: Any) -> dict[str, Any]:
     """``threads`` (batchgen's: the engine's resolved ``num_threads``, which its C kernels run
     on) and ``torch_threads`` (torch's intra-op pool) of an engine in this process."""
+    # deferred: torch (~5 s; the engine has loaded it) only for the figures; the run layer stays torch-free
     import torch
 
     split = getattr(getattr(engine, "runner", None), "threads", None)

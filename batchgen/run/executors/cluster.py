@@ -22,6 +22,7 @@ RAY_INSTALL_HINT = 'pip install "batchgen[ray]"'
 def import_ray() -> Any:
     """``import ray``, or :class:`ConfigError` naming the extra to install."""
     try:
+        # deferred: Ray (~2 s, an extra) only when a Ray run asks for it
         import ray
     except ImportError as exc:
         raise ConfigError([ConfigIssue(
@@ -118,6 +119,7 @@ def caller_signal_handlers() -> Iterator[None]:
 def ray_location() -> tuple[str | None, list[str]]:
     """This actor's Ray node id and GPU ids (``(None, [])`` outside Ray)."""
     try:
+        # deferred: Ray (~2 s, an extra) only when a Ray run asks for it
         import ray
 
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]

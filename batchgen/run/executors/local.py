@@ -33,6 +33,7 @@ class LocalExecutor:
 
     def start(self) -> None:
         if self.llm is None:
+            # deferred: `LLM` imports torch; the run layer stays torch-free
             from batchgen import LLM
 
             self.llm = LLM(config=engine_config(self.config))

@@ -20,6 +20,8 @@ from typing import Any
 
 from batchgen.config import RunConfig
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.outputs import RequestOutput
+from batchgen.model_resolver import resolve_model
 from batchgen.plugins import PluginError
 from batchgen.run.executors import ExecutorError, engine_config, replica_figures
 from batchgen.run.executors.cluster import caller_signal_handlers, import_ray
@@ -121,8 +123,6 @@ class RayExecutor:
         # tokenizer loads while the replicas load their engines.
         from transformers import AutoTokenizer
 
-        from batchgen.model_resolver import resolve_model
-
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.engine.tokenizer or resolve_model(
             self.config.model.name, self.config.engine.quantization, self.config.model.device).path)
         self.startup["tokenizer_s"] = time.perf_counter() - t1
@@ -182,155 +182,11 @@ class RayExecutor:
     # ---------------------------------------------------------------- stream
     def stream(self, requests: Iterable[Any], on_tokens: Callable[[int], None] | None = None) -> Iterator[Any]:
         """Run every request on the replicas; yield each output as it finishes (see module doc)."""
-        ray = self._ray
-        source = iter(requests)
-        exhausted = False
-        retry: collections.deque[Any] = collections.deque()  # crashed once: re-run with others
-        suspects: collections.deque[Any] = collections.deque()  # crashed twice or more: re-run alone
-        crashes: dict[str, int] = {}
-        last_error: dict[str, str] = {}
-        calls: dict[Any, tuple[_Replica, int, str]] = {}  # ObjectRef -> (replica, incarnation, kind)
-        limit = self.in_flight_limit()
-        crashes_in_a_row = 0
-        now = time.perf_counter
         for replica in self.replicas:
             replica.records = replica.tokens = 0
             replica.first_call = replica.last_result = None
             replica.before = self._replica_stats(replica)
-
-        def next_row(replica: _Replica) -> Any:
-            nonlocal exhausted
-            if replica.solo:
-                return None
-            if suspects and not replica.in_flight:
-                replica.solo = True
-                return suspects.popleft()
-            if retry:
-                return retry.popleft()
-            if not exhausted:
-                try:
-                    return next(source)
-                except StopIteration:
-                    exhausted = True
-            return None
-
-        def call(replica: _Replica, rows: list[Any]) -> None:
-            for request in rows:
-                replica.in_flight[request.request_id] = request
-            ref = replica.actor.step.remote(rows, CALL_MAX_SECONDS)
-            calls[ref] = (replica, replica.incarnation, "step")
-            replica.calls += 1
-            if replica.first_call is None:
-                replica.first_call = now()
-
-        def feed() -> None:
-            """Top every ready replica up to its limit, one row per replica in turn, and keep
-            CALLS_PER_REPLICA calls queued on each replica that has work."""
-            new: dict[int, list[Any]] = {r.index: [] for r in self.replicas}
-            hungry = [r for r in self.replicas if r.ready]
-            while hungry:
-                for replica in list(hungry):
-                    if len(replica.in_flight) + len(new[replica.index]) >= limit:
-                        hungry.remove(replica)
-                        continue
-                    row = next_row(replica)
-                    if row is None:
-                        hungry.remove(replica)
-                        continue
-                    new[replica.index].append(row)
-            for replica in self.replicas:
-                if not replica.ready:
-                    continue
-                if new[replica.index]:
-                    call(replica, new[replica.index])
-                while replica.in_flight and replica.calls < CALLS_PER_REPLICA:
-                    call(replica, [])
-
-        def crashed(replica: _Replica, exc: Exception) -> Iterator[Any]:
-            """Restart ``replica``; its in-flight rows run again, or fail after MAX_ROW_CRASHES."""
-            nonlocal crashes_in_a_row
-            crashes_in_a_row += 1
-            why = _cause(exc)
-            logger.warning("replica %d crashed (%s); restarting it, %d row(s) to re-run",
-                           replica.index, why, len(replica.in_flight))
-            for request in replica.in_flight.values():
-                rid = request.request_id
-                crashes[rid] = crashes.get(rid, 0) + 1
-                last_error[rid] = why
-                if crashes[rid] >= MAX_ROW_CRASHES:
-                    yield _error_output(request, f"the engine replica crashed {crashes[rid]} times while running "
-                                                 f"this row (the last {crashes[rid] - 1} with this row alone); "
-                                                 f"last error: {why}")
-                elif crashes[rid] >= 2:
-                    suspects.append(request)
-                else:
-                    retry.appendleft(request)
-            replica.in_flight.clear()
-            for ref in [r for r, (rep, _, _) in calls.items() if rep is replica]:
-                del calls[ref]
-            self._fold(replica)
-            self._kill(replica)
-            replica.restarts += 1
-            if crashes_in_a_row > MAX_ROW_CRASHES * (len(self.replicas) + 1):
-                raise ExecutorError(f"the replicas crashed {crashes_in_a_row} times in a row without finishing "
-                                    f"a record; last error: {why}")
-            self._launch(replica)
-            calls[replica.actor.ready.remote()] = (replica, replica.incarnation, "ready")
-
-        feed()
-        try:
-            while calls:
-                done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
-                for ref in done:
-                    entry = calls.pop(ref, None)
-                    if entry is None:
-                        continue
-                    replica, incarnation, kind = entry
-                    if incarnation != replica.incarnation:
-                        continue
-                    try:
-                        result = ray.get(ref)
-                    except ray.exceptions.RayError as exc:
-                        if _is_plugin_error(exc):
-                            raise _cause_exception(exc) from None
-                        if kind == "ready":
-                            replica.start_failures += 1
-                            if replica.start_failures >= MAX_START_FAILURES:
-                                raise ExecutorError(f"replica {replica.index} failed to start "
-                                                    f"{replica.start_failures} times in a row: {_cause(exc)}") from None
-                        yield from crashed(replica, exc)
-                        feed()
-                        continue
-                    if kind == "ready":
-                        replica.info, replica.ready, replica.start_failures = result, True, 0
-                        feed()
-                        continue
-                    outputs, tokens, stats = result
-                    replica.calls -= 1
-                    replica.stats = stats
-                    replica.last_result = now()
-                    for output in outputs:
-                        replica.in_flight.pop(output.request_id, None)
-                    if not replica.in_flight:
-                        replica.solo = False
-                    # Queue the replica's next call before writing: it keeps generating meanwhile.
-                    feed()
-                    if outputs:
-                        crashes_in_a_row = 0
-                    if on_tokens is not None and tokens:
-                        on_tokens(tokens)
-                    for output in outputs:
-                        replica.records += 1
-                        replica.tokens += output.stats.num_generated_tokens
-                        yield output
-                if not calls and (retry or suspects or not exhausted):
-                    feed()  # e.g. every replica was restarting
-            if retry or suspects:
-                raise ExecutorError(f"{len(retry) + len(suspects)} row(s) were left without a replica")
-        finally:
-            for replica in self.replicas:
-                replica.in_flight.clear()
-                replica.calls = 0
+        yield from _Stream(self, requests, on_tokens).run()
 
     def _fold(self, replica: _Replica) -> None:
         """Keep a dying incarnation's counters (its engine's die with it)."""
@@ -387,9 +243,175 @@ class RayExecutor:
             self._ray.shutdown()
 
 
-def _error_output(request: Any, message: str) -> Any:
-    from batchgen.engine.outputs import RequestOutput
+class _Stream:
+    """One :meth:`RayExecutor.stream`: the rows still to run, the calls in flight and the crashes.
 
+    Rows come from ``source`` (read lazily), or from ``retry`` (their replica crashed once: they
+    run again with others) and ``suspects`` (crashed twice or more: they run again alone).
+    ``calls`` maps each Ray call in flight to its replica, the replica's incarnation and its kind
+    (``"step"`` or ``"ready"``).
+    """
+
+    def __init__(self, executor: RayExecutor, requests: Iterable[Any],
+                 on_tokens: Callable[[int], None] | None) -> None:
+        self.executor = executor
+        self.ray = executor._ray
+        self.replicas = executor.replicas
+        self.on_tokens = on_tokens
+        self.source = iter(requests)
+        self.exhausted = False
+        self.retry: collections.deque[Any] = collections.deque()
+        self.suspects: collections.deque[Any] = collections.deque()
+        self.crashes: dict[str, int] = {}
+        self.calls: dict[Any, tuple[_Replica, int, str]] = {}  # ObjectRef -> (replica, incarnation, kind)
+        self.limit = executor.in_flight_limit()
+        self.crashes_in_a_row = 0
+
+    def run(self) -> Iterator[Any]:
+        """Feed the replicas and yield each output as its call returns, until every row is done."""
+        self.feed()
+        try:
+            while self.calls:
+                done, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=1.0)
+                for ref in done:
+                    yield from self.returned(ref)
+                if not self.calls and (self.retry or self.suspects or not self.exhausted):
+                    self.feed()  # e.g. every replica was restarting
+            if self.retry or self.suspects:
+                raise ExecutorError(f"{len(self.retry) + len(self.suspects)} row(s) were left without a replica")
+        finally:
+            for replica in self.replicas:
+                replica.in_flight.clear()
+                replica.calls = 0
+
+    def returned(self, ref: Any) -> Iterator[Any]:
+        """Handle one finished call: a replica ready, a step's outputs, or a crash."""
+        entry = self.calls.pop(ref, None)
+        if entry is None:
+            return
+        replica, incarnation, kind = entry
+        if incarnation != replica.incarnation:
+            return
+        try:
+            result = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            if _is_plugin_error(exc):
+                raise _cause_exception(exc) from None
+            if kind == "ready":
+                replica.start_failures += 1
+                if replica.start_failures >= MAX_START_FAILURES:
+                    raise ExecutorError(f"replica {replica.index} failed to start "
+                                        f"{replica.start_failures} times in a row: {_cause(exc)}") from None
+            yield from self.crashed(replica, exc)
+            self.feed()
+            return
+        if kind == "ready":
+            replica.info, replica.ready, replica.start_failures = result, True, 0
+            self.feed()
+            return
+        yield from self.stepped(replica, result)
+
+    def stepped(self, replica: _Replica, result: tuple[list[Any], int, dict[str, Any]]) -> Iterator[Any]:
+        """A step call's outputs: settle the replica, queue its next call, then yield them."""
+        outputs, tokens, stats = result
+        replica.calls -= 1
+        replica.stats = stats
+        replica.last_result = time.perf_counter()
+        for output in outputs:
+            replica.in_flight.pop(output.request_id, None)
+        if not replica.in_flight:
+            replica.solo = False
+        # Queue the replica's next call before writing: it keeps generating meanwhile.
+        self.feed()
+        if outputs:
+            self.crashes_in_a_row = 0
+        if self.on_tokens is not None and tokens:
+            self.on_tokens(tokens)
+        for output in outputs:
+            replica.records += 1
+            replica.tokens += output.stats.num_generated_tokens
+            yield output
+
+    def next_row(self, replica: _Replica) -> Any:
+        """The next row for ``replica`` (None: nothing for it now)."""
+        if replica.solo:
+            return None
+        if self.suspects and not replica.in_flight:
+            replica.solo = True
+            return self.suspects.popleft()
+        if self.retry:
+            return self.retry.popleft()
+        if not self.exhausted:
+            try:
+                return next(self.source)
+            except StopIteration:
+                self.exhausted = True
+        return None
+
+    def call(self, replica: _Replica, rows: list[Any]) -> None:
+        for request in rows:
+            replica.in_flight[request.request_id] = request
+        ref = replica.actor.step.remote(rows, CALL_MAX_SECONDS)
+        self.calls[ref] = (replica, replica.incarnation, "step")
+        replica.calls += 1
+        if replica.first_call is None:
+            replica.first_call = time.perf_counter()
+
+    def feed(self) -> None:
+        """Top every ready replica up to its limit, one row per replica in turn, and keep
+        CALLS_PER_REPLICA calls queued on each replica that has work."""
+        new: dict[int, list[Any]] = {r.index: [] for r in self.replicas}
+        hungry = [r for r in self.replicas if r.ready]
+        while hungry:
+            for replica in list(hungry):
+                if len(replica.in_flight) + len(new[replica.index]) >= self.limit:
+                    hungry.remove(replica)
+                    continue
+                row = self.next_row(replica)
+                if row is None:
+                    hungry.remove(replica)
+                    continue
+                new[replica.index].append(row)
+        for replica in self.replicas:
+            if not replica.ready:
+                continue
+            if new[replica.index]:
+                self.call(replica, new[replica.index])
+            while replica.in_flight and replica.calls < CALLS_PER_REPLICA:
+                self.call(replica, [])
+
+    def crashed(self, replica: _Replica, exc: Exception) -> Iterator[Any]:
+        """Restart ``replica``; its in-flight rows run again, or fail after MAX_ROW_CRASHES."""
+        self.crashes_in_a_row += 1
+        why = _cause(exc)
+        logger.warning("replica %d crashed (%s); restarting it, %d row(s) to re-run",
+                       replica.index, why, len(replica.in_flight))
+        for request in replica.in_flight.values():
+            rid = request.request_id
+            self.crashes[rid] = self.crashes.get(rid, 0) + 1
+            if self.crashes[rid] >= MAX_ROW_CRASHES:
+                yield _error_output(request, f"the engine replica crashed {self.crashes[rid]} times while running "
+                                             f"this row (the last {self.crashes[rid] - 1} with this row alone); "
+                                             f"last error: {why}")
+            elif self.crashes[rid] >= 2:
+                self.suspects.append(request)
+            else:
+                self.retry.appendleft(request)
+        replica.in_flight.clear()
+        for ref in [r for r, (rep, _, _) in self.calls.items() if rep is replica]:
+            del self.calls[ref]
+        executor = self.executor
+        executor._fold(replica)
+        executor._kill(replica)
+        replica.restarts += 1
+        if self.crashes_in_a_row > MAX_ROW_CRASHES * (len(self.replicas) + 1):
+            raise ExecutorError(f"the replicas crashed {self.crashes_in_a_row} times in a row without finishing "
+                                f"a record; last error: {why}")
+        executor._launch(replica)
+        self.calls[replica.actor.ready.remote()] = (replica, replica.incarnation, "ready")
+
+
+def _error_output(request: Any, message: str) -> Any:
     prompt = request.prompt
     return RequestOutput(request_id=request.request_id, prompt=prompt if isinstance(prompt, str) else None,
                          prompt_token_ids=[] if isinstance(prompt, str) else list(prompt), error=message)

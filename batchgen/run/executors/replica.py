@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from batchgen.engine.config import EngineConfig
+from batchgen.quiet import quiet_libraries
 from batchgen.run.executors import stats_dict, thread_figures
 from batchgen.run.executors.cluster import ray_location
 
@@ -25,6 +26,7 @@ CALL_MAX_SECONDS = 0.5
 
 def build_engine(engine: EngineConfig) -> Any:
     """The default engine factory of a replica: an ``LLM``."""
+    # deferred: `LLM` imports torch; the run layer stays torch-free
     from batchgen import LLM
 
     return LLM(config=engine)
@@ -42,9 +44,8 @@ class EngineReplica:
                  factory: Callable[[EngineConfig], Any] | None = None) -> None:
         t0 = time.perf_counter()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from batchgen.quiet import quiet_libraries
-
         quiet_libraries()  # a replica has no terminal: no progress bars, no info logs
+        # deferred: torch (~5 s) only inside a replica; the run layer stays torch-free
         import torch
 
         if threads:

@@ -174,6 +174,36 @@ class BeamSearchState:
         """
         if self._done:
             raise RuntimeError("step() called after the beam search finished")
+        generated = self._check_beams(beam_token_ids, beam_logprobs, candidates)
+        new_length = generated + 1
+        k = self.params.beam_width
+        ranked = self._rank(beam_token_ids, beam_logprobs, candidates, generated)
+
+        # 3. Next live beams: the k best that did not finish (the order is kept: best first).
+        running = [c for c in ranked if not c.finishing][:k]
+
+        # 4. Finished hypotheses: only finishing candidates ranked within the first k count.
+        # (HF also freezes the kept set once the heuristic is satisfied or, with
+        # early_stopping=True, once it is full; both end the search first, see step 5.)
+        new_hyps = [
+            BeamHypothesis(
+                token_ids=(*beam_token_ids[c.parent], c.token_id),
+                score=_hf_score(c.cumulative, new_length, self.params.length_penalty),
+                cumulative_logprob=c.cumulative,
+                finish_token_id=c.token_id if c.token_id in self.finishing_token_ids else None,
+            )
+            for c in ranked[:k] if c.finishing
+        ]
+        self._merge_finished(new_hyps)
+        self._num_steps += 1
+        if self._search_over(ranked, running, new_length):
+            self._done = True
+            return []
+        return [(c.parent, c.token_id, c.cumulative) for c in running]
+
+    def _check_beams(self, beam_token_ids: list[list[int]], beam_logprobs: list[float],
+                     candidates: list[list[tuple[int, float]]]) -> int:
+        """Check :meth:`step`'s arguments agree; return the live beams' generated length."""
         n = len(beam_token_ids)
         if not (n == len(beam_logprobs) == len(candidates)) or n == 0:
             raise ValueError(
@@ -185,10 +215,14 @@ class BeamSearchState:
         generated = len(beam_token_ids[0])
         if any(len(t) != generated for t in beam_token_ids):
             raise ValueError("all live beams must have the same number of generated tokens")
-        new_length = generated + 1
-        at_max_length = new_length >= self.params.max_tokens
-        suppress_finishing = generated < self.params.min_tokens
+        return generated
 
+    def _rank(self, beam_token_ids: list[list[int]], beam_logprobs: list[float],
+              candidates: list[list[tuple[int, float]]], generated: int) -> list[_Candidate]:
+        """Steps 1 and 2: the ``num_candidates`` best candidates, best first, each marked with
+        whether it hits a stopping criterion."""
+        at_max_length = generated + 1 >= self.params.max_tokens
+        suppress_finishing = generated < self.params.min_tokens
         # 1. All candidates with their float32 cumulative logprobs. Sorting by (score desc,
         # beam, token) ranks ties by the flattened (beam * vocab + token) index, as top-k does.
         pool: list[tuple[float, int, int]] = []
@@ -208,27 +242,12 @@ class BeamSearchState:
             if not finishing and self._stop_checker is not None:
                 finishing = bool(self._stop_checker([*beam_token_ids[parent], token_id]))
             ranked.append(_Candidate(parent, token_id, cum, finishing))
+        return ranked
 
-        # 3. Next live beams: the k best that did not finish (the order is kept: best first).
-        running = [c for c in ranked if not c.finishing][:k]
-
-        # 4. Finished hypotheses: only finishing candidates ranked within the first k count.
-        # (HF also freezes the kept set once the heuristic is satisfied or, with
-        # early_stopping=True, once it is full; both end the search first, see step 5.)
-        new_hyps = [
-            BeamHypothesis(
-                token_ids=(*beam_token_ids[c.parent], c.token_id),
-                score=_hf_score(c.cumulative, new_length, self.params.length_penalty),
-                cumulative_logprob=c.cumulative,
-                finish_token_id=c.token_id if c.token_id in self.finishing_token_ids else None,
-            )
-            for c in ranked[:k] if c.finishing
-        ]
-        self._merge_finished(new_hyps)
-
-        # 5. Termination (HF's `_check_early_stop_heuristic` and
-        # `_beam_search_has_unfinished_sequences`), with cur_len - prompt_len = new_length.
-        self._num_steps += 1
+    def _search_over(self, ranked: list[_Candidate], running: list[_Candidate], new_length: int) -> bool:
+        """Step 5, termination (HF's `_check_early_stop_heuristic` and
+        `_beam_search_has_unfinished_sequences`), with cur_len - prompt_len = new_length."""
+        k = self.params.beam_width
         full = len(self._finished) >= k
         if full and running:
             if self.params.early_stopping == "never" and self.params.length_penalty > 0.0:
@@ -241,12 +260,9 @@ class BeamSearchState:
             if not best_possible > worst_kept:
                 self._improvement_possible = False
         all_hit_criteria = all(c.finishing for c in ranked)
-        if (not self._improvement_possible
-                or (full and self.params.early_stopping is True)
-                or all_hit_criteria or not running):
-            self._done = True
-            return []
-        return [(c.parent, c.token_id, c.cumulative) for c in running]
+        return bool(not self._improvement_possible
+                    or (full and self.params.early_stopping is True)
+                    or all_hit_criteria or not running)
 
     def _merge_finished(self, new_hyps: list[BeamHypothesis]) -> None:
         """Keep the ``beam_width`` best of the kept and the new hypotheses (HF's merged top-k:
