@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from batchgen.backends import AttentionBackend, LinearBackend
 from batchgen.model_resolver import DEFAULT_MODEL, QUANTIZATIONS, Quantization
 
 __all__ = ["EngineConfig", "DTYPE_NAMES", "ATTENTION_BACKENDS", "LINEAR_BACKENDS",
@@ -32,8 +33,6 @@ DTYPE_NAMES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 #: The choices, each spelled once; other modules read them with ``typing.get_args``.
-AttentionBackend = Literal["auto", "cpu", "cuda", "torch"]
-LinearBackend = Literal["auto", "cpu", "torch"]
 SchedulingPolicy = Literal["prefix", "fcfs"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 LINEAR_BACKENDS: tuple[str, ...] = get_args(LinearBackend)

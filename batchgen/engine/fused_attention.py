@@ -63,6 +63,12 @@ class FusedAttention(torch.nn.Module):
         if self.qk_norms:
             self.q_norm, self.k_norm = norms
 
+    def merged_projections(self) -> tuple[str, tuple[tuple[str, int], ...]]:
+        """The merged linear's name and the projections it holds, in order, with their output
+        widths: what a LoRA adapter of q/k/v targets in it (:mod:`batchgen.lora.layers`)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return "qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+
     def extra_repr(self) -> str:
         o = self.options
         return (f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -142,5 +142,11 @@ class FusedGatedMLP(torch.nn.Module):
         self.gate_up_proj = merge_linears([gate, up])
         self.down_proj = merge_linears([down])
 
+    def merged_projections(self) -> tuple[str, tuple[tuple[str, int], ...]]:
+        """The merged linear's name and the projections it holds, in order, with their output
+        widths: what a LoRA adapter of gate/up targets in it (:mod:`batchgen.lora.layers`)."""
+        half = self.gate_up_proj.out_features // 2
+        return "gate_up_proj", (("gate_proj", half), ("up_proj", half))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))

@@ -71,7 +71,7 @@ class ModelRunner:
             config = config.replace(**kwargs)
         self.engine_config = config
         block_size, num_threads = config.block_size, config.num_threads
-        attention_backend, index_checks = config.attention_backend, config.index_checks
+        attention_backend = config.attention_backend
         self.num_threads = threads.resolve_num_threads(num_threads)
         loaded = load_model(config)  # resolved, checked, loaded on its device (engine/model_loader.py)
         self.source, self.device, self.dtype, self.model = loaded.source, loaded.device, loaded.dtype, loaded.model
@@ -91,24 +91,7 @@ class ModelRunner:
                                            gpu_memory_utilization=config.gpu_memory_utilization)
         self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
         self.vocab_size = self.model.get_output_embeddings().out_features  # nn.Linear or QuantizedLinear
-        from batchgen import kernels
-
-        backend = kernels.resolve_backend(attention_backend, self.device)
-        why = None
-        if backend == "cuda":
-            why = (kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
-                   or kernels.cuda_unavailable_reason(self.dtype, head_size, block_size,
-                                                      self.device, index_checks))
-        elif backend == "cpu":
-            why = kernels.cpu_unsupported_reason(self.dtype, head_size, num_heads, num_kv_heads)
-        if why is not None:
-            if attention_backend == backend:
-                raise ValueError(f"attention_backend={backend!r} cannot serve this model: {why}")
-            logger.warning("the %s attention kernel cannot serve this model (%s); using the torch "
-                           "backend", backend, why.splitlines()[0])
-            backend = "torch"
-        self.attention_backend = backend
-        self.ops = kernels.get_ops(backend, check_indices=index_checks)
+        self.attention_backend, self.ops = self._attention_ops(attention_backend, num_heads, num_kv_heads)
         from batchgen.kernels.torch_attention import Workspace
 
         self.workspace = Workspace()
@@ -125,6 +108,30 @@ class ModelRunner:
                         "num_threads=auto: OMP_NUM_THREADS" if num_threads == "auto" and os.environ.get("OMP_NUM_THREADS")
                         else f"num_threads={num_threads}: {threads.available_cpus()} CPUs available")
         self.generation_config = getattr(self.model, "generation_config", None)
+
+    def _attention_ops(self, asked: str, num_heads: int, num_kv_heads: int) -> tuple[str, Any]:
+        """The attention backend ``asked`` resolves to for this model (``auto``: the fastest that
+        serves it; one that cannot serve it falls back to torch with a warning, or is an error
+        when asked for by name) and its ops."""
+        from batchgen import kernels
+
+        head_size, block_size = self.cache_shape.head_size, self.cache_shape.block_size
+        index_checks = self.engine_config.index_checks
+        backend = kernels.resolve_backend(asked, self.device)
+        why = None
+        if backend == "cuda":
+            why = (kernels.cuda_unsupported_reason(self.dtype, head_size, block_size)
+                   or kernels.cuda_unavailable_reason(self.dtype, head_size, block_size,
+                                                      self.device, index_checks))
+        elif backend == "cpu":
+            why = kernels.cpu_unsupported_reason(self.dtype, head_size, num_heads, num_kv_heads)
+        if why is not None:
+            if asked == backend:
+                raise ValueError(f"attention_backend={backend!r} cannot serve this model: {why}")
+            logger.warning("the %s attention kernel cannot serve this model (%s); using the torch "
+                           "backend", backend, why.splitlines()[0])
+            backend = "torch"
+        return backend, kernels.get_ops(backend, check_indices=index_checks)
 
     def _setup_linears(self, name: str) -> str:
         """Resolve ``linear_backend`` and, for ``cpu``, fuse what a probe shows exact (RMSNorms,

@@ -42,15 +42,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchgen.gguf.architectures import ARCHITECTURES, Architecture, tensor_name_map
+from batchgen.gguf.architectures import ARCHITECTURES, Architecture
 from batchgen.gguf.embedding import QuantizedEmbedding
 from batchgen.gguf.metadata import open_gguf
 from batchgen.gguf.reader import GGUFError, GGUFFile
+from batchgen.gguf.tensor_map import check_tensors, is_tied, tensor_names
 from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS  # the block types kept as stored
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATIONS", "check_tensors", "load_gguf_model"]
+__all__ = ["QUANTIZATIONS", "load_gguf_model"]
 
 QUANTIZATIONS = ("gguf", "none")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -191,73 +192,12 @@ class _Filler:
         return layer
 
 
-def _tensor_names(model: torch.nn.Module, row: Architecture, num_layers: int) -> dict[str, str]:
-    """HF module name -> GGUF tensor base name (``model.layers.0.self_attn.q_proj`` ->
-    ``blk.0.attn_q``), from the ``gguf`` package's own name table of ``row``."""
-    table = tensor_name_map(row, num_layers)
-    names = {}
-    for module_name, _module in model.named_modules():
-        if module_name:
-            base = table.get_name(module_name)
-            if base is None and module_name == "lm_head":
-                base = "output"  # the name maps of always-tied architectures (Gemma) lack it
-            if base is not None:
-                names[module_name] = base
-    return names
-
-
-def _is_tied(config: Any, gguf: GGUFFile) -> bool:
-    """Whether ``lm_head`` is the token embedding (the file has no ``output.weight``)."""
-    return bool(getattr(config, "tie_word_embeddings", False)) and "output.weight" not in gguf.tensors
-
-
-def _expected_tensors(model: torch.nn.Module, gguf: GGUFFile, config: Any) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> the shape (HF order) the model needs of it."""
-    row = ARCHITECTURES[gguf.architecture]
-    expected: dict[str, tuple[int, ...]] = {}
-    for module_name, base in _tensor_names(model, row, config.num_hidden_layers).items():
-        module = model.get_submodule(module_name)
-        if module_name.endswith("lm_head") and _is_tied(config, gguf):
-            continue  # the embedding's tensor
-        for param_name, param in module.named_parameters(recurse=False):
-            expected[f"{base}.{param_name}"] = tuple(param.shape)
-    return expected
-
-
-def check_tensors(gguf: GGUFFile, config: Any, model: torch.nn.Module | None = None) -> None:
-    """Check the file's tensors against the HF model its row and ``config`` build (made on the
-    meta device when ``model`` is None: no weights are allocated).
-
-    Raises:
-        GGUFError: naming the file and the first tensor the model needs that the file lacks,
-            that has another shape, or that the model has no place for.
-    """
-    from transformers import AutoModelForCausalLM  # heavy; the loader's callers have it imported
-
-    if model is None:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    row = ARCHITECTURES[gguf.architecture]
-    expected = _expected_tensors(model, gguf, config)
-    for name, shape in expected.items():
-        tensor = gguf.tensor(name)  # raises naming the tensor when it is missing
-        got = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if int(np.prod(got)) != int(np.prod(shape)) or (len(shape) == 2 and got != shape):
-            raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {got}, the {row.name!r} model of this "
-                            f"file's config expects {shape}")
-    for name in gguf.tensors:
-        if name not in expected and name not in row.extra_tensors:
-            raise GGUFError(f"{gguf.path}: tensor {name!r} has no place in the {row.name!r} model of this "
-                            f"file's config (a {row.hf_model_type} model: the file does not match its "
-                            "architecture)")
-
-
 def _fill(model: torch.nn.Module, filler: _Filler, config: Any) -> None:
     """Put each module's weights from the file in place of the meta ones (linear layers and
     the embedding become new modules; norms get their parameters)."""
-    tied = _is_tied(config, filler.gguf)
+    tied = is_tied(config, filler.gguf)
     embedding = None
-    for module_name, base in _tensor_names(model, filler.row, config.num_hidden_layers).items():
+    for module_name, base in tensor_names(model, filler.row, config.num_hidden_layers).items():
         module = model.get_submodule(module_name)
         lm_head_tied = module_name.endswith("lm_head") and tied
         if lm_head_tied:

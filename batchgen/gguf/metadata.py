@@ -17,7 +17,7 @@ Before the folder is written, the file is checked: the HF config transformers re
 completed from the metadata transformers' reader leaves out, per the architecture's row
 (:data:`batchgen.gguf.architectures.ARCHITECTURES`: soft-capping, sliding-window layers,
 per-layer-type RoPE); the file's tensors are checked against the model that config builds
-(:func:`batchgen.gguf.loader.check_tensors`); and the chat template
+(:func:`batchgen.gguf.tensor_map.check_tensors`); and the chat template
 (``tokenizer.chat_template``) is rendered once. Each failure is a
 :class:`~batchgen.gguf.reader.GGUFError` naming the file (and the tensor), so ``batchgen
 validate`` refuses it (exit 2) rather than the first row of a run.
@@ -90,7 +90,7 @@ def metadata_folder(path: Path) -> Path:
         logger.info("removed %s, left by an interrupted read", stale)
     folder, name = str(path.parent), path.name
     config = hf_config(gguf, AutoConfig.from_pretrained(folder, gguf_file=name))
-    from batchgen.gguf.loader import check_tensors  # the loader imports this module (open_gguf)
+    from batchgen.gguf.tensor_map import check_tensors  # torch: this module stays torch-free
 
     check_tensors(gguf, config)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -17,7 +17,7 @@ from typing import get_args
 
 import torch
 
-from batchgen.engine.config import AttentionBackend
+from batchgen.backends import AttentionBackend
 
 from .ops import AttentionOps
 from .torch_attention import get_torch_ops

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.fused_attention import FusedAttention
-from batchgen.engine.fused_layers import FusedGatedMLP
 from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import lora as cpu_lora
 from batchgen.lora.adapter import ModuleDelta
@@ -66,14 +64,10 @@ def _targets(model: torch.nn.Module) -> dict[str, list[Part]]:
     hosts: dict[str, list[Part]] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, FusedAttention):
-            q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
-            widths = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
-            hosts[prefix + "qkv_proj"] = _parts(prefix, widths, module.qkv_proj.in_features)
-        elif isinstance(module, FusedGatedMLP):
-            half = module.gate_up_proj.out_features // 2
-            hosts[prefix + "gate_up_proj"] = _parts(prefix, (("gate_proj", half), ("up_proj", half)),
-                                                    module.gate_up_proj.in_features)
+        merged = getattr(module, "merged_projections", None)  # the engine's fused q/k/v and gate/up
+        if callable(merged):
+            linear, widths = merged()
+            hosts[prefix + linear] = _parts(prefix, widths, module.get_submodule(linear).in_features)
         elif name.rsplit(".", 1)[-1] in PROJECTIONS and hasattr(module, "in_features"):
             hosts[name] = [Part(name, 0, int(module.out_features), int(module.in_features))]
     return hosts

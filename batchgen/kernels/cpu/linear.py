@@ -29,7 +29,7 @@ from typing import Any, get_args
 
 import torch
 
-from batchgen.engine.config import LinearBackend
+from batchgen.backends import LinearBackend
 
 from . import loader
 
