@@ -40,7 +40,7 @@ from typing import Literal, TextIO, get_args
 
 from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.quiet import is_quiet, say
-from batchgen.suggest import closest, did_you_mean
+from batchgen.suggest import did_you_mean, path_suggestion
 
 logger = logging.getLogger(__name__)
 
@@ -293,16 +293,6 @@ def _folder_model(name: str, folder: Path, quantization: str, device: str) -> Re
         f"model folder {name!r} exists but holds neither an HF model (config.json) nor a .gguf file")
 
 
-def _sibling_suggestion(path: Path) -> str:
-    """``" (did you mean '/models/llama'?)"`` for the entry beside a missing path most like it."""
-    try:
-        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
-    except OSError:
-        return ""
-    match = closest(path.name, names)
-    return f" (did you mean '{path.parent / match}'?)" if match else ""
-
-
 def resolve_model(name: str, quantization: str = "auto", device: str = "auto") -> ResolvedModel:
     """Turn ``name`` into where and how the model loads (see the module docstring).
 
@@ -360,7 +350,7 @@ def _resolve(name: str, quantization: str, device: str) -> ResolvedModel:
         return ResolvedModel(name=name, path=str(target), embedded=True)
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(
-            f"model path {name!r} does not exist{_sibling_suggestion(expanded)}; give an existing folder, a .gguf file, a hub id, "
+            f"model path {name!r} does not exist{path_suggestion(expanded)}; give an existing folder, a .gguf file, a hub id, "
             f"or one of the built-in models: {', '.join(EMBEDDED_MODELS)}"
         )
     return ResolvedModel(name=name, path=name)

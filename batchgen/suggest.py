@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
 
 #: How alike a word and a suggestion must be (difflib's ratio).
 CUTOFF = 0.6
@@ -22,3 +23,14 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the choice most like ``word``, or ``""``."""
     match = closest(word, choices)
     return f" (did you mean '{match}'?)" if match else ""
+
+
+def path_suggestion(path: Path) -> str:
+    """``" (did you mean '/models/llama'?)"`` for the entry beside a missing ``path`` most like
+    it (hidden entries left out), or ``""``."""
+    try:
+        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
+    except OSError:
+        return ""
+    match = closest(path.name, names)
+    return f" (did you mean '{path.parent / match}'?)" if match else ""

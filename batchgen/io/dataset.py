@@ -32,7 +32,7 @@ from jinja2 import meta
 from jinja2.sandbox import SandboxedEnvironment
 
 from batchgen.config import ConfigError, ConfigIssue, DataSection, RunConfig, did_you_mean
-from batchgen.suggest import closest
+from batchgen.suggest import path_suggestion
 
 __all__ = [
     "DataError",
@@ -160,13 +160,13 @@ def _load_dataset(cfg: DataSection) -> Any:
                 extra["converters"] = {cfg.id_column: str}  # ids are text: keep "007" as it is
             return datasets.load_dataset(builder, data_files={cfg.split: str(path)}, split=cfg.split, **extra)
         if source.startswith(("/", "./", "../")) or any(source.lower().endswith(s) for s in _BUILDERS):
-            raise DataError(f"data.source: file not found: {source}{_local_suggestion(path)}")
+            raise DataError(f"data.source: file not found: {source}{path_suggestion(path)}")
         # Otherwise a hub dataset (works when it is cached or the hub is reachable).
         try:
             return datasets.load_dataset(source, cfg.name, split=cfg.split)
         except Exception as exc:  # noqa: BLE001 - not local, and the hub did not give it either
             raise DataError(f"data.source '{cfg.source}': no such local path or dataset on the Hub"
-                            f"{_local_suggestion(path)}: {_root_cause(exc)}") from None
+                            f"{path_suggestion(path)}: {_root_cause(exc)}") from None
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; all mean "cannot load"
@@ -177,17 +177,6 @@ def _load_dataset(cfg: DataSection) -> Any:
         raise DataError(f"{where}: could not load the dataset: {_root_cause(exc)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
-
-
-def _local_suggestion(path: Path) -> str:
-    """``" (did you mean './mydata'?)"`` for the local file or folder most like a source that is
-    neither, or ``""``."""
-    try:
-        names = [entry.name for entry in path.parent.iterdir() if not entry.name.startswith(".")]
-    except OSError:
-        return ""
-    match = closest(path.name, names)
-    return f" (did you mean '{path.parent / match}'?)" if match else ""
 
 
 def _root_cause(exc: BaseException) -> str:
