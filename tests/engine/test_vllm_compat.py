@@ -356,11 +356,11 @@ def test_request_error_is_one_rule():
 
 
 def test_gpu_memory_utilization_on_the_cpu_is_refused_before_the_weights_load(smollm2_path, monkeypatch):
-    from batchgen.engine import model_runner
+    from batchgen.engine import model_loader
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights loaded before the setting was refused")
 
-    monkeypatch.setattr(model_runner, "_causal_lm_class", no_load)
+    monkeypatch.setattr(model_loader, "_causal_lm_class", no_load)  # the first step of reading the model
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 applies to a GPU; on the CPU .*set kv_cache_memory"):
         LLM(smollm2_path, device="cpu", gpu_memory_utilization=0.9)
