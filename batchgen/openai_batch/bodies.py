@@ -98,7 +98,6 @@ def _off(value: Any) -> bool:
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (_off, "a batch line is answered whole; drop 'stream'"),
     "logit_bias": (_off, "'logit_bias' is not supported"),
-    "include_stop_str_in_output": (_off, "'include_stop_str_in_output' is not supported: stop strings are never included"),
     "tools": (_off, "tool calling is not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_off, "function calling is not supported"),

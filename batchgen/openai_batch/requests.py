@@ -213,6 +213,9 @@ class LineParser:
                 if _echo(body):
                     raise LineError("'echo' is not supported with 'use_beam_search'", "echo", "unsupported_parameter")
                 self._check_beam_fields(body)
+                if body.include_stop_str_in_output:
+                    raise LineError("'include_stop_str_in_output' is not supported with 'use_beam_search'",
+                                    "include_stop_str_in_output", "unsupported_parameter")
                 length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
                 return BeamSearchParams(beam_width=n, length_penalty=length_penalty, **common)
             if body.length_penalty not in (None, 1.0):
@@ -236,6 +239,7 @@ class LineParser:
                 prompt_logprobs=(logprobs if logprobs is not None else 0 if max_tokens == 0 else None)
                 if _echo(body) else None,
                 logits_processors=list(self.logits_processors),
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),  # vLLM's field
                 **common,
             )
         except ValueError as exc:

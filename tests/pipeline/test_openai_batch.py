@@ -436,6 +436,8 @@ def test_openai_defaults_and_field_mapping(parser: LineParser) -> None:
     beam = parsed(parser, COMPLETIONS, use_beam_search=True, n=3, length_penalty=0.7, temperature=0, max_tokens=5)
     assert isinstance(beam.params, BeamSearchParams)
     assert (beam.params.beam_width, beam.params.length_penalty, beam.params.max_tokens) == (3, 0.7, 5)
+    assert parsed(parser, stop="END", include_stop_str_in_output=True).params.include_stop_str_in_output
+    assert not parsed(parser, stop="END").params.include_stop_str_in_output
     developer = parsed(parser, messages=[{"role": "developer", "content": "Rules"}, {"role": "user", "content": "Hi"}])
     system = parsed(parser, messages=[{"role": "system", "content": "Rules"}, {"role": "user", "content": "Hi"}])
     assert developer.prompt == system.prompt and developer.error is None
@@ -459,6 +461,8 @@ def test_openai_defaults_and_field_mapping(parser: LineParser) -> None:
         ({"response_format": {"type": "xml"}}, CHAT, "response_format.type", "invalid_value", "expected 'text'"),
         ({"prompt": ["a", "b"]}, COMPLETIONS, "prompt", "invalid_value", "one prompt per line"),
         ({"prompt": []}, COMPLETIONS, "prompt", "invalid_value", "empty"),
+        ({"use_beam_search": True, "include_stop_str_in_output": True}, CHAT, "include_stop_str_in_output",
+         "unsupported_parameter", "not supported with 'use_beam_search'"),
         ({"echo": True, "use_beam_search": True}, COMPLETIONS, "echo", "unsupported_parameter",
          "'echo' is not supported with 'use_beam_search'"),
         ({"max_tokens": 0}, COMPLETIONS, "max_tokens", "invalid_value", "0 with 'echo': true scores the prompt only"),
