@@ -163,7 +163,7 @@ class ResponseBuilder:
             "id": _new_id("chatcmpl-" if endpoint == "chat" else "cmpl-"),
             "object": "chat.completion" if endpoint == "chat" else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
+            "model": getattr(getattr(prompt, "lora_request", None), "lora_name", None) or self.model,  # its adapter
             "choices": choices,
             "usage": {
                 "prompt_tokens": prompt_tokens,

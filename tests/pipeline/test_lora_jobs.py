@@ -171,3 +171,6 @@ def test_batch_lines_pick_their_adapter_by_model(tmp_path, tiny_llama, tiny_engi
     assert text["a"] == text["d"] == want_one[0].outputs[0].text
     assert text["b"] == want_base[0].outputs[0].text != text["a"]
     assert lines["c"]["response"]["status_code"] == 404
+    # each answer names the model that answered it, as vllm serve does: the adapter's name, or the base's
+    assert lines["a"]["response"]["body"]["model"] == lines["d"]["response"]["body"]["model"] == "one"
+    assert lines["b"]["response"]["body"]["model"] != "one"
