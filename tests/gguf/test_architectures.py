@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tiny_arch import CASES, WINDOW, write_arch_gguf
+from tiny_gguf import LOGIT_BOUND, TOP1_BOUND
 
 from batchgen.gguf.architectures import ARCHITECTURES
 from batchgen.gguf.loader import load_gguf_model
@@ -42,16 +43,6 @@ TRANSFORMERS_MISREADS = {
 QTYPES = ("F32", "Q8_0", "Q4_K")
 PROMPT_LEN = 3 * WINDOW + 2
 NEW_TOKENS = 8
-#: quantization gguf against the de-quantized model (the loader's bounds, docs/gguf.md)
-LOGIT_BOUND = 0.05
-TOP1_BOUND = 0.9
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(folder))
-    return folder
 
 
 def _prompts(n: int = 2) -> list[list[int]]:

@@ -18,25 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_gguf import QTYPE_NAMES, write_llama_gguf
+from tiny_gguf import LOGIT_BOUND, QTYPE_NAMES, TOP1_BOUND, write_llama_gguf
 
 from batchgen.gguf.loader import load_gguf_model
 from batchgen.gguf.metadata import metadata_folder
 from batchgen.model_resolver import ModelError, ModelFormatError, ModelNotFoundError, resolve_model
 
-#: ``quantization: gguf``: the largest logit error, relative to the largest logit, of the tiny
-#: models against their de-quantized fp32 oracle (the int8 rounding of the activations; see
-#: docs/gguf.md), and the least share of positions whose top-1 token agrees.
-LOGIT_BOUND = 0.05
-TOP1_BOUND = 0.9
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The tiny files' metadata folders go to a cache of their own."""
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(folder))
-    return folder
 
 
 def _ids(vocab: int = 320, length: int = 24, seed: int = 1) -> torch.Tensor:

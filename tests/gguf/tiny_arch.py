@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiny_gguf import _permute, encode, vocabulary
+from tiny_gguf import _permute, add_tokenizer, encode, vocabulary
 
 WINDOW = 16
 _COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -120,16 +120,8 @@ def _metadata(writer, arch: str, config, case: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_sliding_window(config.sliding_window or 0)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(7)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_tokenizer(writer, tokens, merges)
     writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
 
 
 def _converted(arch: str, hf_name: str, value: np.ndarray, config) -> tuple[np.ndarray, int | None]:

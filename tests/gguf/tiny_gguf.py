@@ -18,6 +18,13 @@ import torch
 QTYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
+#: ``quantization: gguf``: the largest logit error, relative to the largest logit, of the tiny
+#: models against their de-quantized fp32 oracle (the int8 rounding of the activations; see
+#: docs/gguf.md), and the least share of positions whose top-1 token agrees.
+LOGIT_BOUND = 0.05
+TOP1_BOUND = 0.9
+
+
 def _byte_alphabet() -> list[str]:
     """GPT-2's printable stand-ins for the 256 bytes (byte-level BPE)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -190,6 +197,20 @@ def write_llama_gguf(path: Path, *, linear_type: str = "Q8_0", embed_type: str =
     return model
 
 
+def add_tokenizer(writer, tokens: list[str], merges: list[str]) -> None:
+    """The tiny byte-level BPE tokenizer's metadata (special tokens 0-2: pad, BOS 1, EOS 2), and
+    file type 7, as every tiny file carries them."""
+    writer.add_file_type(7)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+
+
 def _writer(path: Path, architecture: str, hidden: int, intermediate: int, layers: int, heads: int,
             kv_heads: int, vocab: int):
     import gguf
@@ -207,15 +228,7 @@ def _writer(path: Path, architecture: str, hidden: int, intermediate: int, layer
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(hidden // heads)
     writer.add_vocab_size(vocab)
-    writer.add_file_type(7)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    add_tokenizer(writer, tokens, merges)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
