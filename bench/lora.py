@@ -19,7 +19,11 @@ timings; loads reported apart):
 * ``hf_peft``: HF ``generate`` (static left-padded batch of W32) on the PEFT model, looping over
   the adapters with ``set_adapter``.
 
-vLLM's CPU build is not installed in this environment, so it is not a peer (the JSON says so).
+* ``vllm_multi_lora``: vLLM's CPU build (its own venv, ``bench/peers/vllm_worker.py``) with
+  ``enable_lora``, ``max_loras=4``, ``max_lora_rank=16`` and one ``LoRARequest`` per prompt, all
+  4 x W32 requests in one ``generate`` (float32, block 32, its prefix cache reset before each
+  run; the first run, which loads the adapters, is a warm-up). Where the venv is missing or
+  the worker fails, the JSON says why.
 Also checked: the multi-LoRA run's tokens equal each merged run's (a merged adapter is a
 different float computation, so this counts agreeing rows rather than asserting).
 """
@@ -86,10 +90,12 @@ def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable
     all_prompts = [p for p in prompts for _ in requests]
     all_loras = [r for _ in prompts for r in requests]
     multi.generate(prompts[:2], SamplingParams(max_tokens=2), lora_request=requests[0])  # warm-up
+    vllm = _VllmPeer(paths, out, args)
     times: dict[str, list[float]] = {k: [] for k in ("batchgen_multi_lora", "batchgen_merged_sequential",
-                                                     "batchgen_merged_one", "hf_peft")}
+                                                     "batchgen_merged_one", "hf_peft", "vllm_multi_lora")}
     agree = 0
     for repeat in range(args.repeats):
+        vllm.run(all_prompts, times["vllm_multi_lora"])
         multi.reset_prefix_cache()
         t, outs = _timed(lambda: multi.generate(all_prompts, params, lora_request=all_loras))
         times["batchgen_multi_lora"].append(t)
@@ -104,10 +110,64 @@ def run_part(args: Any, out: Path, log: Callable[[str], None], machine: Callable
         agree = sum(outs[j * NUM_ADAPTERS + i].outputs[0].token_ids == merged_tokens[i][j]
                     for i in range(NUM_ADAPTERS) for j in range(len(prompts)))
         log(f"lora repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()))
+    vllm.close()
+    times = {k: v for k, v in times.items() if v}
     result = _result(args, machine(), len(prompts), times, loads, f"{agree} of {len(all_prompts)}")
+    result["vllm"] = vllm.status
     save("lora", result, out)
     _plot(result, out)
     return result
+
+
+class _VllmPeer:
+    """vLLM's CPU build with the same 4 adapters, as a worker process (``bench.runner``)."""
+
+    def __init__(self, paths: list[str], out: Path, args: Any) -> None:
+        from bench.runner import VLLM_PYTHON, WorkerError, start_worker
+
+        self.names = [f"a{i}" for i in range(len(paths))]
+        self.timeout, self.max_tokens, self.worker = args.run_timeout * 3, args.max_tokens, None
+        if args.no_vllm:
+            self.status = "not run: --no-vllm"
+            return
+        if not VLLM_PYTHON.exists():
+            self.status = f"not run: no vLLM venv at {VLLM_PYTHON} (see bench/peers/vllm_worker.py)"
+            return
+        options = {"as": "vllm", "dtype": "float32", "block_size": 32, "max_lora_rank": RANK,
+                   "lora_modules": dict(zip(self.names, paths))}
+        self.worker = start_worker("vllm_multi_lora", options, args.log_dir, args.threads)
+        try:
+            self.status = {"setup": self.worker.wait_ready(900)}
+        except WorkerError as exc:
+            self._fail(f"failed to start: {exc}")
+            return
+        self.run([[1000 + i for i in range(16)] for _ in self.names], None)  # loads the adapters
+
+    def run(self, prompts: list[list[int]], times: list[float] | None) -> None:
+        """One timed generate of ``prompts`` (each name in turn), appended to ``times``."""
+        if self.worker is None:
+            return
+        loras = [self.names[i % len(self.names)] for i in range(len(prompts))]
+        mode = {"kind": "greedy", "ignore_eos": True, "loras": loras}
+        try:
+            res = self.worker.run(prompts, mode, self.max_tokens, 0, self.timeout)
+        except Exception as exc:  # a dead or hung worker: recorded, the other peers go on
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        if "seconds" not in res:
+            self._fail(res.get("error", str(res)))
+        elif times is not None:
+            times.append(res["seconds"])
+
+    def _fail(self, why: str) -> None:
+        self.status = {"error": why[:2000]}
+        if self.worker is not None:
+            self.worker.kill()
+        self.worker = None
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 def _peers(base: str, root: Path, paths: list[str], threads: int) -> tuple[Any, list[Any], Any, dict[str, float]]:
@@ -144,12 +204,13 @@ def _result(args: Any, machine: dict, num_prompts: int, times: dict[str, list[fl
         "machine": machine, "note": "shared 2-core machine under load from other jobs: figures are indicative",
         "workload": {"prompts": num_prompts, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS,
                      "max_tokens": args.max_tokens, "generated_tokens": tokens, "threads": args.threads},
-        "vllm": "not run: vLLM's CPU build is not installed in this environment",
         "times_s": times, "load_s": loads,
         "generated_tokens_per_s": {k: tokens / v for k, v in best.items()},
         "ratios": {"multi_lora_vs_merged_one": best["batchgen_merged_one"] / best["batchgen_multi_lora"],
                    "multi_lora_vs_merged_sequential": best["batchgen_merged_sequential"] / best["batchgen_multi_lora"],
-                   "multi_lora_vs_hf_peft": best["hf_peft"] / best["batchgen_multi_lora"]},
+                   "multi_lora_vs_hf_peft": best["hf_peft"] / best["batchgen_multi_lora"],
+                   **({"multi_lora_vs_vllm_multi_lora": best["vllm_multi_lora"] / best["batchgen_multi_lora"]}
+                      if "vllm_multi_lora" in best else {})},
         "greedy_rows_equal_to_merged": agree,
     }
 

@@ -15,7 +15,10 @@ so no repeat finds an earlier repeat's prompts in it (batchgen builds a fresh en
 The KV cache size and
 the OpenMP thread binding come from the environment (``VLLM_CPU_KVCACHE_SPACE`` in GiB,
 ``VLLM_CPU_OMP_THREADS_BIND``), set by the caller and echoed in the setup record. Greedy and
-sampling go through ``LLM.generate`` with ``TokensPrompt``; beam search through
+sampling go through ``LLM.generate`` with ``TokensPrompt``; with ``lora_modules`` (a
+``{name: PEFT folder}`` object in the options) the engine runs with ``enable_lora``
+(``max_loras`` = their count, ``max_lora_rank`` from the options, default 16) and a command's
+``mode["loras"]`` names each prompt's adapter (``LoRARequest``, vLLM's multi-LoRA); beam search through
 ``LLM.beam_search`` with ``BeamSearchParams(beam_width, max_tokens, length_penalty=1.0)``.
 """
 
@@ -43,10 +46,15 @@ def main() -> None:
     dtype = options.get("dtype", "float32")
     block_size = options.get("block_size")  # None: vLLM's default (128 on CPU)
     from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import BeamSearchParams
     import vllm
 
     extra = {"block_size": block_size} if block_size else {}
+    lora_modules = options.get("lora_modules") or {}
+    if lora_modules:
+        extra.update(enable_lora=True, max_loras=len(lora_modules), max_lora_rank=options.get("max_lora_rank", 16))
+    lora_requests = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(lora_modules.items())}
     llm = LLM(model=model_path, dtype=dtype, seed=0, max_model_len=2048, max_num_seqs=256,
               max_num_batched_tokens=2048, enable_prefix_caching=True, **extra)
     cached = [0]  # prompt tokens the last generate found in vLLM's prefix cache
@@ -76,7 +84,8 @@ def main() -> None:
             sp = SamplingParams(n=mode["n"], temperature=mode["temperature"], top_p=mode["top_p"],
                                 max_tokens=max_tokens,
                                 seed=seed if mode.get("request_seed", True) else None)
-        outs = llm.generate(tp, sp, use_tqdm=False)
+        loras = [lora_requests[name] for name in mode["loras"]] if mode.get("loras") else None
+        outs = llm.generate(tp, sp, use_tqdm=False, lora_request=loras)
         cached[0] = sum(o.num_cached_tokens or 0 for o in outs)
         # vLLM keeps the EOS that ended a sequence in token_ids; the other peers do not count it.
         return [[_strip_eos(list(c.token_ids)) for c in o.outputs] for o in outs]
@@ -90,7 +99,7 @@ def main() -> None:
              "dtype": dtype, "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
              "block_size_given": block_size, "max_model_len": 2048, "max_num_seqs": 256,
              "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
-             "prefix_cache_reset_before_each_run": True,
+             "lora_modules": lora_modules, "prefix_cache_reset_before_each_run": True,
              "VLLM_CPU_KVCACHE_SPACE_GiB": kv_space,
              "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
              "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")}
