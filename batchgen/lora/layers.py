@@ -9,10 +9,15 @@ and column range (one expand into each part's columns).
 
 Each forward runs the base layer, then adds ``scale * (x·Aᵀ)·Bᵀ`` of each row's adapter (its
 slot in the step's :class:`LoRAContext`; -1: the base model, nothing added): in float32, also
-on a quantized base. On a float32 CPU output the delta is the C kernel's
-(:mod:`batchgen.kernels.cpu.lora`: row-invariant, so a row's result does not depend on the
-adapters of the other rows); elsewhere (CUDA, 16-bit outputs) torch's ops per adapter group,
-in float32, which is not promised to be row-invariant.
+on a quantized base, then added to the output in its dtype. Either way a row's result does
+not depend on the adapters or the number of the other rows (the needle rule):
+
+* on the CPU the delta is the C kernel's (:mod:`batchgen.kernels.cpu.lora`: each output sums
+  its own row's products in a fixed order), in place on a float32 output, else into a float32
+  buffer then added to the 16-bit output;
+* elsewhere (CUDA) torch's matmuls per adapter, over chunks of exactly :data:`CHUNK` rows
+  (the last one padded with zeros): every matmul has the same shape whatever the batch, so
+  the library picks the same algorithm and each row's sums run in the same order.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import torch
 from batchgen.kernels.cpu import linear as cpu_linear
 from batchgen.kernels.cpu import lora as cpu_lora
 from batchgen.lora.adapter import ModuleDelta
+
+#: Rows per matmul of the torch (CUDA) path: a fixed shape, for row invariance.
+CHUNK = 16
 
 #: The projections LoRA applies to (the last part of their module names).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -150,17 +158,21 @@ class LoRALinear(torch.nn.Module):
         ctx = self.context
         if ctx.row_slot is None or ctx.active.isdisjoint(self._weights):
             return y
-        if y.dtype is torch.float32 and x.dtype is torch.float32 and y.is_cpu and y.is_contiguous():
-            self._add_kernel(x, y)
-        else:
+        if not y.is_cpu:
             self._add_torch(x, y)
+        elif y.dtype is torch.float32 and x.dtype is torch.float32 and y.is_contiguous():
+            self._add_kernel(x, y.view(-1, self.out_features))
+        else:  # 16-bit: the float32 delta, added in the output's dtype
+            delta = torch.zeros(y.numel() // self.out_features, self.out_features, dtype=torch.float32)
+            self._add_kernel(x.float(), delta)
+            y.add_(delta.view(y.shape).to(y.dtype))
         return y
 
-    def _add_kernel(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _add_kernel(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [rows, out_features]`` (float32, CPU) += each row's delta (the C kernel)."""
         if self._kernel is None:
             self._kernel = cpu_lora.load_lora().batchgen_lora_f32
         rows = cpu_linear.as_rows(x, self.in_features, "LoRALinear")
-        out = y.view(-1, self.out_features)
         rank = int(self._rank.max())
         work = rank * (self.in_features + self.out_features)
         status = self._kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), out.stride(0), rows.shape[0],
@@ -171,18 +183,22 @@ class LoRALinear(torch.nn.Module):
             raise ValueError(f"LoRALinear: a summed adapter rank above {cpu_lora.max_rank()}")
 
     def _add_torch(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Per adapter: its rows' delta in float32, added in the output's dtype."""
+        """Per adapter, :data:`CHUNK` rows at a time: their delta in float32, added in the
+        output's dtype."""
         rows_x = x.reshape(-1, self.in_features)
         out = y.view(-1, self.out_features)
         slots = self.context.slots_on(out.device)
-        for slot in self.context.active.intersection(self._weights):
+        for slot in sorted(self.context.active.intersection(self._weights)):
             index = (slots == slot).nonzero().flatten()
-            if not index.numel():
-                continue
             a, parts = self._on_device(slot, out.device)
-            t = rows_x.index_select(0, index).float() @ a.t()
-            for b, scale, r0, r1, c0, c1 in parts:
-                out[index, c0:c1] += ((t[:, r0:r1] @ b.t()) * scale).to(out.dtype)
+            for start in range(0, index.numel(), CHUNK):
+                rows = index[start:start + CHUNK]
+                xs = rows_x.index_select(0, rows).float()
+                if rows.numel() < CHUNK:
+                    xs = torch.nn.functional.pad(xs, (0, 0, 0, CHUNK - rows.numel()))
+                t = xs @ a.t()
+                for b, scale, r0, r1, c0, c1 in parts:
+                    out[rows, c0:c1] += ((t[:, r0:r1] @ b.t()) * scale)[: rows.numel()].to(out.dtype)
 
     def _on_device(self, slot: int, device: torch.device) -> tuple[torch.Tensor, list[tuple]]:
         """Slot ``slot``'s stacked A and per-part B on ``device`` (copied once per load)."""

@@ -142,7 +142,7 @@ def test_the_avx512_and_the_plain_c_builds_agree_bit_for_bit() -> None:
     assert torch.equal(_run(layer, x, slots), native)
 
 
-def test_16_bit_outputs_take_the_torch_path_within_rounding() -> None:
+def test_16_bit_outputs_get_the_float32_delta_and_keep_rows_invariant() -> None:
     torch.manual_seed(0)
     base = torch.nn.Linear(IN, 32, bias=False).to(torch.bfloat16)
     layer, adapters = _layer(base, (32,))
@@ -152,3 +152,34 @@ def test_16_bit_outputs_take_the_torch_path_within_rounding() -> None:
     want = _reference(layer, adapters, x, slots)
     assert got.dtype is torch.bfloat16
     assert _close(got, want, 2e-2)
+    for row in range(len(slots)):
+        alone = _run(layer, x[row:row + 1], slots[row:row + 1])
+        assert torch.equal(alone[0], got[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_keeps_a_row_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """The torch path (the one CUDA takes) in fixed chunks: a row's delta does not depend on the
+    number, the order or the adapters of the rows beside it (checked on the CPU's torch)."""
+    torch.manual_seed(0)
+    layer, adapters = _layer(torch.nn.Linear(IN, sum(WIDTHS), bias=False).to(dtype), WIDTHS)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.randint(-1, 3, (41,), generator=gen).tolist()  # more than 2 chunks of slot 0
+    x = torch.randn(len(slots), IN, generator=gen).to(dtype)
+
+    def torch_path(xs: torch.Tensor, ss: list[int]) -> torch.Tensor:
+        """The delta alone (torch's own base matmul is not row-invariant)."""
+        layer.context.set(torch.tensor(ss, dtype=torch.int32), frozenset(s for s in ss if s >= 0))
+        y = torch.zeros(len(ss), sum(WIDTHS), dtype=dtype)
+        with torch.no_grad():
+            layer._add_torch(xs, y)
+        return y
+
+    batched = torch_path(x, slots)
+    with torch.no_grad():
+        want = _reference(layer, adapters, x, slots) - layer.base(x).double()
+    assert _close(batched, want, 1e-5 if dtype is torch.float32 else 2e-2)
+    for row in (0, 7, 40):
+        assert torch.equal(torch_path(x[row:row + 1], slots[row:row + 1])[0], batched[row])
+    order = torch.randperm(len(slots), generator=gen)
+    assert torch.equal(torch_path(x[order], [slots[i] for i in order.tolist()]), batched[order])
