@@ -4,7 +4,7 @@
 a hub id, a GGUF file or the embedded model), reads its HF config, refuses what the paged
 cache cannot run exactly (:func:`check_supported`), settles the dtype (:func:`resolve_dtype`)
 and loads the weights with batchgen's paged attention registered: a GGUF's through
-:func:`batchgen.gguf.loader.load_gguf_model`, any other through transformers, on the device,
+:func:`batchgen.gguf.hf_model.load_gguf_model`, any other through transformers, on the device,
 in eval mode. :class:`~batchgen.engine.model_runner.ModelRunner` takes the
 :class:`LoadedModel`; it sizes the KV cache, picks the attention backend and fuses the CPU
 layers (``linear_backend``) itself.
@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     if dtype not in _DTYPES:
         raise ValueError(dtype_error(dtype))
     if dtype == "bfloat16" and device.type == "cpu":
-        from batchgen.kernels.cpu.loader import missing_cpu_features
+        from batchgen.kernels.cpu.c_build import missing_cpu_features
 
         if missing_cpu_features("avx512f") and missing_cpu_features("avx512_bf16"):
             logger.warning("dtype bfloat16 on a CPU without AVX-512 or AVX512-BF16: the linear layers "
@@ -143,7 +143,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, hf_config, torch_device)
     if source.gguf_file:
         # deferred: the GGUF loader (numpy, the gguf package) only for a GGUF model
-        from batchgen.gguf.loader import load_gguf_model
+        from batchgen.gguf.hf_model import load_gguf_model
 
         model = load_gguf_model(source.gguf_file, model_path, dtype=dtype, device=torch_device,
                                 attn_implementation=paged_attention.register(),

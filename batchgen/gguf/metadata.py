@@ -7,7 +7,7 @@ once per file: the result is saved as an ordinary HF folder (``config.json`` and
 files, no weights) under ``<cache>/gguf/<stem>-<key>``, where the key hashes the file's absolute
 path, size and modification time. Every later load, and everything that wants the tokenizer
 (``AutoTokenizer.from_pretrained(folder)``), reads that folder. The weights always come from the
-GGUF itself (:mod:`batchgen.gguf.loader`).
+GGUF itself (:mod:`batchgen.gguf.hf_model`).
 
 The folder also keeps the file's tensor table (``tensors.json``: names, block types, shapes
 and offsets), so that loading maps the weights without parsing the header again
