@@ -242,20 +242,21 @@ def test_builds_are_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, monkeypatch, caplog) -> None:
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm import load_runner
 
     path = tiny_model("llama")
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+    runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20))
     assert runner.attention_backend == "cpu"
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+        runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20))
     assert runner.attention_backend == "torch"
     assert "no C compiler" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot serve this model: no C compiler"):
-        ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu")
+        load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu"))
     monkeypatch.delenv("CC")
-    bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20)
+    bf16 = load_runner(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20))
     assert bf16.attention_backend == "cpu"
 
 

@@ -256,12 +256,13 @@ def test_a_kernel_that_does_not_build_falls_back(tmp_path, monkeypatch, threads)
 
 @needs_kernel
 def test_the_engine_packs_its_layers(tiny_model, threads, kernel_threads, caplog) -> None:
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm import load_runner
 
     path = tiny_model("qwen2")  # q/k/v with bias
     threads(2)  # at any thread count
-    with caplog.at_level(logging.INFO, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, num_threads=2)
+    with caplog.at_level(logging.INFO, logger="batchgen.engine"):
+        runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, num_threads=2))
     assert runner.linear_backend == "cpu" and "layers packed" in caplog.text
     assert "threads: C kernels on 2 thread(s), torch on 1" in caplog.text
     assert c_build.num_threads() == 2 and torch.get_num_threads() == 1
@@ -271,6 +272,6 @@ def test_the_engine_packs_its_layers(tiny_model, threads, kernel_threads, caplog
     maps = Path("/proc/self/maps")
     if maps.is_file():  # the checkpoint's memory map (unpacked weights included) is let go
         assert str(Path(path) / "model.safetensors") not in maps.read_text()
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, linear_backend="torch")
+    runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, linear_backend="torch"))
     assert runner.linear_backend == "torch"
     assert type(runner.model.lm_head) is torch.nn.Linear

@@ -164,7 +164,8 @@ def test_cuda_unavailable_reason_reports_a_failed_build(monkeypatch, no_system_c
 def test_auto_falls_back_to_torch_with_the_reason_logged(monkeypatch, tiny_model, caplog) -> None:
     # A model on a (pretend) GPU whose cupy cannot load NVRTC: auto logs why and serves it with
     # the torch backend; asking for cuda by name is an error with the same reason.
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm import load_runner
 
     path = tiny_model("llama", head_dim=64, hidden_size=128, num_attention_heads=2,
                       num_key_value_heads=1)
@@ -172,10 +173,10 @@ def test_auto_falls_back_to_torch_with_the_reason_logged(monkeypatch, tiny_model
     monkeypatch.setattr(toolchain, "_import_cupy", lambda: _fake_cupy(
         nvrtc_error=RuntimeError("CUDA driver/NVRTC library not found")))
     with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+        runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20))
     assert runner.attention_backend == "torch"
     assert "NVRTC cannot be loaded (RuntimeError: CUDA driver/NVRTC library not found)" in caplog.text
     assert "using the torch backend" in caplog.text
     with pytest.raises(ValueError, match=r"attention_backend='cuda' cannot serve this model: NVRTC "
                                          r"cannot be loaded"):
-        ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cuda")
+        load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cuda"))
