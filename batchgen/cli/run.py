@@ -203,6 +203,7 @@ def _report_metrics(summary: dict[str, Any], job: Any) -> None:
 
         print(results_table(summary["metrics"], summary.get("metric_rows")))
     if summary.get("metrics_by_adapter"):  # a LoRA sweep: one column per adapter
+        # deferred (start-up): the run layer only for a sweep's table
         from batchgen.run.adapters import adapter_table
 
         print(adapter_table(summary["metrics_by_adapter"]))

@@ -8,14 +8,12 @@ It loads the model and the tokenizer and drives an :class:`~batchgen.engine.core
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from batchgen.engine import loglikelihood as ll, prompts as prompt_forms
 from batchgen.engine.config import EngineConfig
@@ -37,8 +35,7 @@ Conversation = list[dict[str, Any]]
 def load_runner(config: EngineConfig) -> ModelRunner:
     """The model loaded and placed (:func:`~batchgen.engine.model_loader.load_model`), its KV
     cache sized to the budget and allocated, and the :class:`ModelRunner` over both."""
-    with _no_progress_bars():  # transformers' "Loading weights" bar is no output of ours
-        loaded = load_model(config)
+    loaded = load_model(config)
     shape = loaded.cache_shape
     num_blocks = num_blocks_for_budget(shape, loaded.device, config.kv_cache_memory,
                                        gpu_memory_utilization=config.gpu_memory_utilization)
@@ -388,15 +385,3 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
     if use_tqdm is True:
         use_tqdm = tqdm
     return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars off while the model loads, as they were afterwards."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

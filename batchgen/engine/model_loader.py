@@ -18,12 +18,15 @@ backend and runs the steps (:func:`batchgen.engine.llm.load_runner`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from batchgen.engine import fusion, paged_attention
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
@@ -179,6 +182,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
         ValueError: ``max_model_len`` beyond the model's context, ``gpu_memory_utilization``
             off a GPU.
     """
+    with _no_progress_bars():  # transformers' bars ("Loading weights") are no output of ours
+        return _loaded(config)
+
+
+def _loaded(config: EngineConfig) -> LoadedModel:
+    """:func:`load_model`'s steps, in their order."""
     # a GGUF's weights load through batchgen.gguf, as config.quantization says
     source = resolve_model(config.model, config.quantization, config.device)
     device = _device(config.device)
@@ -227,6 +236,18 @@ def place_linears(model: Any, name: str, device: torch.device, dtype: torch.dtyp
         # the C kernels would have carried the step: say plainly why they do not
         logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
     return backend
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while the model loads, as they were afterwards."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _causal_lm_class(config: Any) -> type | None:
