@@ -194,7 +194,7 @@ def _convert_gguf_files(gguf_path: Path, target: Path, stream: TextIO) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     with _step(1, "loading transformers, reading the tokenizer from the GGUF file", stream):
         import torch  # heavy: inside the step that says so (up to 15 s on a loaded machine)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy too; this module stays torch-free
 
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with _step(2, "reading and de-quantizing the weights to float32", stream):

@@ -142,8 +142,8 @@ def apply(threads: ThreadPlan) -> None:
     # deferred: torch and the CPU kernels (~5 s) only when the split is applied; threads.py stays torch-free
     import torch
 
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
-    loader.set_num_threads(threads.kernels)
+    c_build.set_num_threads(threads.kernels)
     if torch.get_num_threads() != threads.torch:
         torch.set_num_threads(threads.torch)

@@ -50,10 +50,10 @@ def old_source(rev: str, folder: Path) -> Path:
 
 
 def load(source: Path, isa_flags: tuple[str, ...], tag: str):
-    from batchgen.kernels.cpu import cpu_attention, loader
+    from batchgen.kernels.cpu import c_build, cpu_attention
 
     group = HEADS // KV_HEADS
-    return loader.load_library(f"the CPU attention kernel ({tag})", source, cpu_attention._declare_attention,
+    return c_build.load_library(f"the CPU attention kernel ({tag})", source, cpu_attention._declare_attention,
                                (f"-DHEAD_SIZE={HEAD_SIZE}", f"-DGROUP={group}", *isa_flags),
                                tag=f"h{HEAD_SIZE}-g{group}-{tag}")
 
@@ -79,7 +79,7 @@ def cpu_name() -> str:
 
 
 def main() -> None:
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -100,7 +100,7 @@ def main() -> None:
         raise SystemExit("--clock thread times the calling thread alone: use it with --threads 1")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(1)
-    loader.set_num_threads(args.threads)
+    c_build.set_num_threads(args.threads)
     here = Path(__file__).resolve().parent.parent / KERNEL_DIR / "paged_attention.c"
     with tempfile.TemporaryDirectory() as tmp:
         builds = {

@@ -89,7 +89,7 @@ def cases() -> dict[str, tuple[list[int], list[int] | None]]:
 
 def main() -> None:
     from batchgen.kernels import get_ops, torch_attention
-    from batchgen.kernels.cpu import loader, unsupported_reason
+    from batchgen.kernels.cpu import c_build, unsupported_reason
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -133,7 +133,7 @@ def main() -> None:
             for _ in range(args.blocks):
                 for t in thread_counts:
                     for pname, ops in paths.items():
-                        loader.set_num_threads(t if pname == "cpu" else 1)
+                        c_build.set_num_threads(t if pname == "cpu" else 1)
                         torch.set_num_threads(1 if pname == "cpu" else t)
                         time.sleep(0.05)  # let the other path's idle workers go to sleep
                         for dname, dtype in dtypes.items():

@@ -408,10 +408,10 @@ def stage_environment(stage: Stage, args: argparse.Namespace, env: dict[str, Any
         d["memory_gib"] = props.total_memory / 2**30
         d["l2_bytes"] = getattr(props, "L2_cache_size", None)
         d["sm_count"] = props.multi_processor_count
-    from batchgen.kernels.cuda import loader
+    from batchgen.kernels.cuda import toolchain
 
     try:
-        cupy = loader._import_cupy()
+        cupy = toolchain._import_cupy()
         d["cupy"] = cupy.__version__
         d["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
         if d.get("gpu"):
@@ -421,11 +421,11 @@ def stage_environment(stage: Stage, args: argparse.Namespace, env: dict[str, Any
             d["sm_clock_khz"] = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, 0)
     except Exception as exc:  # noqa: BLE001 - recorded
         d["cupy_error"] = f"{type(exc).__name__}: {exc}"
-    d["nvrtc"] = loader.nvrtc_version()
+    d["nvrtc"] = toolchain.nvrtc_version()
     major = d["nvrtc"][0] if d["nvrtc"] else None
     d["nvrtc_include_dirs"] = [{"path": str(x.path), "origin": x.origin, "cuda_version": x.cuda_version}
-                               for x in loader.find_include_dirs(major)]
-    why = loader.unavailable_reason()
+                               for x in toolchain.find_include_dirs(major)]
+    why = toolchain.unavailable_reason()
     if why and "gpu_unavailable" not in d:
         d["gpu_unavailable"] = why
     if d.get("gpu"):

@@ -77,10 +77,10 @@ def main() -> None:
     ap.add_argument("--model-rows", default="1,8,32,128", help="row counts for the whole-model sweep")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
     torch.set_num_threads(args.threads)
-    loader.set_num_threads(args.threads)
+    c_build.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     why = unsupported_reason(dtype, torch.device("cpu"))
     if why is not None:

@@ -117,10 +117,10 @@ def timed_blocks(fns: dict, repeats: int, block_seconds: float, threads: int) ->
 
 def peaks(threads_list: list[int], seconds: float = 0.3) -> dict:
     """The tight-loop ceilings (see the module docstring), GOP/s."""
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
-    lib, _ = loader.build("the ceiling loops", Path(__file__).resolve().parent / "quant_peak.c", [])
-    flags = loader.cpu_flags() or frozenset()
+    lib, _ = c_build.build("the ceiling loops", Path(__file__).resolve().parent / "quant_peak.c", [])
+    flags = c_build.cpu_flags() or frozenset()
     loops = {"int8_vnni512": ("bench_vnni512", 12 * 64, "avx512_vnni"),
              "int8_maddubs_avx2": ("bench_maddubs", 12 * 32, "avx2"),
              "fp32_fma512": ("bench_fma512", 12 * 16, "avx512f"),
@@ -309,7 +309,7 @@ def main() -> None:
     if args.plot_only:
         plot(json.loads(args.out.read_text()), png)
         return
-    from batchgen.kernels.cpu import loader, quant
+    from batchgen.kernels.cpu import c_build, quant
 
     why = quant.unsupported_reason()
     if why is not None:
@@ -322,7 +322,7 @@ def main() -> None:
     for isa in filter(None, args.isas.split(",")):
         try:
             quant.load_quant(isa)  # ValueError for a name quant.ISAS lacks
-        except loader.CpuKernelError as exc:
+        except c_build.CpuKernelError as exc:
             print(f"no quant_{isa} peer: {str(exc).splitlines()[0]}", flush=True)
             continue
         isas.append(isa)
@@ -335,7 +335,7 @@ def main() -> None:
     print("builds:", result["peer_isas"], flush=True)
     print("ceilings:", {k: round(v, 1) for k, v in result["peaks"].items() if v}, flush=True)
     for t in threads_list:
-        loader.set_num_threads(t)
+        c_build.set_num_threads(t)
         result["layers"] += layers_part(rows_list, t, args.repeats, args.block_seconds, isas,
                                         set(filter(None, args.layers.split(","))))
         if not args.no_sweep:

@@ -111,10 +111,10 @@ def roof_fields(ops: int, nbytes: int, seconds: float, bandwidth_gbs: float, cei
 # ---------------------------------------------------------------- the machine's roof
 def read_bandwidth(threads_list: list[int], buffer_bytes: int = GIB, repeats: int = 5) -> dict:
     """GB/s of the best of ``repeats`` reads of the whole buffer, per thread count (module docstring)."""
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
-    lib, _ = loader.build("the read-bandwidth loop", HERE / "roof_read.c", [])
-    flags = loader.cpu_flags() or frozenset()
+    lib, _ = c_build.build("the read-bandwidth loop", HERE / "roof_read.c", [])
+    flags = c_build.cpu_flags() or frozenset()
     sym = "roof_read512" if "avx512f" in flags else "roof_read256"
     fn = getattr(lib, sym)
     fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
@@ -148,7 +148,7 @@ def ceilings(threads_list: list[int], seconds: float) -> dict:
     """The tight-loop peaks (GOP/s) and the float32 kernel's best hot layer (GFLOP/s)."""
     import torch
 
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
     from batchgen.kernels.cpu.linear import PackedLinear
     from bench.linear_kernel import best_times
     from bench.quant_kernel import peaks
@@ -157,7 +157,7 @@ def ceilings(threads_list: list[int], seconds: float) -> dict:
     out = {"peaks": peaks(threads_list, seconds)}
     # CPU time over wall time x threads, 1 + 2 threads' runs weighted alike: 1.0 on a quiet machine
     out["cpu_share"] = (time.process_time() - c0) / ((time.perf_counter() - t0) * sum(threads_list) / len(threads_list))
-    loader.set_num_threads(max(threads_list))
+    c_build.set_num_threads(max(threads_list))
     layer = PackedLinear(torch.nn.Linear(576, 1536, bias=False))
     x = torch.randn(128, 576)
     with torch.no_grad():
@@ -285,14 +285,14 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     """Measure the roof, then each workload under it, into ``roof.json`` and ``roof.png``."""
     import os
 
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
     from bench import roof_report
     from bench.gguf_rows import ONE_B, embedded_gguf, one_b_model
     from bench.quant_kernel import cpu_name
     from bench.workload import w32_prompts
 
     quick = bool(args.quick)
-    flags = loader.cpu_flags() or frozenset()
+    flags = c_build.cpu_flags() or frozenset()
     result: dict = {"cpu": cpu_name(), "isa": sorted(f for f in flags if f in ISA_FLAGS), "cores": os.cpu_count(),
                     "quick": quick, "machine": machine, "loadavg_before": os.getloadavg(), "rows": []}
     log("roof: read bandwidth (1 GiB, 1 and 2 threads) and the ceilings")

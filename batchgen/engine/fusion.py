@@ -48,7 +48,7 @@ import torch
 from batchgen.engine import paged_attention
 from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
-from batchgen.gguf.loader import release_freed_memory
+from batchgen.gguf.hf_model import release_freed_memory
 from batchgen.kernels import torch_attention
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu.quant import QuantizedLinear

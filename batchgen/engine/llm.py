@@ -8,16 +8,18 @@ It loads the model and the tokenizer and drives an :class:`~batchgen.engine.core
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from batchgen.engine import loglikelihood as ll, prompts as prompt_forms
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.core import EngineCore
+from batchgen.engine.kv_cache import KVCache, num_blocks_for_budget
+from batchgen.engine.model_loader import load_model
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import BeamSearchOutput, EngineStats, Request, RequestOutput
 from batchgen.lora.request import LoRARequest, per_prompt
@@ -28,6 +30,17 @@ logger = logging.getLogger(__name__)
 Params = SamplingParams | BeamSearchParams
 PromptType = prompt_forms.PromptType
 Conversation = list[dict[str, Any]]
+
+
+def load_runner(config: EngineConfig) -> ModelRunner:
+    """The model loaded and placed (:func:`~batchgen.engine.model_loader.load_model`), its KV
+    cache sized to the budget and allocated, and the :class:`ModelRunner` over both."""
+    loaded = load_model(config)
+    shape = loaded.cache_shape
+    num_blocks = num_blocks_for_budget(shape, loaded.device, config.kv_cache_memory,
+                                       gpu_memory_utilization=config.gpu_memory_utilization)
+    kv_cache = KVCache(shape, num_blocks, loaded.device)
+    return ModelRunner(config, loaded, kv_cache)
 
 
 class LLM:
@@ -46,16 +59,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        from transformers import AutoTokenizer
-
         if config is None:
             config = EngineConfig.from_kwargs(model, **kwargs)
         elif model is not None or kwargs:
             config = EngineConfig.from_kwargs(**{**config.to_dict(), **kwargs, **({"model": model} if model else {})})
         self.config = config
         self.model_name = config.model
-        with _no_progress_bars():  # transformers' "Loading weights" bar is no output of ours
-            self.runner = ModelRunner(config)
+        self.runner = load_runner(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.runner.model_path,
                                                        trust_remote_code=config.trust_remote_code)
         self.engine = EngineCore(config, self.runner, self.tokenizer)
@@ -375,17 +385,3 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
     if use_tqdm is True:
         use_tqdm = tqdm
     return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars off while the model loads, as they were afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

@@ -4,27 +4,39 @@
 a hub id, a GGUF file or the embedded model), reads its HF config, refuses what the paged
 cache cannot run exactly (:func:`check_supported`), settles the dtype (:func:`resolve_dtype`)
 and loads the weights with batchgen's paged attention registered: a GGUF's through
-:func:`batchgen.gguf.loader.load_gguf_model`, any other through transformers, on the device,
-in eval mode. :class:`~batchgen.engine.model_runner.ModelRunner` takes the
-:class:`LoadedModel`; it sizes the KV cache, picks the attention backend and fuses the CPU
-layers (``linear_backend``) itself.
+:func:`batchgen.gguf.hf_model.load_gguf_model`, any other through transformers, on the device,
+in eval mode. With ``linear_backend="cpu"`` it then fuses what a probe shows exact (RMSNorms,
+gated MLPs and attention layers: :func:`batchgen.engine.fusion.fuse_model`) and packs the
+remaining ``nn.Linear`` layers for the C GEMM (:func:`place_linears`). It settles the engine's
+context too (:func:`context_length`).
+
+The :class:`LoadedModel` knows its KV cache's shape (:func:`cache_shape`); whoever
+builds the engine sizes the cache from it (:func:`batchgen.engine.kv_cache.num_blocks_for_budget`)
+and hands both to :class:`~batchgen.engine.model_runner.ModelRunner`, which picks the attention
+backend and runs the steps (:func:`batchgen.engine.llm.load_runner`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
-from batchgen.engine import paged_attention
+from batchgen.engine import fusion, paged_attention
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
-from batchgen.engine.kv_cache import check_utilization_device
+from batchgen.engine.kv_cache import CacheShape, check_utilization_device
+from batchgen.gguf.hf_model import load_gguf_model
+from batchgen.kernels.cpu import c_build, linear as cpu_linear
 from batchgen.model_resolver import ResolvedModel, resolve_model
 
-__all__ = ["LAYER_TYPES", "LoadedModel", "UnsupportedModelError", "check_supported", "expected_windows", "load_model",
-           "resolve_dtype"]
+__all__ = ["LAYER_TYPES", "LoadedModel", "UnsupportedModelError", "cache_shape", "check_supported", "context_length", "expected_windows",
+           "load_model", "place_linears", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +61,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     if dtype not in _DTYPES:
         raise ValueError(dtype_error(dtype))
     if dtype == "bfloat16" and device.type == "cpu":
-        from batchgen.kernels.cpu.loader import missing_cpu_features
-
-        if missing_cpu_features("avx512f") and missing_cpu_features("avx512_bf16"):
+        if c_build.missing_cpu_features("avx512f") and c_build.missing_cpu_features("avx512_bf16"):
             logger.warning("dtype bfloat16 on a CPU without AVX-512 or AVX512-BF16: the linear layers "
                            "widen every bfloat16 weight to float32 as it loads, which is no faster than "
                            "float32 and can be slower (docs/kernels.md, AVX2); dtype auto keeps float32")
@@ -112,54 +122,136 @@ def expected_windows(config: Any) -> list[int | None]:
 @dataclass
 class LoadedModel:
     """A model ready to run: ``source`` (where it loaded from: ``source.path``), ``device``,
-    ``dtype`` and the HF ``model`` in eval mode."""
+    ``dtype``, the HF ``model`` in eval mode, its ``linear_backend`` (its layers fused and packed
+    for it), ``max_model_len`` (the engine's context: :func:`context_length`) and
+    ``cache_shape``, the shape of its KV cache's blocks."""
 
     source: ResolvedModel
     device: torch.device
     dtype: torch.dtype
     model: Any
+    linear_backend: str
+    max_model_len: int
+    cache_shape: CacheShape
+
+    @property
+    def text_config(self) -> Any:
+        """The HF config of the language model (a multimodal config's text part)."""
+        return _text_config(self.model)
+
+
+def cache_shape(text_config: Any, block_size: int, dtype: torch.dtype) -> CacheShape:
+    """The shape of a KV cache for the model of ``text_config``, ``block_size`` tokens a block."""
+    num_heads = text_config.num_attention_heads
+    return CacheShape(
+        num_layers=text_config.num_hidden_layers,
+        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+        head_size=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+        block_size=block_size, dtype=dtype,
+    )
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _device(setting: str) -> torch.device:
+    """The device ``device`` names; ``auto``: a GPU when there is one, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def context_length(asked: int | None, model_len: int) -> int:
+    """The engine's context: ``max_model_len`` when set (at most the model's own), as vLLM."""
+    if asked is None:
+        return model_len
+    if asked > model_len:
+        raise ValueError(f"max_model_len={asked} is more than this model's context of {model_len} "
+                         f"tokens (its max_position_embeddings); use at most {model_len}")
+    return asked
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, check and load ``config.model`` (see the module docstring).
+    """Resolve, check and load ``config.model``, and place its linear layers (see the module
+    docstring).
 
     Raises:
         UnsupportedModelError: a model the paged cache cannot run exactly.
+        ValueError: ``max_model_len`` beyond the model's context, ``gpu_memory_utilization``
+            off a GPU.
     """
-    # deferred: transformers (~3 s) loads with the first model, not with the engine's modules
-    from transformers import AutoConfig, AutoModelForCausalLM
+    with _no_progress_bars():  # transformers' bars ("Loading weights") are no output of ours
+        return _loaded(config)
 
-    device, trust_remote_code = config.device, config.trust_remote_code
+
+def _loaded(config: EngineConfig) -> LoadedModel:
+    """:func:`load_model`'s steps, in their order."""
     # a GGUF's weights load through batchgen.gguf, as config.quantization says
-    source = resolve_model(config.model, config.quantization, device)
-    model_path = source.path
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_device = torch.device(device)
-    check_utilization_device(torch_device, config.gpu_memory_utilization)  # before the weights load
+    source = resolve_model(config.model, config.quantization, config.device)
+    device = _device(config.device)
+    check_utilization_device(device, config.gpu_memory_utilization)  # before the weights load
+    model, dtype = _read_weights(source, config, device)
+    text_config = _text_config(model)
+    max_model_len = context_length(config.max_model_len, getattr(text_config, "max_position_embeddings", None) or 2048)
+    shape = cache_shape(text_config, config.block_size, dtype)
+    linear_backend = place_linears(model, config.linear_backend, device, dtype)
+    return LoadedModel(source, device, dtype, model, linear_backend, max_model_len, shape)
+
+
+def _read_weights(source: ResolvedModel, config: EngineConfig, device: torch.device) -> tuple[Any, torch.dtype]:
+    """The HF model of ``source`` on ``device`` in eval mode, after its config's checks, and its dtype."""
+    model_path, trust_remote_code = source.path, config.trust_remote_code
     hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model_cls = _causal_lm_class(hf_config)
     check_supported(hf_config, model_cls)
-    dtype = resolve_dtype(config.dtype, hf_config, torch_device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
     if source.gguf_file:
-        # deferred: the GGUF loader (numpy, the gguf package) only for a GGUF model
-        from batchgen.gguf.loader import load_gguf_model
-
-        model = load_gguf_model(source.gguf_file, model_path, dtype=dtype, device=torch_device,
+        model = load_gguf_model(source.gguf_file, model_path, dtype=dtype, device=device,
                                 attn_implementation=paged_attention.register(),
                                 quantization=source.quantization)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, attn_implementation=paged_attention.register(),
             trust_remote_code=trust_remote_code,
-        ).to(torch_device).eval()
-    return LoadedModel(source, torch_device, dtype, model)
+        ).to(device).eval()
+    return model, dtype
+
+
+def place_linears(model: Any, name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve ``linear_backend`` and, for ``cpu``, fuse what a probe shows exact (RMSNorms,
+    gated MLPs and attention layers, over ``nn.Linear`` or ``QuantizedLinear`` layers:
+    :func:`batchgen.engine.fusion.fuse_model`), then pack the model's remaining
+    ``nn.Linear`` layers for the C GEMM; the backend resolved."""
+    backend, why = cpu_linear.resolve(name, device, dtype)
+    if backend == "cpu":
+        fused = fusion.fuse_model(model)  # before packing: it merges gate+up and q+k+v
+        count = cpu_linear.pack_linears(model)
+        path = f", bfloat16 through {cpu_linear.bf16_path()}" if dtype == torch.bfloat16 else ""
+        logger.info("linear backend cpu: %d layers packed for the C GEMM%s; fused %d RMSNorms, "
+                    "%d gated MLPs and %d attention layers (%d candidates left as they were)",
+                    count, path, fused["rms_norm"], fused["gated_mlp"], fused["attention"], fused["rejected"])
+    elif why is not None and device.type == "cpu":
+        # the C kernels would have carried the step: say plainly why they do not
+        logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
+    return backend
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while the model loads, as they were afterwards."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _causal_lm_class(config: Any) -> type | None:
     """The class AutoModelForCausalLM would build for ``config`` (None if unknown)."""
-    from transformers import AutoModelForCausalLM
-
     mapping = AutoModelForCausalLM._model_mapping
     try:
         return mapping[type(config)]

@@ -7,8 +7,9 @@ sequence that samples this step. Positions that score prompt tokens (prompt logp
 from the final hidden states instead, through the output layer a chunk of positions at a time
 (:meth:`ModelRunner.execute`), so no step holds logits for all its positions. With
 ``linear_backend="cpu"`` the model's RMSNorms, gated MLPs and attention layers are replaced
-by fused CPU versions where a probe shows them exact (:meth:`ModelRunner._setup_linears`); a
-fused attention layer attends over the same paged cache through the same backend.
+by fused CPU versions where a probe shows them exact (:func:`batchgen.engine.model_loader.place_linears`); a
+fused attention layer attends over the same paged cache through the same backend. The model
+comes loaded and placed (:mod:`batchgen.engine.model_loader`), the KV cache allocated.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Any
 
 import torch
 
+from batchgen import kernels, threads
 from batchgen.engine import paged_attention, prompt_logprobs
 from batchgen.engine.config import EngineConfig
-from batchgen.engine.kv_cache import CacheShape, KVCache, num_blocks_for_budget
-from batchgen.engine.model_loader import UnsupportedModelError, expected_windows, load_model
+from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.model_loader import LoadedModel, UnsupportedModelError, expected_windows
 from batchgen.engine.sequence import Sequence
+from batchgen.kernels.torch_attention import Workspace
+from batchgen.lora.manager import LoRAManager
 from batchgen.sampling.logprobs import chunk_rows_for, reduce_logprobs
 
 logger = logging.getLogger(__name__)
@@ -39,83 +43,48 @@ class StepInput:
     metadata: paged_attention.AttentionMetadata
 
 
-def _context_length(asked: int | None, model_len: int) -> int:
-    """The engine's context: ``max_model_len`` when set (at most the model's own), as vLLM."""
-    if asked is None:
-        return model_len
-    if asked > model_len:
-        raise ValueError(f"max_model_len={asked} is more than this model's context of {model_len} "
-                         f"tokens (its max_position_embeddings); use at most {model_len}")
-    return asked
-
-
 class ModelRunner:
     """Owns the HF model and the KV cache; ``execute`` runs one packed step.
 
-    ``ModelRunner(config)`` reads an :class:`~batchgen.engine.config.EngineConfig`: the model
-    (resolved and loaded once, by :func:`~batchgen.engine.model_loader.load_model`:
-    :attr:`model_path` is where it loaded from), ``dtype``, ``device``,
-    ``block_size``, ``kv_cache_memory``, ``attention_backend``, ``linear_backend``
-    (the model's ``nn.Linear`` layers through batchgen's C GEMM; see
-    :mod:`batchgen.kernels.cpu.linear`), ``num_threads``, ``trust_remote_code`` and
-    ``index_checks``. ``ModelRunner(model_path, dtype=..., ...)`` builds the config from
-    keywords (a convenience for tests and tools).
+    ``ModelRunner(config, loaded, kv_cache)`` takes a ready model (a
+    :class:`~batchgen.engine.model_loader.LoadedModel`: resolved, loaded and its linear layers
+    placed; :attr:`model_path` is where it loaded from) and its allocated
+    :class:`~batchgen.engine.kv_cache.KVCache`, and reads from the
+    :class:`~batchgen.engine.config.EngineConfig` what the steps need: ``attention_backend``,
+    ``index_checks``, ``num_threads`` and the LoRA settings.
+    :func:`batchgen.engine.llm.load_runner` builds all three from a config.
     """
 
-    def __init__(self, config: EngineConfig | str, **kwargs: Any) -> None:
-        from batchgen import threads
-
-        if not isinstance(config, EngineConfig):
-            config = EngineConfig.from_kwargs(config, **kwargs)
-        elif kwargs:
-            config = config.replace(**kwargs)
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache) -> None:
         self.engine_config = config
-        block_size, num_threads = config.block_size, config.num_threads
-        attention_backend = config.attention_backend
-        self.num_threads = threads.resolve_num_threads(num_threads)
-        loaded = load_model(config)  # resolved, checked, loaded on its device (engine/model_loader.py)
         self.source, self.device, self.dtype, self.model = loaded.source, loaded.device, loaded.dtype, loaded.model
         self.model_path = self.source.path
         self.config = self.model.config
-        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        max_pos = getattr(text_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = _context_length(config.max_model_len, max_pos)
-        num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        self.cache_shape = CacheShape(
-            num_layers=text_config.num_hidden_layers, num_kv_heads=num_kv_heads,
-            head_size=head_size, block_size=block_size, dtype=self.dtype,
-        )
-        num_blocks = num_blocks_for_budget(self.cache_shape, self.device, config.kv_cache_memory,
-                                           gpu_memory_utilization=config.gpu_memory_utilization)
-        self.kv_cache = KVCache(self.cache_shape, num_blocks, self.device)
+        self.max_model_len = loaded.max_model_len
+        self.kv_cache, self.cache_shape = kv_cache, kv_cache.shape
         self.vocab_size = self.model.get_output_embeddings().out_features  # nn.Linear or QuantizedLinear
-        self.attention_backend, self.ops = self._attention_ops(attention_backend, num_heads, num_kv_heads)
-        from batchgen.kernels.torch_attention import Workspace
-
+        self.attention_backend, self.ops = self._attention_ops(config.attention_backend,
+                                                               loaded.text_config.num_attention_heads)
         self.workspace = Workspace()
-        self.linear_backend = self._setup_linears(config.linear_backend)
+        self.linear_backend = loaded.linear_backend
         self.lora = None  # a batchgen.lora.manager.LoRAManager with enable_lora
         if config.enable_lora:
-            from batchgen.lora.manager import LoRAManager  # torch-side LoRA, only when asked for
-
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+        self.num_threads = threads.resolve_num_threads(config.num_threads)
         self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
         if self.device.type == "cpu":
             threads.apply(self.threads)
             logger.info("threads: %s (%s)", self.threads.describe(),
-                        "num_threads=auto: OMP_NUM_THREADS" if num_threads == "auto" and os.environ.get("OMP_NUM_THREADS")
-                        else f"num_threads={num_threads}: {threads.available_cpus()} CPUs available")
+                        "num_threads=auto: OMP_NUM_THREADS" if config.num_threads == "auto" and os.environ.get("OMP_NUM_THREADS")
+                        else f"num_threads={config.num_threads}: {threads.available_cpus()} CPUs available")
         self.generation_config = getattr(self.model, "generation_config", None)
 
-    def _attention_ops(self, asked: str, num_heads: int, num_kv_heads: int) -> tuple[str, Any]:
+    def _attention_ops(self, asked: str, num_heads: int) -> tuple[str, Any]:
         """The attention backend ``asked`` resolves to for this model (``auto``: the fastest that
         serves it; one that cannot serve it falls back to torch with a warning, or is an error
         when asked for by name) and its ops."""
-        from batchgen import kernels
-
-        head_size, block_size = self.cache_shape.head_size, self.cache_shape.block_size
+        shape = self.cache_shape
+        head_size, block_size, num_kv_heads = shape.head_size, shape.block_size, shape.num_kv_heads
         index_checks = self.engine_config.index_checks
         backend = kernels.resolve_backend(asked, self.device)
         why = None
@@ -132,28 +101,6 @@ class ModelRunner:
                            "backend", backend, why.splitlines()[0])
             backend = "torch"
         return backend, kernels.get_ops(backend, check_indices=index_checks)
-
-    def _setup_linears(self, name: str) -> str:
-        """Resolve ``linear_backend`` and, for ``cpu``, fuse what a probe shows exact (RMSNorms,
-        gated MLPs and attention layers, over ``nn.Linear`` or ``QuantizedLinear`` layers:
-        :func:`batchgen.engine.fusion.fuse_model`), then pack the model's remaining
-        ``nn.Linear`` layers for the C GEMM."""
-        from batchgen.kernels.cpu import linear as cpu_linear
-
-        backend, why = cpu_linear.resolve(name, self.device, self.dtype)
-        if backend == "cpu":
-            from batchgen.engine import fusion
-
-            fused = fusion.fuse_model(self.model)  # before packing: it merges gate+up and q+k+v
-            count = cpu_linear.pack_linears(self.model)
-            path = f", bfloat16 through {cpu_linear.bf16_path()}" if self.dtype == torch.bfloat16 else ""
-            logger.info("linear backend cpu: %d layers packed for the C GEMM%s; fused %d RMSNorms, "
-                        "%d gated MLPs and %d attention layers (%d candidates left as they were)",
-                        count, path, fused["rms_norm"], fused["gated_mlp"], fused["attention"], fused["rejected"])
-        elif why is not None and self.device.type == "cpu":
-            # the C kernels would have carried the step: say plainly why they do not
-            logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
-        return backend
 
     def register_lora(self, request: Any) -> str | None:
         """Check a request's :class:`~batchgen.lora.LoRARequest` adapter; its error, or None."""

@@ -9,7 +9,7 @@
   folder with its tensor table;
 - :mod:`batchgen.gguf.embedding`: :class:`QuantizedEmbedding`, a token embedding over GGUF
   blocks;
-- :mod:`batchgen.gguf.loader`: :func:`load_gguf_model`, the HF model built on the meta device
+- :mod:`batchgen.gguf.hf_model`: :func:`load_gguf_model`, the HF model built on the meta device
   and filled from the file (``QuantizedLinear`` layers, or de-quantized ``nn.Linear``).
 
 Where a model name becomes a GGUF file, and what ``quantization: auto`` means, is decided in

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.cpu.quant import dequantize
+
 __all__ = ["QuantizedEmbedding"]
 
 
@@ -42,8 +44,6 @@ class QuantizedEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}{scale}"
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from batchgen.kernels.cpu.quant import dequantize
-
         flat = input_ids.reshape(-1)
         raw = self.rows.gather_rows(flat)
         values = dequantize(raw, self.rows.qtype, (flat.numel(), self.embedding_dim))

@@ -7,7 +7,7 @@ once per file: the result is saved as an ordinary HF folder (``config.json`` and
 files, no weights) under ``<cache>/gguf/<stem>-<key>``, where the key hashes the file's absolute
 path, size and modification time. Every later load, and everything that wants the tokenizer
 (``AutoTokenizer.from_pretrained(folder)``), reads that folder. The weights always come from the
-GGUF itself (:mod:`batchgen.gguf.loader`).
+GGUF itself (:mod:`batchgen.gguf.hf_model`).
 
 The folder also keeps the file's tensor table (``tensors.json``: names, block types, shapes
 and offsets), so that loading maps the weights without parsing the header again
@@ -29,6 +29,7 @@ model's conversion is.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -37,8 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.gguf.architectures import ARCHITECTURES
 from batchgen.gguf.reader import GGUFError, GGUFFile
+from batchgen.quiet import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ TABLE_FILE = "tensors.json"
 
 def metadata_folder_for(path: Path) -> Path:
     """Where the metadata folder of the GGUF file ``path`` lives (it may not exist yet)."""
-    from batchgen.cache import cache_dir
-
     path = path.resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -70,8 +71,6 @@ def metadata_folder(path: Path) -> Path:
     an unsupported architecture fails here with a :class:`~batchgen.gguf.reader.GGUFError`
     naming the file, before transformers reads it.
     """
-    import json
-
     target = metadata_folder_for(path)
     if (target / DONE_MARKER).is_file():
         return target
@@ -80,10 +79,8 @@ def metadata_folder(path: Path) -> Path:
     started = time.perf_counter()
     logger.info("reading the config and tokenizer of %s (once per file: 10-25 s for a 50k-token vocabulary; "
                 "then kept in %s)", path.name, target)
-    from batchgen.cache import remove_stale_temp_folders
-    from batchgen.quiet import quiet_libraries
-
     quiet_libraries()
+    # deferred: transformers (~3 s, and torch) only to convert a file once; this module stays torch-free
     from transformers import AutoConfig, AutoTokenizer
 
     for stale in remove_stale_temp_folders(target):
@@ -119,7 +116,7 @@ def hf_config(gguf: GGUFFile, config: Any) -> Any:
     """``config`` (transformers' reading of ``gguf``'s metadata) completed with what its
     architecture's row reads from the metadata besides, its vocabulary the token embedding's
     rows, and without a GGUF ``quantization_config`` (the folder holds no weights)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers (and torch); this module stays torch-free
 
     arch = gguf.architecture
     updates = ARCHITECTURES[arch].config(lambda key: gguf.field(f"{arch}.{key}"))
@@ -154,8 +151,6 @@ def _check_chat_template(path: Path, tokenizer: Any) -> None:
 def open_gguf(path: Path, folder: Path) -> GGUFFile:
     """The GGUF file ``path``, mapped with the tensor table kept in its metadata ``folder``
     when that table is there (else parsed with the ``gguf`` reader)."""
-    import json
-
     table = Path(folder) / TABLE_FILE
     if table.is_file():
         return GGUFFile.from_table(path, json.loads(table.read_text()))

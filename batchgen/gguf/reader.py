@@ -23,6 +23,7 @@ No torch here: tensors come back as numpy views of the mapped file.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,7 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
 
 
 def _reader_class() -> type:
+    # deferred: the gguf package (~0.6 s) only when a file is read, and its reader class with it
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class _CheckedReader(GGUFReader):
@@ -141,6 +143,7 @@ class GGUFFile:
         Raises:
             GGUFError: the file is shorter than the table says (it changed since).
         """
+        # deferred: the gguf package (~0.6 s) only when a file is read
         from gguf import GGMLQuantizationType
         from gguf.quants import quant_shape_to_byte_shape
 
@@ -217,8 +220,6 @@ class GGUFFile:
         ``data`` maps them again. Without this every page the loader read would stay resident
         beside its copy, doubling the weights' RSS. The pages at the tensor's two ends, shared
         with its neighbours, are kept. A no-op where ``madvise`` is missing."""
-        import mmap
-
         data = self.tensor(name).data
         whole = data
         while isinstance(whole.base, np.ndarray):  # the map of the whole file, from byte 0

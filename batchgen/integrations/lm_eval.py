@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ByteSize, TypeAdapter
@@ -52,7 +53,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         'batchgen\'s lm-eval backend needs lm-evaluation-harness: pip install "batchgen[lm-eval]"'
     ) from exc
 
+from batchgen.engine.config import MAX_LORA_RANK
 from batchgen.engine.loglikelihood import encode, prefix_token_id
+from batchgen.lora.request import LoRARequest
 from batchgen.model_resolver import DEFAULT_MODEL
 from batchgen.sampling.params import SamplingParams
 
@@ -244,11 +247,6 @@ class BatchgenLM(TemplateLM):
 def _lora_request(lora: str | None, lora_local_path: str | None, engine_kwargs: dict[str, Any]) -> Any:
     """The LoRARequest of ``lora`` / ``lora_local_path`` (one of them, or both the same), with
     LoRA switched on in ``engine_kwargs``; None without either."""
-    from pathlib import Path
-
-    from batchgen.engine.config import MAX_LORA_RANK
-    from batchgen.lora.request import LoRARequest
-
     if lora and lora_local_path and lora != lora_local_path:
         raise ValueError(f"model_args give lora={lora!r} and lora_local_path={lora_local_path!r}; give one")
     path = lora or lora_local_path

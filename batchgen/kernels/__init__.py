@@ -4,7 +4,7 @@ time, ``cpu/``) and ``cuda`` (CUDA kernels compiled at run time, ``cuda/``).
 Each backend implements :class:`~batchgen.kernels.ops.AttentionOps` (``ops.py``, with the cache
 layout); :func:`resolve_backend` decides which one runs and :func:`get_ops` hands it out.
 ``torch_attention.py`` is also the spec the kernels are tested against. ``cpu/`` and ``cuda/``
-each hold their sources beside their loader.
+each hold their sources beside the module that builds them (`cpu/c_build.py`, `cuda/toolchain.py`).
 
 Importing this package never imports cupy; :mod:`batchgen.kernels.cuda` does, lazily, when the
 ``cuda`` backend is first used.
@@ -86,14 +86,14 @@ def cuda_unavailable_reason(dtype: torch.dtype, head_size: int, block_size: int,
     """Why the CUDA kernels cannot be built here for this variant, or None once they are.
 
     Checks that cupy imports, that NVRTC loads and that its headers are found
-    (:func:`batchgen.kernels.cuda.loader.unavailable_reason`), then compiles the variant the
+    (:func:`batchgen.kernels.cuda.toolchain.unavailable_reason`), then compiles the variant the
     model needs (which the first launch would do anyway; cached by cupy on disk), so a missing
     header or an NVRTC error shows up here, where ``auto`` can still fall back to ``torch``.
     """
     # package cycle: cpu/ and cuda/ import this package's torch_attention; each loads when picked
-    from .cuda import get_cuda_ops, loader
+    from .cuda import get_cuda_ops, toolchain
 
-    why = loader.unavailable_reason()
+    why = toolchain.unavailable_reason()
     if why is not None:
         return why
     ops = get_cuda_ops(check_indices)

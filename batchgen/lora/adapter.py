@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -122,8 +124,6 @@ class LoRAAdapter:
         return config
 
     def _tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        from safetensors import safe_open
-
         try:
             with safe_open(str(self.path / WEIGHTS_FILE), framework="pt") as f:
                 return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
@@ -170,8 +170,6 @@ class LoRAAdapter:
 
     def load(self) -> dict[str, ModuleDelta]:
         """The weights, as float32 ``ModuleDelta`` per module (read from the file now)."""
-        from safetensors.torch import load_file
-
         tensors = load_file(str(self.path / WEIGHTS_FILE))
         deltas: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from batchgen.metrics import Scores, distribution_stats, first_any_mean, generation_texts, mean_aggregate
 from batchgen.plugins.hookspecs import hookimpl
+from batchgen.plugins.scoring_metrics import scoring_metric_specs
 from batchgen.plugins.specs import MetricSpec
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -451,8 +452,6 @@ def _need(options: BaseModel, cls: type[BaseModel]) -> Any:
 def batchgen_register_metrics() -> list[MetricSpec]:
     """The built-in metrics: ``exact_match``, ``contains``, ``regex_match``, ``length``, ``json_valid``
     and ``json_schema_valid``; and the scoring jobs' (:mod:`batchgen.plugins.scoring_metrics`)."""
-    from batchgen.plugins.scoring_metrics import scoring_metric_specs
-
     return [
         MetricSpec(
             "exact_match",

@@ -21,6 +21,7 @@ from typing import Any
 
 from batchgen.config import ConfigError, ConfigIssue, RunConfig
 from batchgen.config.formats import BATCH_LINES, kinds
+from batchgen.io.output_file import read_records
 from batchgen.io.protocols import AnsweredKeys, EngineView, Preview, PromptRecord, PromptSource, RecordFormat, ResumeIndex
 from batchgen.lora.request import LoRARequest
 
@@ -218,8 +219,6 @@ class AdapterRecords:
 def adapter_metrics(job: Any) -> dict[str, Any]:
     """``{"metrics_by_adapter": {adapter: {metric key: aggregate}}}`` of a swept job's ok
     records (each metric aggregated over one adapter's records), or ``{}`` for another job."""
-    from batchgen.io.output_file import read_records
-
     if not isinstance(job.records, AdapterRecords) or not job.metrics:
         return {}
     scores: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in job.source.loras}

@@ -43,8 +43,15 @@ from batchgen.io.protocols import PromptSource, RecordFormat, ResumeIndex
 from batchgen.io.output_file import OutputError, check_output, check_writable, prepare_output, read_records
 from batchgen.io.output_file import read_summary, write_json_atomic
 from batchgen.model_resolver import ModelError, QuantizationError, check_model
+from batchgen.openai_batch.response_lines import ResponseLines
+from batchgen.openai_batch.source import BatchLines
 from batchgen.plugins import load_registry
 from batchgen.run.executors import check_executor
+from batchgen.run.records import BatchgenRecords
+from batchgen.run.rows import DatasetRows
+from batchgen.run.scoring_kinds import SCORERS
+from batchgen.run.scoring_records import ScoringRecords
+from batchgen.run.scoring_rows import ScoringRows
 
 __all__ = ["Job", "output_paths", "pick", "plan"]
 
@@ -125,39 +132,27 @@ def _scoring(config: RunConfig, scoring: ScoringKind, source_kind: SourceKind, r
     if record_kind is not BATCHGEN_RECORDS:
         raise ConfigError([ConfigIssue("output.format", f"generation.mode '{config.generation.mode}' writes "
                                        f"batchgen records; use output.format '{BATCHGEN_RECORDS.name}' or 'auto'")])
-    from batchgen.run.scoring_kinds import SCORERS
-    from batchgen.run.scoring_records import ScoringRecords
-    from batchgen.run.scoring_rows import ScoringRows
-
     scorer = SCORERS[scoring]
     return ScoringRows(config, scorer, metric_columns), ScoringRecords(scorer, metrics)
 
 
-# What each kind is built as (imported when picked: a job needs one source and one format).
+# What each kind is built as.
 
 def _dataset_rows(config: RunConfig, processors: Sequence[Any],
                   metric_columns: dict[str, Iterable[str]] | None) -> PromptSource:
-    from batchgen.run.rows import DatasetRows
-
     return DatasetRows(config, processors, metric_columns)
 
 
 def _batch_lines(config: RunConfig, processors: Sequence[Any],
                  metric_columns: dict[str, Iterable[str]] | None) -> PromptSource:
-    from batchgen.openai_batch.source import BatchLines
-
     return BatchLines(config, processors, metric_columns)
 
 
 def _batchgen_records(config: RunConfig, metrics: Sequence[tuple[MetricRef, Any]]) -> RecordFormat:
-    from batchgen.run.records import BatchgenRecords
-
     return BatchgenRecords(metrics)
 
 
 def _response_lines(config: RunConfig, metrics: Sequence[tuple[MetricRef, Any]]) -> RecordFormat:
-    from batchgen.openai_batch.response_lines import ResponseLines
-
     return ResponseLines(config)
 
 

@@ -1,4 +1,7 @@
-"""Validated generation parameters, with vLLM's field names.
+"""Validated generation parameters, with vLLM's field names: :class:`SamplingParams` and
+:class:`BeamSearchParams`. Their fields' shared checks are :mod:`batchgen.sampling.field_checks`;
+the structured-output constraint they may carry is
+:mod:`batchgen.sampling.structured_params` (its names are re-exported here).
 
 This module is part of the engine core and must not import torch: the scheduler, the sequence
 bookkeeping and the config loader all read these objects.
@@ -11,194 +14,17 @@ fails when it is built rather than in the middle of a step.
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Literal, Union
+
+from batchgen.sampling.field_checks import (
+    SEED_MAX, SEED_MIN, LogitsProcessor, check_bool, check_float, check_int, check_processors, check_tokens,
+    is_stateful, normalise_stop, normalise_stop_token_ids,
+)
+from batchgen.sampling.structured_params import STRUCTURED_KINDS, StructuredOutputsParams, check_structured
 
 __all__ = ["SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "LogitsProcessor",
-           "is_stateful"]
-
-#: A logits processor: ``proc(logits[rows, vocab] float32, output_token_ids per row) -> logits``.
-#: It runs after penalties and temperature and before top-k / top-p / min-p; masking is done by
-#: setting ``-inf``. Typed loosely here because this module may not import torch. A stateful
-#: processor (:class:`batchgen.plugins.StatefulLogitsProcessor`) may stand in the same lists.
-LogitsProcessor = Callable[[Any, list[list[int]]], Any]
-
-
-def is_stateful(proc: object) -> bool:
-    """Whether ``proc`` follows the stateful contract (it has ``new_state``), as
-    :class:`batchgen.plugins.StatefulLogitsProcessor` does; duck-typed, so that this torch-free
-    module need not import the plugin package."""
-    return callable(getattr(proc, "new_state", None))
-
-
-def _check_processors(value: Iterable[Any] | None) -> list[Any]:
-    procs = list(value or [])
-    for proc in procs:
-        if not (callable(proc) or is_stateful(proc)):
-            raise ValueError(
-                f"logits_processors must hold callables proc(logits, output_token_ids) -> logits "
-                f"or stateful processors (with new_state), got {proc!r}")
-    return procs
-
-
-#: The fields of :class:`StructuredOutputsParams` that name a constraint, in the order they are
-#: reported.
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """A constraint on the generated text (vLLM's names); exactly one field is set.
-
-    * ``json``: a JSON schema, as a mapping or as JSON text; the output is one JSON value that
-      validates against it.
-    * ``regex``: the output fully matches this regular expression.
-    * ``choice``: the output is exactly one of these strings.
-    * ``grammar``: an EBNF grammar (the grammar library's dialect, GBNF-like, ``root`` rule
-      first); the output is a sentence of it.
-    * ``json_object``: True: the output is any JSON object.
-
-    Only the shape is checked here (this module stays free of the grammar library); whether a
-    schema, regex or grammar compiles is checked by :func:`batchgen.structured.check`, which the
-    config loader and the engine call.
-    """
-
-    json: Mapping[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.json_object, bool):
-            raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
-        given = [k for k in STRUCTURED_KINDS
-                 if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
-        if len(given) != 1:
-            raise ValueError(
-                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
-                + ("none was given" if not given else "got " + ", ".join(given)))
-        if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    parsed = json.loads(self.json)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"json must be a JSON schema (a mapping or JSON text): {exc}") from None
-                if not isinstance(parsed, dict):
-                    raise ValueError("json must be a JSON schema object, got JSON "
-                                     f"{type(parsed).__name__}")
-            elif not isinstance(self.json, Mapping):
-                raise ValueError(f"json must be a JSON schema (a mapping or JSON text), got {self.json!r}")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        if self.choice is not None:
-            if isinstance(self.choice, str):
-                raise ValueError("choice must be a list of strings, got one string")
-            self.choice = list(self.choice)
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
-
-    @property
-    def kind(self) -> str:
-        """Which field is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
-        return next(k for k in STRUCTURED_KINDS
-                    if (getattr(self, k) is not None if k != "json_object" else self.json_object))
-
-    @property
-    def key(self) -> str:
-        """A canonical text naming the constraint: equal constraints (a schema given as a
-        mapping or as text with other spacing or key order) have equal keys; compiled grammars
-        are cached under it."""
-        kind = self.kind
-        value: Any = True if kind == "json_object" else getattr(self, kind)
-        if kind == "json" and isinstance(value, str):
-            value = json.loads(value)
-        return kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _check_structured(value: object, min_tokens: int, ignore_eos: bool) -> StructuredOutputsParams | None:
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        value = StructuredOutputsParams(**dict(value))
-    if not isinstance(value, StructuredOutputsParams):
-        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {value!r}")
-    # The constraint decides where the output may end: EOS is allowed exactly there.
-    if ignore_eos:
-        raise ValueError("structured_outputs cannot be combined with ignore_eos: the constraint "
-                         "decides where the output ends")
-    if min_tokens:
-        raise ValueError("structured_outputs cannot be combined with min_tokens: the constraint "
-                         "decides where the output ends")
-    return value
-
-# torch.Generator.manual_seed accepts exactly this range.
-_SEED_MIN = -(2**63)
-_SEED_MAX = 2**64 - 1
-
-
-def _check_int(name: str, value: object, *, minimum: int | None = None,
-               maximum: int | None = None, allowed: str) -> None:
-    """Raise unless ``value`` is an int (not a bool) within [minimum, maximum]."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer ({allowed}), got {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-
-
-def _check_float(name: str, value: object) -> float:
-    """Raise unless ``value`` is a finite real number; return it as float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _normalise_stop(value: str | Iterable[str] | None) -> list[str]:
-    """``stop`` accepts one string, a list of strings, or None; returns a list of non-empty strings."""
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    for s in items:
-        if not isinstance(s, str) or s == "":
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {s!r}")
-    return items
-
-
-def _normalise_stop_token_ids(value: int | Iterable[int] | None) -> list[int]:
-    """``stop_token_ids`` accepts one id, a list of ids, or None; returns a list of ids >= 0."""
-    if value is None:
-        return []
-    items = [value] if isinstance(value, int) and not isinstance(value, bool) else list(value)
-    for t in items:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {t!r}")
-    return items
-
-
-def _check_tokens(max_tokens: object, min_tokens: object, scoring: bool = False) -> None:
-    """``scoring``: ``max_tokens=0`` is allowed too, and None (up to the context limit; the
-    caller checks what it needs)."""
-    if not (scoring and max_tokens is None):
-        _check_int("max_tokens", max_tokens, minimum=0 if scoring else 1,
-                   allowed=">= 1, or None for up to the context limit (0 scores the prompt only, "
-                   "with prompt_logprobs)" if scoring else ">= 1")
-    _check_int("min_tokens", min_tokens, minimum=0, allowed=">= 0")
-    assert isinstance(min_tokens, int)
-    if isinstance(max_tokens, int) and min_tokens > max_tokens:
-        raise ValueError(
-            f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
+           "is_stateful", "STRUCTURED_KINDS"]
 
 
 @dataclass
@@ -274,62 +100,62 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, minimum=1, allowed=">= 1")
+        check_int("n", self.n, minimum=1, allowed=">= 1")
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, minimum=self.n,
+            check_int("best_of", self.best_of, minimum=self.n,
                        allowed=f">= n ({self.n})")
         if self.best_of_ranking not in ("sum", "mean"):
             raise ValueError(
                 f"best_of_ranking must be 'sum' or 'mean', got {self.best_of_ranking!r}")
-        self.temperature = _check_float("temperature", self.temperature)
+        self.temperature = check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        self.top_p = _check_float("top_p", self.top_p)
+        self.top_p = check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, minimum=-1,
+        check_int("top_k", self.top_k, minimum=-1,
                    allowed="0 or -1 (disabled), or >= 1")
-        self.min_p = _check_float("min_p", self.min_p)
+        self.min_p = check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _check_float(name, getattr(self, name))
+            value = check_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=_SEED_MIN, maximum=_SEED_MAX,
-                       allowed=f"an integer in [{_SEED_MIN}, {_SEED_MAX}]")
-        self.stop = _normalise_stop(self.stop)
-        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
-        _check_tokens(self.max_tokens, self.min_tokens, scoring=True)
-        _check_bool("ignore_eos", self.ignore_eos)
+            check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX,
+                       allowed=f"an integer in [{SEED_MIN}, {SEED_MAX}]")
+        self.stop = normalise_stop(self.stop)
+        self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
+        check_tokens(self.max_tokens, self.min_tokens, scoring=True)
+        check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0,
+            check_int("logprobs", self.logprobs, minimum=0,
                        allowed=">= 0 (number of alternatives besides the chosen token)")
         self._check_prompt_logprobs()
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
-        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        _check_bool("detokenize", self.detokenize)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("detokenize", self.detokenize)
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need detokenize=True (they match the text); use "
                              "stop_token_ids with detokenize=False")
-        self.logits_processors = _check_processors(self.logits_processors)
-        self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
+        self.logits_processors = check_processors(self.logits_processors)
+        self.structured_outputs = check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
 
     def _check_prompt_logprobs(self) -> None:
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
+            check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
                        allowed=">= 0 (number of alternatives besides the prompt token)")
         if self.prompt_logprobs_start is not None:
             if self.prompt_logprobs is None:
                 raise ValueError("prompt_logprobs_start needs prompt_logprobs (the number of "
                                  "alternatives to report, 0 for none)")
-            _check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=1,
+            check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=1,
                        allowed=">= 1 (the first prompt position scored)")
         if self.max_tokens == 0:
             if self.prompt_logprobs is None:
@@ -400,25 +226,25 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("beam_width", self.beam_width, minimum=1, allowed=">= 1")
-        if _check_float("temperature", self.temperature) != 0.0:
+        check_int("beam_width", self.beam_width, minimum=1, allowed=">= 1")
+        if check_float("temperature", self.temperature) != 0.0:
             raise ValueError(f"temperature must be 0 for beam search (beams rank the model's own "
                              f"log-probabilities, as HF's beam search does), got {self.temperature}")
         if self.include_stop_str_in_output is not False:
             raise ValueError("include_stop_str_in_output is not supported for beam search: a beam's "
                              "text ends before its stop string")
-        _check_tokens(self.max_tokens, self.min_tokens)
-        self.length_penalty = _check_float("length_penalty", self.length_penalty)
+        check_tokens(self.max_tokens, self.min_tokens)
+        self.length_penalty = check_float("length_penalty", self.length_penalty)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         if self.num_return_sequences is None:
             self.num_return_sequences = self.beam_width
-        _check_int("num_return_sequences", self.num_return_sequences, minimum=1,
+        check_int("num_return_sequences", self.num_return_sequences, minimum=1,
                    maximum=self.beam_width, allowed=f"in [1, beam_width ({self.beam_width})]")
-        self.stop = _normalise_stop(self.stop)
-        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
-        _check_bool("ignore_eos", self.ignore_eos)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
-        self.structured_outputs = _check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
-        self.logits_processors = _check_processors(self.logits_processors)
+        self.stop = normalise_stop(self.stop)
+        self.stop_token_ids = normalise_stop_token_ids(self.stop_token_ids)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.structured_outputs = check_structured(self.structured_outputs, self.min_tokens, self.ignore_eos)
+        self.logits_processors = check_processors(self.logits_processors)

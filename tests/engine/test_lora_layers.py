@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from batchgen.engine.fused_layers import merge_linears
-from batchgen.kernels.cpu import loader
+from batchgen.kernels.cpu import c_build
 from batchgen.kernels.cpu.linear import PackedLinear
 from batchgen.kernels.cpu.quant import QuantizedLinear
 from batchgen.lora.adapter import ModuleDelta
@@ -111,14 +111,14 @@ def test_a_row_is_the_same_bits_alone_in_any_batch_and_on_any_thread_count() -> 
     gen = torch.Generator().manual_seed(1)
     slots = torch.randint(-1, 3, (37,), generator=gen).tolist()
     x = torch.randn(len(slots), IN, generator=gen)
-    before = loader.num_threads()
+    before = c_build.num_threads()
     try:
-        loader.set_num_threads(2)
+        c_build.set_num_threads(2)
         batched = _run(layer, x, slots)
-        loader.set_num_threads(1)
+        c_build.set_num_threads(1)
         single_thread = _run(layer, x, slots)
     finally:
-        loader.set_num_threads(before)
+        c_build.set_num_threads(before)
     assert torch.equal(batched, single_thread)
     for row in (0, 5, 36):
         alone = _run(layer, x[row:row + 1], slots[row:row + 1])

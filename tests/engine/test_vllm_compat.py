@@ -298,7 +298,7 @@ def test_max_model_len_caps_the_context_as_vllm(short, llm):
 
 def test_engine_args_of_vllm_scripts_are_checked():
     from batchgen.engine.config import EngineConfig
-    from batchgen.engine.model_runner import _context_length
+    from batchgen.engine.model_loader import context_length
 
     assert EngineConfig(tensor_parallel_size=1).tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported: batchgen runs one model per "
@@ -314,8 +314,8 @@ def test_engine_args_of_vllm_scripts_are_checked():
         with pytest.raises(ValueError, match=message):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="max_model_len=9000 is more than this model's context of 8192"):
-        _context_length(9000, 8192)
-    assert _context_length(None, 8192) == 8192 and _context_length(100, 8192) == 100
+        context_length(9000, 8192)
+    assert context_length(None, 8192) == 8192 and context_length(100, 8192) == 100
 
 
 def test_gpu_memory_utilization_on_the_cpu_names_kv_cache_memory():

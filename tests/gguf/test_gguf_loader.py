@@ -20,7 +20,7 @@ import torch
 
 from tiny_gguf import LOGIT_BOUND, QTYPE_NAMES, TOP1_BOUND, write_llama_gguf
 
-from batchgen.gguf.loader import load_gguf_model
+from batchgen.gguf.hf_model import load_gguf_model
 from batchgen.gguf.metadata import metadata_folder
 from batchgen.model_resolver import ModelError, ModelFormatError, ModelNotFoundError, resolve_model
 
@@ -74,7 +74,7 @@ def test_other_types_are_dequantized_with_one_line(tmp_path: Path, cache: Path, 
     oracle = write_llama_gguf(path, linear_type="Q4_K", embed_type="Q8_0", output_type="Q6_K",
                               types={"attn_v": "Q5_1", "attn_output": "F16", "ffn_up": "F32"})
     folder = metadata_folder(path)
-    with caplog.at_level(logging.INFO, logger="batchgen.gguf.loader"):
+    with caplog.at_level(logging.INFO, logger="batchgen.gguf.hf_model"):
         model = load_gguf_model(path, folder, dtype=torch.float32, quantization="gguf")
     lines = [r.getMessage() for r in caplog.records if "de-quantized at load" in r.getMessage()]
     assert len(lines) == 1 and "2 F16" in lines[0] and "2 F32" in lines[0] and "2 Q5_1" in lines[0], lines
@@ -113,7 +113,7 @@ def test_resident_weights_stay_the_files_bytes(tmp_path: Path, cache: Path) -> N
 import ctypes, gc, json, sys
 import torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from batchgen.gguf.loader import load_gguf_model
+from batchgen.gguf.hf_model import load_gguf_model
 from tiny_gguf import write_llama_gguf
 
 def anon(what="Anonymous:"):

@@ -64,7 +64,7 @@ class LlamaCpp:
 def setup():
     from transformers import AutoTokenizer
 
-    from batchgen.gguf.loader import load_gguf_model
+    from batchgen.gguf.hf_model import load_gguf_model
     from batchgen.model_resolver import resolve_model
 
     resolved = resolve_model("smollm2-135m-instruct", "gguf", "cpu")

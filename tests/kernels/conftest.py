@@ -28,8 +28,8 @@ def runner(request: pytest.FixtureRequest) -> Runner:
 @pytest.fixture
 def kernel_threads():
     """Set the C kernels' thread count for one test (``kernel_threads(n)``), then restore it."""
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
-    before = loader.num_threads()
-    yield loader.set_num_threads
-    loader.set_num_threads(before)
+    before = c_build.num_threads()
+    yield c_build.set_num_threads
+    c_build.set_num_threads(before)

@@ -4,7 +4,7 @@ gives the same bits as its AVX-512 and plain-C variants, in decode and prefill, 
 and a spread of head sizes and GQA groups; and each forced build runs the variant asked for.
 
 The builds are forced as the quantized kernel's are (``quant.py``'s ``ISAS``): the same source
-through ``loader.load_library`` with ``-mno-avx512f`` (what an AVX2 + FMA CPU such as an AMD EPYC
+through ``c_build.load_library`` with ``-mno-avx512f`` (what an AVX2 + FMA CPU such as an AMD EPYC
 runs) or ``-mno-avx2`` (plain C) added to ``-march=native``. Each build reports its variant
 (``batchgen_attention_isa``), so a test cannot pass by comparing a build with itself. The
 oracle for all three is the torch reference (``torch_attention``), within float32 rounding.
@@ -18,12 +18,12 @@ from kernel_cases import assert_close_to_reference, make_decode_case
 
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels import torch_attention as reference
-from batchgen.kernels.cpu import cpu_attention, loader
+from batchgen.kernels.cpu import c_build, cpu_attention
 
 pytestmark = [
     pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine"),
-    pytest.mark.skipif(loader.missing_cpu_features("avx2", "fma", "f16c") is not None,
-                       reason=str(loader.missing_cpu_features("avx2", "fma", "f16c"))),
+    pytest.mark.skipif(c_build.missing_cpu_features("avx2", "fma", "f16c") is not None,
+                       reason=str(c_build.missing_cpu_features("avx2", "fma", "f16c"))),
 ]
 
 # the extra flags of each forced build, and the variant it must report (2 AVX-512, 1 AVX2, 0 C)
@@ -35,7 +35,7 @@ def load(head_size: int, group: int, isa: str):
     if isa == "native":
         return kcpu.load(head_size, group)
     flags, _ = ISAS[isa]
-    return loader.load_library(f"the CPU attention kernel ({isa})", cpu_attention.KERNEL_SOURCE,
+    return c_build.load_library(f"the CPU attention kernel ({isa})", cpu_attention.KERNEL_SOURCE,
                                cpu_attention._declare_attention,
                                (f"-DHEAD_SIZE={head_size}", f"-DGROUP={group}", *flags),
                                tag=f"h{head_size}-g{group}-{isa}")
@@ -56,7 +56,7 @@ def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torc
 
 
 def test_each_forced_build_runs_its_variant() -> None:
-    native = 2 if loader.missing_cpu_features("avx512f") is None else 1
+    native = 2 if c_build.missing_cpu_features("avx512f") is None else 1
     assert load(64, 3, "native").batchgen_attention_isa() == native
     for isa, (_, code) in ISAS.items():
         assert load(64, 3, isa).batchgen_attention_isa() == code, isa
@@ -144,7 +144,7 @@ def load_fused(isa: str):
     from batchgen.kernels.cpu import fused
 
     flags = () if isa == "native" else ISAS[isa][0]
-    return loader.load_library(f"the fused CPU ops ({isa})", fused.FUSED_SOURCE, fused._declare, flags,
+    return c_build.load_library(f"the fused CPU ops ({isa})", fused.FUSED_SOURCE, fused._declare, flags,
                                tag="" if isa == "native" else isa)
 
 
@@ -213,7 +213,7 @@ def test_bfloat16_asked_for_on_a_cpu_without_avx512_says_it_is_no_faster(monkeyp
 
     from batchgen.engine.model_loader import resolve_dtype
 
-    monkeypatch.setattr(loader, "missing_cpu_features",
+    monkeypatch.setattr(c_build, "missing_cpu_features",
                         lambda *names: ", ".join(n for n in names if n in missing) or None)
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_loader"):

@@ -16,19 +16,19 @@ from kernel_cases import assert_close_to_reference, make_decode_case, reference_
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels import cpu_unsupported_reason, get_ops
 from batchgen.kernels import torch_attention as reference
-from batchgen.kernels.cpu import loader
+from batchgen.kernels.cpu import c_build
 
 pytestmark = pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    before = torch.get_num_threads(), loader.num_threads()
+    before = torch.get_num_threads(), c_build.num_threads()
     torch.set_num_threads(1)
-    loader.set_num_threads(1)
+    c_build.set_num_threads(1)
     yield
     torch.set_num_threads(before[0])
-    loader.set_num_threads(before[1])
+    c_build.set_num_threads(before[1])
 
 
 def prefill_inputs(case, q_lens: list[int], seed: int = 0):
@@ -168,7 +168,7 @@ def test_the_thread_count_does_not_change_the_result(threads: int) -> None:
     ops = get_ops("cpu")
     query, starts = prefill_inputs(case, [3, 250, 1, 41, 2, 7, 0, 65, 100] * 3)
     one = ops.paged_decode_attention(*case.args()), prefill(ops, case, query, starts)
-    loader.set_num_threads(threads)
+    c_build.set_num_threads(threads)
     torch.set_num_threads(threads)
     many = ops.paged_decode_attention(*case.args()), prefill(ops, case, query, starts)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
@@ -222,7 +222,7 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(kcpu.cpu_attention, "KERNEL_SOURCE", broken)
-    monkeypatch.setattr(kcpu.loader, "_loaded", {})
+    monkeypatch.setattr(kcpu.c_build, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(kcpu.CpuKernelError, match="could not build the CPU attention kernel"):
         kcpu.load(64, 3)
@@ -230,32 +230,33 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_builds_are_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kcpu.loader, "_loaded", {})
+    monkeypatch.setattr(kcpu.c_build, "_loaded", {})
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     kcpu.load(48, 2)
     built = list((tmp_path / "cpu_kernels").glob("paged_attention-h48-g2-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(kcpu.loader, "_loaded", {})
+    monkeypatch.setattr(kcpu.c_build, "_loaded", {})
     kcpu.load(48, 2)  # a new process would find the file and not compile again
     assert built[0].stat().st_mtime_ns == stamp
 
 
 def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, monkeypatch, caplog) -> None:
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm import load_runner
 
     path = tiny_model("llama")
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+    runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20))
     assert runner.attention_backend == "cpu"
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20)
+        runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20))
     assert runner.attention_backend == "torch"
     assert "no C compiler" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot serve this model: no C compiler"):
-        ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu")
+        load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, attention_backend="cpu"))
     monkeypatch.delenv("CC")
-    bf16 = ModelRunner(path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20)
+    bf16 = load_runner(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_memory=2**20))
     assert bf16.attention_backend == "cpu"
 
 
@@ -265,7 +266,7 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     kcpu.load(32, 1)
     assert 2.2250738585072014e-308 / 4.0 != 0.0
     assert (torch.tensor([1.0e-38]) / 100.0).item() != 0.0
-    assert kcpu.loader._subnormals_work()
+    assert kcpu.c_build._subnormals_work()
 
 
 def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None:
@@ -282,7 +283,7 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
     results = []
     for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
         path = tmp_path / f"attention{len(extra)}.so"
-        error = loader._compile(kcpu.compiler(), kcpu.cpu_attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
+        error = c_build._compile(kcpu.compiler(), kcpu.cpu_attention.KERNEL_SOURCE, ("-O3", "-march=native", *extra),
                                 ["-DHEAD_SIZE=40", "-DGROUP=3"], path)
         if error is not None and not extra:
             pytest.skip(f"no -march=native build here: {error.splitlines()[-1]}")
@@ -290,8 +291,8 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
         lib = ctypes.CDLL(str(path))
         kcpu.cpu_attention._declare_attention(lib)
         # the variant each build runs: AVX-512 (AVX2 on a CPU without it), AVX2, plain C
-        want = {0: 2 if loader.missing_cpu_features("avx512f") is None else 1, 1: 1, 2: 0}[len(extra)]
-        if loader.missing_cpu_features("avx2", "fma", "f16c") is None:
+        want = {0: 2 if c_build.missing_cpu_features("avx512f") is None else 1, 1: 1, 2: 0}[len(extra)]
+        if c_build.missing_cpu_features("avx2", "fma", "f16c") is None:
             assert lib.batchgen_attention_isa() == want, extra
         outs = []
         for dtype, code in kcpu.cpu_attention.DTYPES.items():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels.cpu import linear as cpu_linear
 import cpu_reference as reference
-from batchgen.kernels.cpu import loader
+from batchgen.kernels.cpu import c_build
 from batchgen.kernels.cpu.linear import PackedLinear, pack_linears
 
 _WHY = cpu_linear.unsupported_reason(torch.float32, torch.device("cpu"))
@@ -218,9 +218,9 @@ def test_resolve_picks_the_kernel_at_any_thread_count(threads) -> None:
 def test_a_cpu_without_avx2_falls_back_before_building(monkeypatch, tmp_path) -> None:
     """The flags are read at run time: a CPU without AVX2/FMA/F16C gets torch and the reason,
     and nothing is compiled (no illegal instruction can follow)."""
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma"}))
+    monkeypatch.setattr(c_build, "cpu_flags", lambda: frozenset({"sse2", "avx", "fma"}))
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(loader, "_loaded", {})
+    monkeypatch.setattr(c_build, "_loaded", {})
     backend, why = cpu_linear.resolve("auto", torch.device("cpu"), torch.float32)
     assert backend == "torch" and why == "this CPU lacks AVX2, F16C (flags from /proc/cpuinfo)"
     with pytest.raises(ValueError, match="this CPU lacks AVX2, F16C"):
@@ -232,8 +232,8 @@ def test_a_cpu_without_avx2_falls_back_before_building(monkeypatch, tmp_path) ->
 def test_a_library_built_for_another_cpu_is_refused() -> None:
     """The build cache is keyed on the CPU's flags, and each library checks at load (cpuid)
     that the CPU runs what it was built for; one that does not is refused, never called."""
-    if loader.cpu_flags() is not None:
-        assert loader.cpu_flags() <= set(loader._machine_tag().split())
+    if c_build.cpu_flags() is not None:
+        assert c_build.cpu_flags() <= set(c_build._machine_tag().split())
     lib = cpu_linear.load_linear()
     assert lib.batchgen_linear_cpu_ok() == 1 and cpu_linear._runs_here(lib) is None
     foreign = types.SimpleNamespace(batchgen_linear_cpu_ok=lambda: 0)
@@ -256,21 +256,22 @@ def test_a_kernel_that_does_not_build_falls_back(tmp_path, monkeypatch, threads)
 
 @needs_kernel
 def test_the_engine_packs_its_layers(tiny_model, threads, kernel_threads, caplog) -> None:
-    from batchgen.engine.model_runner import ModelRunner
+    from batchgen.engine.config import EngineConfig
+    from batchgen.engine.llm import load_runner
 
     path = tiny_model("qwen2")  # q/k/v with bias
     threads(2)  # at any thread count
-    with caplog.at_level(logging.INFO, logger="batchgen.engine.model_runner"):
-        runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, num_threads=2)
+    with caplog.at_level(logging.INFO, logger="batchgen.engine"):
+        runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, num_threads=2))
     assert runner.linear_backend == "cpu" and "layers packed" in caplog.text
     assert "threads: C kernels on 2 thread(s), torch on 1" in caplog.text
-    assert loader.num_threads() == 2 and torch.get_num_threads() == 1
+    assert c_build.num_threads() == 2 and torch.get_num_threads() == 1
     attn = runner.model.model.layers[0].self_attn  # fused: q, k and v packed as one, with their biases
     assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(attn.o_proj, PackedLinear)
     assert attn.qkv_proj.padded_bias is not None
     maps = Path("/proc/self/maps")
     if maps.is_file():  # the checkpoint's memory map (unpacked weights included) is let go
         assert str(Path(path) / "model.safetensors") not in maps.read_text()
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=2**20, linear_backend="torch")
+    runner = load_runner(EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=2**20, linear_backend="torch"))
     assert runner.linear_backend == "torch"
     assert type(runner.model.lm_head) is torch.nn.Linear

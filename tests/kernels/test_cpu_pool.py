@@ -1,7 +1,7 @@
 """The CPU kernels' thread pool (``kernels/cpu/pool.h``), through a probe library that records
 which chunks ran, on which thread: every item runs exactly once, chunks are contiguous and at
 least ``grain`` long, the chunking depends only on (n, grain, threads), nested calls and a
-forked child work, and ``loader.set_num_threads`` reaches libraries loaded before and after.
+forked child work, and ``c_build.set_num_threads`` reaches libraries loaded before and after.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.kernels.cpu import loader
+from batchgen.kernels.cpu import c_build
 
 PROBE = Path(__file__).resolve().parent / "data" / "pool_probe.c"
-POOL_H = Path(loader.__file__).resolve().parent / "pool.h"
-pytestmark = pytest.mark.skipif(loader.compiler() is None, reason="no C compiler")
+POOL_H = Path(c_build.__file__).resolve().parent / "pool.h"
+pytestmark = pytest.mark.skipif(c_build.compiler() is None, reason="no C compiler")
 
 
 def _declare(lib) -> None:
@@ -41,7 +41,7 @@ def threads(kernel_threads):
 
 
 def _probe(source: Path, tag: str = "a"):
-    return loader.load_library("the pool probe", source, _declare, (f"-DPROBE_{tag.upper()}",), tag=tag)
+    return c_build.load_library("the pool probe", source, _declare, (f"-DPROBE_{tag.upper()}",), tag=tag)
 
 
 def _run(lib, n: int, grain: int, sleep_ns: int = 0, nested: int = 0):
@@ -104,12 +104,12 @@ def test_the_thread_count_reaches_every_library(probe_source, threads):
     before = _probe(probe_source, "b")
     threads(3)
     after = _probe(probe_source, "c")  # loaded after the call
-    assert before.batchgen_num_threads() == after.batchgen_num_threads() == loader.num_threads() == 3
+    assert before.batchgen_num_threads() == after.batchgen_num_threads() == c_build.num_threads() == 3
     threads(1)
     assert before.batchgen_num_threads() == after.batchgen_num_threads() == 1
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="thread count"):
-            loader.set_num_threads(bad)
+            c_build.set_num_threads(bad)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.kernels.cpu import loader
+from batchgen.kernels.cpu import c_build
 
 HARNESS = Path(__file__).resolve().parent / "data" / "ubsan_harness.c"
-KERNELS = Path(loader.__file__).resolve().parent
+KERNELS = Path(c_build.__file__).resolve().parent
 FLAGS = ["-std=c99", "-O1", "-g", "-march=native", "-fsanitize=undefined", "-fno-sanitize-recover=all",
          "-fopenmp-simd", "-pthread"]
 
 
 def test_the_fused_ops_and_exp_have_no_undefined_behaviour(tmp_path) -> None:
-    cc = loader.compiler()
+    cc = c_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
     binary = tmp_path / "harness"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from batchgen.kernels.cpu import loader, quant
+from batchgen.kernels.cpu import c_build, quant
 from batchgen.kernels.cpu.quant import QuantizedLinear
 from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS
 
@@ -33,20 +33,20 @@ NEEDS = {"avx2": ("avx2",), "avxvnni": ("avx2", "avx_vnni")}
 
 
 def _isa_or_skip(isa: str) -> None:
-    why = loader.missing_cpu_features(*NEEDS.get(isa, ()))
+    why = c_build.missing_cpu_features(*NEEDS.get(isa, ()))
     if why is not None:
         pytest.skip(f"the {isa} build cannot run here: {why}")
     try:
         quant.load_quant(isa)
-    except loader.CpuKernelError as exc:
+    except c_build.CpuKernelError as exc:
         pytest.skip(f"the {isa} build cannot run here: {str(exc).splitlines()[0]}")
 
 
 @pytest.fixture
 def pool_threads():
-    before = loader.num_threads()
-    yield loader.set_num_threads
-    loader.set_num_threads(before)
+    before = c_build.num_threads()
+    yield c_build.set_num_threads
+    c_build.set_num_threads(before)
 
 
 def _exact(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
@@ -160,7 +160,7 @@ def test_concat_computes_each_part() -> None:
 
 def test_without_the_kernel_layers_run_the_torch_reference(monkeypatch, caplog) -> None:
     def broken(isa="native"):  # noqa: ANN001, ANN202
-        raise loader.CpuKernelError("no C compiler found (set CC, or install gcc)")
+        raise c_build.CpuKernelError("no C compiler found (set CC, or install gcc)")
 
     monkeypatch.setattr(quant, "load_quant", broken)
     monkeypatch.setattr(quant, "_fallback_logged", False)
@@ -171,7 +171,7 @@ def test_without_the_kernel_layers_run_the_torch_reference(monkeypatch, caplog) 
     assert layer.isa == "torch" and "no C compiler found" in caplog.text
     x = torch.randn(3, k)
     assert torch.equal(layer(x), quant.reference_linear(x, layer.dequantized_weight(), None))
-    with pytest.raises(loader.CpuKernelError):
+    with pytest.raises(c_build.CpuKernelError):
         QuantizedLinear(raw, Q.Q4_1, n, k, isa="avx2")
 
 
@@ -209,7 +209,7 @@ def test_gather_rows_reads_the_rows_from_the_panels() -> None:
 def test_each_build_runs_the_instructions_it_is_named_for() -> None:
     """A source that fails to compile with -march=native would silently load a lower flag set;
     the builds must say what they run: the native one what this CPU has."""
-    flags = loader.cpu_flags() or frozenset()
+    flags = c_build.cpu_flags() or frozenset()
     expected = ("avx512_vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags
                 else "avx_vnni" if {"avx2", "avx_vnni"} <= flags
                 else "avx2" if "avx2" in flags else "plain C")
@@ -222,12 +222,12 @@ def test_each_build_runs_the_instructions_it_is_named_for() -> None:
 
 
 @needs_kernel
-@pytest.mark.skipif(not ("avx2" in (loader.cpu_flags() or ()) and loader.missing_cpu_features("avx_vnni")),
+@pytest.mark.skipif(not ("avx2" in (c_build.cpu_flags() or ()) and c_build.missing_cpu_features("avx_vnni")),
                     reason="needs a CPU with AVX2 but without AVX-VNNI")
 def test_the_avxvnni_build_is_refused_without_avx_vnni() -> None:
     """Built for AVX-VNNI, the library's own cpuid check refuses it on a CPU without it, so
     it never runs there (native then is the plain AVX2 build)."""
-    with pytest.raises(loader.CpuKernelError, match="instructions this CPU lacks"):
+    with pytest.raises(c_build.CpuKernelError, match="instructions this CPU lacks"):
         quant.load_quant("avxvnni")
 
 

@@ -80,14 +80,14 @@ def test_resolve_num_threads(monkeypatch) -> None:
 def test_plan_and_apply() -> None:
     import torch
 
-    from batchgen.kernels.cpu import loader
+    from batchgen.kernels.cpu import c_build
 
     assert threads.plan(4, c_kernels=True) == threads.ThreadPlan(kernels=4, torch=1)
     assert threads.plan(4, c_kernels=False) == threads.ThreadPlan(kernels=4, torch=4)
-    before = torch.get_num_threads(), loader.num_threads()
+    before = torch.get_num_threads(), c_build.num_threads()
     try:
         threads.apply(threads.ThreadPlan(kernels=3, torch=1))
-        assert loader.num_threads() == 3 and torch.get_num_threads() == 1
+        assert c_build.num_threads() == 3 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before[0])
-        loader.set_num_threads(before[1])
+        c_build.set_num_threads(before[1])

@@ -31,7 +31,7 @@ import torch
 
 from batchgen.kernels import torch_attention
 
-from .loader import CpuKernelError, compiler, load_library
+from .c_build import CpuKernelError, compiler, load_library
 
 __all__ = ["CpuKernelError", "CpuOps", "KERNEL_SOURCE", "get_cpu_ops", "load", "paged_attention",
            "unsupported_reason"]

@@ -5,7 +5,7 @@
  * coefficients), then 2^n as two factors 2^(n/2) 2^(n - n/2) built in the exponent bits (n
  * reaches 128 just below the overflow; each factor stays a normal float). Relative error about
  * 2e-7. NaN in, NaN out, with no undefined behaviour on the way (UBSan-checked by the tests).
- * Never built with -ffast-math (see loader.py).
+ * Never built with -ffast-math (see c_build.py).
  */
 #ifndef BATCHGEN_CPU_EXP_H
 #define BATCHGEN_CPU_EXP_H

@@ -1,6 +1,6 @@
 /* batchgen: fused element-wise operations for the CPU, threaded over rows.
  *
- * Built and loaded by batchgen/kernels/cpu/fused.py (through loader.py). A decode step
+ * Built and loaded by batchgen/kernels/cpu/fused.py (through c_build.py). A decode step
  * of a small model runs a few dozen rows, where each torch element-wise op costs more in
  * dispatch and temporaries than in arithmetic. These replace chains of them with one pass:
  *

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from . import loader
+from . import c_build
 from .linear import DTYPES, as_rows
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,9 @@ def load_fused() -> Any:
     """The compiled library (built on first use, cached on disk like the other kernels).
 
     Raises:
-        loader.CpuKernelError: no compiler, or it would not build here.
+        c_build.CpuKernelError: no compiler, or it would not build here.
     """
-    return loader.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
+    return c_build.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
 
 
 def _declare(lib: Any) -> None:
@@ -95,7 +95,7 @@ def available() -> bool:
         return False
     try:
         load_fused()
-    except loader.CpuKernelError as exc:
+    except c_build.CpuKernelError as exc:
         _unavailable = str(exc)
         logger.info("fused CPU ops unavailable: %s", _unavailable.splitlines()[0])
         return False

@@ -1,6 +1,6 @@
 /* batchgen: linear layer y = x W^T (+ b) on the CPU, threaded, in float32, bfloat16 and float16.
  *
- * Built and loaded by batchgen/kernels/cpu/loader.py (with -march=native: the instructions
+ * Built and loaded by batchgen/kernels/cpu/c_build.py (with -march=native: the instructions
  * are those of the machine it runs on, and the build cache is keyed on the CPU's flags).
  *
  * Packing. The weight W [N, K] is packed once, at model load, into panels of NR = 16 output

@@ -15,7 +15,7 @@ of the call (batch-invariant) nor on the thread count, and reruns are bit-identi
 differs from torch's GEMM by float32 rounding (about 1e-6 relative); greedy and beam output
 still match HF ``generate`` in float32, which the oracle tests check.
 
-Threads: :func:`batchgen.kernels.cpu.loader.set_num_threads`. The CPU must have AVX2, FMA and
+Threads: :func:`batchgen.kernels.cpu.c_build.set_num_threads`. The CPU must have AVX2, FMA and
 F16C (checked at run time, before building, and again by the built library); anything else keeps
 torch's layers, with the reason logged. Inference only: there is no backward.
 """
@@ -31,7 +31,7 @@ import torch
 
 from batchgen.backends import LinearBackend
 
-from . import loader
+from . import c_build
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,16 @@ def load_linear(isa: str = "native") -> Any:
     for the AVX2 code alone (what a CPU without AVX-512 runs; the tests compare the two).
 
     Raises:
-        loader.CpuKernelError: the CPU lacks AVX2/FMA/F16C, no compiler, or it would not build.
+        c_build.CpuKernelError: the CPU lacks AVX2/FMA/F16C, no compiler, or it would not build.
     """
-    missing = loader.missing_cpu_features(*REQUIRED_FEATURES)
+    missing = c_build.missing_cpu_features(*REQUIRED_FEATURES)
     if missing:
-        raise loader.CpuKernelError(missing)
-    return loader.load_library("the CPU linear kernel", LINEAR_SOURCE, _declare, ISAS[isa],
+        raise c_build.CpuKernelError(missing)
+    return c_build.load_library("the CPU linear kernel", LINEAR_SOURCE, _declare, ISAS[isa],
                                accept=_runs_here, tag="" if isa == "native" else isa)
 
 
-_runs_here = loader.runs_here("batchgen_linear_cpu_ok")
+_runs_here = c_build.runs_here("batchgen_linear_cpu_ok")
 
 
 def _declare(lib: Any) -> None:
@@ -86,7 +86,7 @@ def unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"dtype {dtype} unsupported; the CPU linear kernel runs float32, bfloat16 and float16"
     try:
         load_linear()
-    except loader.CpuKernelError as exc:
+    except c_build.CpuKernelError as exc:
         return str(exc)
     return None
 

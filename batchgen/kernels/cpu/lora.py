@@ -13,7 +13,7 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
-from . import loader
+from . import c_build
 
 LORA_SOURCE = Path(__file__).resolve().parent / "lora.c"
 
@@ -27,9 +27,9 @@ def load_lora(isa: str = "native") -> Any:
     CPU without AVX-512 runs; the tests compare the two bit for bit).
 
     Raises:
-        loader.CpuKernelError: no compiler, or it would not build here.
+        c_build.CpuKernelError: no compiler, or it would not build here.
     """
-    return loader.load_library("the CPU LoRA kernel", LORA_SOURCE, _declare, ISAS[isa],
+    return c_build.load_library("the CPU LoRA kernel", LORA_SOURCE, _declare, ISAS[isa],
                                tag="" if isa == "native" else isa)
 
 

@@ -10,7 +10,7 @@
  * must not depend on it: callers split over independent outputs, never over a reduction.
  *
  * One pool per process. The pool itself is built once, from pool.c (this header with
- * BG_POOL_IMPLEMENTATION defined); loader.py hands its address to every kernel library
+ * BG_POOL_IMPLEMENTATION defined); c_build.py hands its address to every kernel library
  * through batchgen_pool_attach(). A library not attached (a test harness, say) runs every
  * bg_parallel_for on the caller. One pool rather than one per library, so that a worker of
  * one library never spins on a core another library's worker needs.
@@ -52,7 +52,7 @@ struct bg_pool_ops {
 
 static const struct bg_pool_ops *bg_pool_ops_attached;
 
-/* Exported: loader.py passes the process's pool (batchgen_pool_ops() of pool.c). Returns 0,
+/* Exported: c_build.py passes the process's pool (batchgen_pool_ops() of pool.c). Returns 0,
  * or -1 for a pool of another version (the library then stays on one thread). */
 int batchgen_pool_attach(const struct bg_pool_ops *ops) {
   if (ops && ops->version != BG_POOL_OPS_VERSION) return -1;
@@ -345,7 +345,7 @@ static void bg_pool_parallel_for(int64_t n, int64_t grain, bg_task_fn fn, void *
 static const struct bg_pool_ops bg_pool_ops_impl = {BG_POOL_OPS_VERSION, bg_pool_parallel_for,
                                                    bg_pool_set_num_threads, bg_pool_num_threads};
 
-/* Exported by the pool library: the address loader.py hands to batchgen_pool_attach(). */
+/* Exported by the pool library: the address c_build.py hands to batchgen_pool_attach(). */
 const struct bg_pool_ops *batchgen_pool_ops(void) { return &bg_pool_ops_impl; }
 void batchgen_set_num_threads(int n) { bg_pool_set_num_threads(n); }
 int batchgen_num_threads(void) { return bg_pool_num_threads(); }

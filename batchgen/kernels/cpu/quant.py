@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from . import loader
+from . import c_build as loader
 from .quant_formats import QUANT_FORMATS, format_of
 
 logger = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ tests is tests/kernels/cuda_harness/).
   reduce), ``reshape_and_cache`` and ``copy_blocks``; their torch reference is
   :mod:`batchgen.kernels.torch_attention`.
 * ``cuda_attention.py``: compiles the sources with NVRTC through cupy and launches them on torch
-  tensors (:class:`~batchgen.kernels.cuda.cuda_attention.KernelOps`); with ``loader.py`` the only
+  tensors (:class:`~batchgen.kernels.cuda.cuda_attention.KernelOps`); with ``toolchain.py`` the only
   modules that import cupy, and only when a GPU backend is built.
-* ``loader.py``: where NVRTC's headers are (CUDA toolkit, CUDA 12 and 13 wheels), and why the
+* ``toolchain.py``: where NVRTC's headers are (CUDA toolkit, CUDA 12 and 13 wheels), and why the
   backend cannot build here (for ``auto``'s fallback).
 * ``checks.py``: value checks of context lengths, block ids and slots before a launch.
 

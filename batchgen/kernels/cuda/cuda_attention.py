@@ -7,7 +7,7 @@ launched on torch's current CUDA stream, tensors passed through DLPack. The same
 through a :class:`Backend` of its own), so what is tested on a CPU is exactly the argument
 packing, grid and shared-memory sizing that runs on a GPU.
 
-cupy is imported only inside :class:`CupyBackend` here and inside :mod:`.loader`'s functions
+cupy is imported only inside :class:`CupyBackend` here and inside :mod:`.toolchain`'s functions
 (which finds NVRTC's headers). :mod:`.checks` checks the values of the indices the kernels follow.
 
 Split-K rule: a sequence of context length ``n`` is processed in ``ceil(n / PARTITION_SIZE)``
@@ -33,8 +33,8 @@ import torch
 
 from batchgen.kernels import torch_attention
 
-from . import checks, loader
-from .loader import nvrtc_include_dirs  # noqa: F401  (re-exported: where NVRTC's headers are)
+from . import checks, toolchain
+from .toolchain import nvrtc_include_dirs  # noqa: F401  (re-exported: where NVRTC's headers are)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCE = KERNEL_DIR / "paged_attention.cu"
@@ -117,7 +117,7 @@ class CupyBackend:
         try:
             import cupy  # noqa: F401  (optional dependency, imported only here)
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(f"attention_backend='cuda' needs cupy: {loader.INSTALL_HINT}") from exc
+            raise RuntimeError(f"attention_backend='cuda' needs cupy: {toolchain.INSTALL_HINT}") from exc
         self._cupy = cupy
         self._modules: dict[tuple[torch.dtype, int, int, int], Any] = {}
 
@@ -126,11 +126,11 @@ class CupyBackend:
         key = (dtype, head_size, block_size, dev)
         mod = self._modules.get(key)
         if mod is None:
-            version = loader.nvrtc_version()
+            version = toolchain.nvrtc_version()
             major = version[0] if version else None
-            includes = loader.nvrtc_include_dirs(major)
+            includes = toolchain.nvrtc_include_dirs(major)
             if not includes:
-                raise RuntimeError(loader.missing_headers_reason(major))
+                raise RuntimeError(toolchain.missing_headers_reason(major))
             # One directory only: two CUDA installs' headers must never mix.
             options = ["-std=c++17", f"-I{includes[0]}"]
             options += [f"-D{k}={v}" for k, v in module_defines(dtype, head_size, block_size).items()]

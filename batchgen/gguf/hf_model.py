@@ -33,6 +33,8 @@ error naming the file and the tensor.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import logging
 import time
@@ -41,12 +43,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.quants import dequantize
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchgen.gguf.architectures import ARCHITECTURES, Architecture
 from batchgen.gguf.embedding import QuantizedEmbedding
 from batchgen.gguf.metadata import open_gguf
 from batchgen.gguf.reader import GGUFError, GGUFFile
 from batchgen.gguf.tensor_map import check_tensors, is_tied, tensor_names
+from batchgen.kernels.cpu.quant import QuantizedLinear
 from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS  # the block types kept as stored
 
 logger = logging.getLogger(__name__)
@@ -100,8 +105,6 @@ class _Filler:
 
     def values(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``name`` as floats in ``dtype``, HF's ``shape``."""
-        from gguf.quants import dequantize
-
         tensor = self.gguf.tensor(name)
         kind = tensor.tensor_type.name
         data = tensor.data
@@ -133,8 +136,6 @@ class _Filler:
                   bias: torch.Tensor | None = None) -> torch.nn.Module:
         """The ``QuantizedLinear`` of ``name`` (made once: a tied ``lm_head`` and the
         embedding get the same layer)."""
-        from batchgen.kernels.cpu.quant import QuantizedLinear
-
         if name not in self.layers:
             tensor = self.gguf.tensor(name)
             kind = tensor.tensor_type.name
@@ -259,9 +260,6 @@ def _rebuild_buffers(model: torch.nn.Module, config: Any) -> None:
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``: about 1 ms a
     call), or None without glibc."""
-    import ctypes
-    import ctypes.util
-
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -299,8 +297,6 @@ def load_gguf_model(gguf_path: str | Path, config_folder: str | Path, *, dtype: 
         GGUFError: the file does not parse, is truncated, is of an unsupported architecture,
             or lacks a tensor the model needs (each naming the file, and the tensor).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     device = torch.device(device)
