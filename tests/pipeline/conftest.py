@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-QA_ROWS = [{"qid": f"q{i:02d}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(12)]
+from pipeline_rows import QA_ROWS, TINY_ENGINE
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +45,6 @@ def qa_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qa") / "qa.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in QA_ROWS))
     return path
-
-
-# Engine settings that keep the tiny model's KV cache small and the runs quick.
-TINY_ENGINE = {"kv_cache_memory": "16MiB", "max_num_seqs": 8, "block_size": 16}
 
 
 @pytest.fixture

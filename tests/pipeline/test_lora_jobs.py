@@ -20,7 +20,7 @@ from batchgen.plugins import load_registry  # noqa: E402
 from batchgen.run.execute import execute  # noqa: E402
 from batchgen.run.plan import plan  # noqa: E402
 
-from conftest import QA_ROWS, TINY_ENGINE  # noqa: E402
+from pipeline_rows import QA_ROWS, TINY_ENGINE  # noqa: E402
 from lora_adapters import ALL, save_adapter  # noqa: E402
 
 
