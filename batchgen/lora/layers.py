@@ -123,6 +123,10 @@ class LoRALinear(torch.nn.Module):
         self._scales = torch.zeros(n, p, dtype=torch.float32)
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[ModuleDelta, int, int, int, int]]]] = {}
         self._kernel = None
+        # the tables' addresses, fixed (they are written in place), in the kernel's order
+        self._tables = (self._a_ptr.data_ptr(), self._b_ptr.data_ptr(), self._rank.data_ptr(),
+                        self._table.data_ptr(), self._scales.data_ptr(), n, p)
+        self._work = 0  # the kernel's work per row (its largest slot's rank x (in + out)), for its grain
         self._device_weights: dict[tuple[int, torch.device], tuple[torch.Tensor, list[tuple]]] = {}
 
     def extra_repr(self) -> str:
@@ -135,6 +139,7 @@ class LoRALinear(torch.nn.Module):
         self._device_weights = {k: v for k, v in self._device_weights.items() if k[0] != slot}
         self._a_ptr[slot] = self._b_ptr[slot] = self._rank[slot] = 0
         self._table[slot] = 0
+        self._work = int(self._rank.max()) * (self.in_features + self.out_features)
         mine = [(part, deltas[part.module]) for part in self.parts if deltas and part.module in deltas]
         if not mine:
             return
@@ -152,6 +157,7 @@ class LoRALinear(torch.nn.Module):
         a, b = torch.cat(a_blocks).contiguous(), torch.cat(b_blocks).contiguous()
         self._weights[slot] = (a, b, rows)
         self._a_ptr[slot], self._b_ptr[slot], self._rank[slot] = a.data_ptr(), b.data_ptr(), rank
+        self._work = int(self._rank.max()) * (self.in_features + self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -173,12 +179,8 @@ class LoRALinear(torch.nn.Module):
         if self._kernel is None:
             self._kernel = cpu_lora.load_lora().batchgen_lora_f32
         rows = cpu_linear.as_rows(x, self.in_features, "LoRALinear")
-        rank = int(self._rank.max())
-        work = rank * (self.in_features + self.out_features)
         status = self._kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), out.stride(0), rows.shape[0],
-                              self.in_features, self.context.row_slot.data_ptr(), self._a_ptr.data_ptr(),
-                              self._b_ptr.data_ptr(), self._rank.data_ptr(), self._table.data_ptr(),
-                              self._scales.data_ptr(), self._rank.numel(), len(self.parts), work)
+                              self.in_features, self.context.row_slot.data_ptr(), *self._tables, self._work)
         if status != 0:
             raise ValueError(f"LoRALinear: a summed adapter rank above {cpu_lora.max_rank()}")
 
