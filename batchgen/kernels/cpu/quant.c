@@ -755,12 +755,12 @@ static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {
  * blk), added to acc. */
 #define AI __attribute__((always_inline))
 #define STEP_ARGS                                                                                    \
-  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t nb, const int8_t *q, \
+  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
       const int64_t k, const float *xd, const int32_t *xs, vf *acc
 
 /* Q4_0, Q5_0, Q8_0: n = dot - off sx; acc += (d_c dx) n */
 static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
-  const vf dw = vf_load(P->dw + b * NR);
+  const vf dw = vf_load(P->dw + pb * NR);
   (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
@@ -775,31 +775,31 @@ static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
 #define DOT32(direct) direct
 #define DOT_UNIT(direct, groups) direct
 #else
-#define DOT32(direct) unit_dot(mr, P->u + b * 32 * NR, 8, q + b * 32, k, d)
+#define DOT32(direct) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, k, d)
 #define DOT_UNIT(direct, groups) \
-  unit_dot(mr, P->u + b * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, d)
+  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, d)
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, d));
-  add_offset(d, 8, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 8, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, d));
-  add_offset(d, 16, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 16, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, d));
-  add_offset(d, 128, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 128, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) */
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
   (void)blk;
   DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, d));
-  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
+  const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
@@ -813,8 +813,8 @@ static inline AI void step_q4_1(STEP_ARGS) {
 /* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
  * acc += (d_c dx) is - (dmin_c dx) nm */
 static inline AI void add_k(const vi *is, STEP_ARGS) {
-  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
-  const int32_t *mn = P->mn + b * 8 * NR;
+  const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
+  const int32_t *mn = P->mn + pb * 8 * NR;
   (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
@@ -833,22 +833,22 @@ static inline AI void step_q4_k(STEP_ARGS) {
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, d), 8);
-    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_k(STEP_ARGS) {
   vi d[MR], is[MR];
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, k, d), 8);
-    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16; acc += (d_c dx) n */
 static inline AI void step_q6_k(STEP_ARGS) {
@@ -860,11 +860,11 @@ static inline AI void step_q6_k(STEP_ARGS) {
     (void)h;
     DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
                          (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, d), 4);
-    const vi scj = vi_load(P->sc + (b * 16 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * (k / 16) + 16 * b + j]))));
   }
-  const vf dw = vf_load(P->dw + b * NR);
+  const vf dw = vf_load(P->dw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
@@ -883,6 +883,18 @@ static inline AI void step_q6_k(STEP_ARGS) {
 typedef void panel_fn(const uint8_t *src, int64_t nb, struct panel *P);
 typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int8_t *q, int64_t k, const float *xd,
                       const int32_t *xs, float *out);
+typedef void gemv_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k, const float *xd,
+                     const int32_t *xs, float *out);
+
+/* The GEMV path (m <= GEMV_ROWS): one pass over each panel, block by block, its scales decoded
+ * in registers beside the dot products (no panel-wide scratch), the bytes PREFETCH_AHEAD
+ * further on (the rest of this panel, then the next: panels lie one after the other) asked
+ * for while this block computes. The same STEP as the tiles, so the same bits. */
+#define GEMV_ROWS 4
+#define PREFETCH_AHEAD 2048
+static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
+  for (int o = 0; o < bytes; o += 64) __builtin_prefetch(blk + PREFETCH_AHEAD + o, 0, 3);
+}
 
 #define TILE_CALL(name, mr_) tile_##name(mr_, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR)
 #define FORMAT_FNS(ID, name, BK, BYTES, UNITS, DECODE, SCALES, STEP)                                                   \
@@ -898,7 +910,7 @@ typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int
                                     const float *xd, const int32_t *xs, float *out /* [mr][NR] */) {          \
     vf acc[MR];                                                                                               \
     for (int r = 0; r < MR; r++) acc[r] = vf_zero();                                                          \
-    for (int64_t b = 0; b < nb; b++) STEP(mr, P, P->src + b * NR * (BYTES), b, nb, q, k, xd, xs, acc);         \
+    for (int64_t b = 0; b < nb; b++) STEP(mr, P, P->src + b * NR * (BYTES), b, b, nb, q, k, xd, xs, acc);         \
     for (int r = 0; r < MR; r++)                                                                              \
       if (r < mr) vf_store(out + r * NR, acc[r]);                                                             \
   }                                                                                                           \
@@ -916,6 +928,35 @@ typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int
       case 7: TILE_CALL(name, 7); break;                                                                      \
       default: break;                                                                                         \
     }                                                                                                         \
+  }                                                                                                           \
+  static inline AI void gemv_rows_##name(const int rows, const uint8_t *src, int64_t nb, const int8_t *q,     \
+                                         int64_t k, const float *xd, const int32_t *xs, float *out) {         \
+    struct panel P;                                                                                           \
+    uint8_t u[BG_DIRECT ? 64 : (BK) * NR] __attribute__((aligned(64)));                                       \
+    float dw[NR] __attribute__((aligned(64))), mw[NR] __attribute__((aligned(64)));                           \
+    int32_t sc[(UNITS) * NR] __attribute__((aligned(64))), mn[8 * NR] __attribute__((aligned(64)));           \
+    P.src = src, P.u = u, P.dw = dw, P.mw = mw, P.sc = sc, P.mn = mn;                                         \
+    vf acc[GEMV_ROWS];                                                                                        \
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vf_zero();                                                   \
+    for (int64_t b = 0; b < nb; b++) {                                                                        \
+      const uint8_t *blk = src + b * NR * (BYTES);                                                            \
+      prefetch_ahead(blk, NR * (BYTES));                                                                      \
+      if (!BG_DIRECT) DECODE(blk, u);                                                                         \
+      SCALES(blk, 0, &P);                                                                                     \
+      for (int r0 = 0; r0 < rows; r0 += MR)                                                                   \
+        STEP(rows - r0 < MR ? rows - r0 : MR, &P, blk, b, 0, nb, q + r0 * k, k, xd + r0 * nb,                 \
+             xs + r0 * (k / 16), acc + r0);                                                                   \
+    }                                                                                                         \
+    for (int r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                            \
+  }                                                                                                           \
+  static void gemv_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k,           \
+                          const float *xd, const int32_t *xs, float *out) {                                   \
+    switch (rows) {                                                                                           \
+      case 1: gemv_rows_##name(1, src, nb, q, k, xd, xs, out); break;                                         \
+      case 2: gemv_rows_##name(2, src, nb, q, k, xd, xs, out); break;                                         \
+      case 3: gemv_rows_##name(3, src, nb, q, k, xd, xs, out); break;                                         \
+      default: gemv_rows_##name(4, src, nb, q, k, xd, xs, out); break;                                        \
+    }                                                                                                         \
   }
 #define FORMATS_LIST(X)                                                   \
   X(2, q4_0, 32, 18, 1, decode_q4_0, scales_d, step_q4_0)                 \
@@ -931,8 +972,9 @@ struct format {
   int qtype, bk, bytes, units; /* the row's numbers */
   panel_fn *decode_panel;      /* this build's panel decoding */
   tiles_fn *tiles;             /* this build's dot products and their combination */
+  gemv_fn *gemv;               /* the same for at most GEMV_ROWS rows, in one pass */
 };
-#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, panel_##name, tiles_##name},
+#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, panel_##name, tiles_##name, gemv_##name},
 static const struct format FORMATS[] = {FORMATS_LIST(FORMAT_ROW)};
 
 /* The row of `qtype`, or NULL: an unknown type is refused, never read as another. */
@@ -956,6 +998,16 @@ struct job {
   int64_t ldy;
   int *failed; /* set when a chunk could not allocate its scratch */
 };
+
+/* rows [r0, r0 + rows) of panel p's outputs (out [rows][NR]) to y, plus the bias */
+static void store_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, const float *out) {
+  int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
+  for (int64_t r = 0; r < rows; r++) {
+    float *yr = J->y + (r0 + r) * J->ldy + p * NR;
+    const float *o = out + r * NR;
+    for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? o[c] + J->bias[p * NR + c] : o[c];
+  }
+}
 
 static void run_items(void *ctx, int64_t begin, int64_t end) {
   const struct job *J = (const struct job *)ctx;
@@ -984,14 +1036,20 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
       decoded = p;
     }
     f->tiles(rows, &P, nb, J->q + r0 * k, k, J->xd + r0 * nb, J->xs + r0 * (k / 16), out);
-    int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
-    for (int64_t r = 0; r < rows; r++) {
-      float *yr = J->y + (r0 + r) * J->ldy + p * NR;
-      const float *o = out + r * NR;
-      for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? o[c] + J->bias[p * NR + c] : o[c];
-    }
+    store_out(J, p, r0, rows, out);
   }
   free(mem);
+}
+
+/* m <= GEMV_ROWS: every row at once, panel after panel, in one pass (no scratch). */
+static void run_gemv(void *ctx, int64_t begin, int64_t end) {
+  const struct job *J = (const struct job *)ctx;
+  const int64_t nb = J->nb;
+  float out[GEMV_ROWS * NR] __attribute__((aligned(64)));
+  for (int64_t p = begin; p < end; p++) {
+    J->f->gemv(J->m, J->packed + p * nb * NR * J->f->bytes, nb, J->q, J->k, J->xd, J->xs, out);
+    store_out(J, p, 0, J->m, out);
+  }
 }
 
 struct qjob {
@@ -1035,7 +1093,7 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   int64_t items = J.npanels * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * NR * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);
-  bg_parallel_for(items, grain < 1 ? 1 : grain, run_items, &J);
+  bg_parallel_for(items, grain < 1 ? 1 : grain, m <= GEMV_ROWS ? run_gemv : run_items, &J);
   free(q);
   free(d);
   free(s);
