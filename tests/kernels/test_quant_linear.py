@@ -2,7 +2,8 @@
 
 For every format and every instruction-set build (``native``: AVX512-VNNI where the CPU has it,
 ``avx2`` forced, ``avxvnni`` forced (AVX2 with the 256-bit ``vpdpbusd``; where the CPU has
-AVX-VNNI), ``plain`` C), at 1, 7, 32 and 300 rows: the kernel equals its arithmetic
+AVX-VNNI), ``plain`` C), at 1, 3, 7, 32 and 300 rows (1-4 rows take the kernel's GEMV path, more
+its tiles): the kernel equals its arithmetic
 written out in torch (``quant_arith.py``: the same int8 activations, exact integer dot products,
 the same float32 order) bit for bit, so the builds agree bit for bit; and it lies within the
 stated bound (``quant.activation_error_bound``) of the exact product with the weight as
@@ -65,7 +66,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
 def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa: str, rows: int) -> None:
@@ -77,6 +78,37 @@ def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa:
     assert layer.isa == isa
     x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
     _check(layer(x), x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
+def test_odd_shapes(qtype: Q, isa: str) -> None:
+    """One output column, outputs not a multiple of the 16-column panel, and (for the types of
+    32-value blocks) K not a multiple of 256, on both the GEMV path (1-4 rows) and the tiles."""
+    _isa_or_skip(isa)
+    bs = quant.block_size(qtype)
+    torch.manual_seed(int(qtype))
+    for n, k in ((1, 3 * bs), (17, bs), (33, 5 * bs if bs == 32 else 2 * bs)):
+        layer = QuantizedLinear(quantized(qtype, n, k, seed=n), qtype, n, k, bias=torch.randn(n), isa=isa)
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, k)
+            _check(layer(x), x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_gemv_path_and_the_tiles_agree(isa: str) -> None:
+    """A row's bits are the same whether its call has 1-4 rows (the GEMV path) or more (the
+    tiles), at any position in the call."""
+    _isa_or_skip(isa)
+    torch.manual_seed(1)
+    x = torch.randn(9, 512)
+    for qtype in QUANT_FORMATS:
+        layer = QuantizedLinear(quantized(qtype, 24, 512, seed=3), qtype, 24, 512, isa=isa)
+        full = layer(x)
+        for lo, hi in ((0, 1), (2, 4), (5, 9), (3, 7), (8, 9)):
+            assert torch.equal(layer(x[lo:hi]), full[lo:hi]), (qtype.name, lo, hi)
 
 
 @needs_kernel
