@@ -644,24 +644,26 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
     }
   }
 }
-/* Q6_K (see the AVX-512 version); u <= 63: 2 groups' pairs summed in int16 (at most 32004). */
-static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
-                                                              const int s, const int sh, const int8_t *q,
-                                                              int64_t ldq, vi *out) {
+/* The AVX2 dot products of one unit from its decoded quants: w[g] (columns 0-7, 8-15) for
+ * `groups` groups of 4 k, each group's pairs (vpmaddubsw) summed in int16 `per` groups at a
+ * time, then widened (vpmaddwd by 1) and added in int32: per * (2 * 127 * umax) must stay
+ * below 32768 (Q6_K: umax 63, per 2; Q5_*: umax 31, per 4). Exact integers either way. */
+static inline __attribute__((always_inline)) void dot_pairs_widen(const int mr, const __m256i (*w)[2], const int groups,
+                                                                  const int per, const int8_t *q, int64_t ldq,
+                                                                  vi *out) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int g0 = 0; g0 < 4; g0 += 2) {
+  for (int g0 = 0; g0 < groups; g0 += per) {
     __m256i p0[MR], p1[MR];
     for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
-    for (int g = g0; g < g0 + 2; g++) {
-      const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
+    for (int g = g0; g < g0 + per; g++) {
       for (int r = 0; r < MR; r++) {
         if (r < mr) {
           int32_t xv;
           memcpy(&xv, q + r * ldq + 4 * g, 4);
           __m256i xb = _mm256_set1_epi32(xv);
-          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
-          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[g][0], xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[g][1], xb));
         }
       }
     }
@@ -673,34 +675,20 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
     }
   }
 }
-/* Q5_0 and Q5_K (see q5_half): u <= 31, so a pair is at most 31 * 127 * 2 = 7874; 4 groups'
- * pairs summed in int16 (at most 31496), widened once per 4. */
+/* Q6_K (see the AVX-512 version); u <= 63. */
+static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
+                                                              const int s, const int sh, const int8_t *q,
+                                                              int64_t ldq, vi *out) {
+  __m256i w[4][2];
+  for (int g = 0; g < 4; g++) w[g][0] = q6_half(ql, qh, g, 0, s, sh), w[g][1] = q6_half(ql, qh, g, 1, s, sh);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 4, 2, q, ldq, out);
+}
+/* Q5_0 and Q5_K (see q5_half): u <= 31. */
 static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
                                                               const int j, const int8_t *q, int64_t ldq, vi *out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int g0 = 0; g0 < 8; g0 += 4) {
-    __m256i p0[MR], p1[MR];
-    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
-    for (int g = g0; g < g0 + 4; g++) {
-      const __m256i w[2] = {q5_half(qs, qh, j, g, 0), q5_half(qs, qh, j, g, 1)};
-      for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-          int32_t xv;
-          memcpy(&xv, q + r * ldq + 4 * g, 4);
-          __m256i xb = _mm256_set1_epi32(xv);
-          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
-          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
-        }
-      }
-    }
-    for (int r = 0; r < MR; r++) {
-      if (r < mr) {
-        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
-        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
-      }
-    }
-  }
+  __m256i w[8][2];
+  for (int g = 0; g < 8; g++) w[g][0] = q5_half(qs, qh, j, g, 0), w[g][1] = q5_half(qs, qh, j, g, 1);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 8, 4, q, ldq, out);
 }
 #define BG_DIRECT 1
 #else
