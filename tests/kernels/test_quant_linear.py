@@ -6,7 +6,7 @@ AVX-VNNI), ``plain`` C), at 1, 3, 7, 32 and 300 rows (1-4 rows take the kernel's
 its tiles): the kernel equals its arithmetic
 written out in torch (``quant_arith.py``: the same int8 activations, exact integer dot products,
 the same float32 order) bit for bit, so the builds agree bit for bit; and it lies within the
-stated bound (``quant.activation_error_bound``) of the exact product with the weight as
+stated bound (``quant_arith.activation_error_bound``) of the exact product with the weight as
 ``gguf`` de-quantizes it. Batch invariance (a row alone or inside a batch, 1 or 2 threads),
 non-finite rows, 16-bit inputs, the embedded model's own tensors, and the torch fallback.
 """
@@ -60,7 +60,7 @@ def _exact(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 def _check(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
     raw = layer.raw_rows()
     assert torch.equal(y, quant_arith.quant_linear(x, raw, layer.qtype, layer.in_features, layer.bias))
-    bound = quant.activation_error_bound(x, layer.dequantized_weight(), layer.qtype)
+    bound = quant_arith.activation_error_bound(x, layer.dequantized_weight(), layer.qtype)
     err = (y.double() - _exact(x, layer)).abs()
     assert bool((err <= bound).all()), f"max error {err.max():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
 
@@ -221,7 +221,7 @@ def test_activation_rounding_ties_go_to_even(isa: str, qtype: Q) -> None:
     x[0, :bs] = ties.repeat(bs // 8)
     x[0, 0] = 127.0
     x[1] = torch.randn(k)
-    q, d, s16 = quant.quantize_activations(x, qtype, isa=isa)
+    q, d, s16 = quant_arith.kernel_quantization(x, qtype, isa=isa)
     q2, d2, s2 = quant_arith.quantize_activations(x, bs)
     assert torch.equal(q.int(), q2) and torch.equal(d, d2) and torch.equal(s16, s2.int())
     assert q[0, 1:8].tolist() == [2, 2, 0, -2, -2, 126, -126] and bool((q[2] == 0).all()) and d[2, 0] == 0
