@@ -879,7 +879,7 @@ typedef void gemv_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t 
  * further on (the rest of this panel, then the next: panels lie one after the other) asked
  * for while this block computes. The same STEP as the tiles, so the same bits. */
 #define GEMV_ROWS 4
-#define PREFETCH_AHEAD 2048
+#define PREFETCH_AHEAD 8192
 static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
   for (int o = 0; o < bytes; o += 64) __builtin_prefetch(blk + PREFETCH_AHEAD + o, 0, 3);
 }
