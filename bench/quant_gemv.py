@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--isa", default="native")
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds (interleaved)")
+    ap.add_argument("--largest", action="store_true", help="only each type's largest shape")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as Q
 
@@ -91,7 +92,7 @@ def main() -> None:
         for name in args.types.split(","):
             qtype = Q[name]
             kid = QUANT_FORMATS[qtype].kernel_id
-            for n, k in SHAPES[name]:
+            for n, k in SHAPES[name][-1:] if args.largest else SHAPES[name]:
                 ws = layers(qtype, n, k)
                 nbytes = ws[0].numel()
                 for t in threads:
