@@ -754,14 +754,14 @@ static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {
   const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
       const int64_t k, const float *xd, const int32_t *xs, vf *acc
 
-/* Q4_0, Q5_0, Q8_0: n = dot - off sx; acc += (d_c dx) n */
-static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
+/* Q4_0, Q5_0, Q8_0: n = dot - off sx (off = 1 << sh; sx in slot 2b, see pair_sums); acc += (d_c dx) n */
+static inline AI void add_offset(const vi *d, const int sh, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR);
   (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
-      const vi o = vi_set1(off * (xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]));
+      const vi o = vi_sll(vi_set1(xs[r * (k / 16) + 2 * b]), sh);
       acc[r] = vf_add(acc[r], vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(vi_sub(d[r], o))));
     }
   }
@@ -778,19 +778,19 @@ static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, d));
-  add_offset(d, 8, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, 3, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, d));
-  add_offset(d, 16, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, 4, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, d));
-  add_offset(d, 128, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, 7, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
-/* Q4_1: acc += (d_c dx) dot + m_c (dx sx) */
+/* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
   (void)blk;
@@ -799,7 +799,8 @@ static inline AI void step_q4_1(STEP_ARGS) {
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
-      const float sxd = dx * (float)(xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]);
+      float sxd;
+      memcpy(&sxd, xs + r * (k / 16) + 2 * b + 1, sizeof sxd);
       vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
       vf t2 = vf_mul(mw, vf_set1(sxd));
       acc[r] = vf_add(acc[r], vf_add(t1, t2));
@@ -816,7 +817,7 @@ static inline AI void add_k(const vi *is, STEP_ARGS) {
     if (r < mr) {
       const int32_t *xr = xs + r * (k / 16) + 16 * b;
       vi im = vi_zero();
-      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j] + xr[2 * j + 1])));
+      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j])));
       const vf dx = vf_set1(xd[r * nb + b]);
       vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
       vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
@@ -858,7 +859,7 @@ static inline AI void step_q6_k(STEP_ARGS) {
                          (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, d), 4);
     const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
-      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * (k / 16) + 16 * b + j]))));
+      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_sll(vi_set1(xs[r * (k / 16) + 16 * b + j]), 5))));
   }
   const vf dw = vf_load(P->dw + pb * NR);
   for (int r = 0; r < MR; r++) {
@@ -1048,15 +1049,36 @@ static void run_gemv(void *ctx, int64_t begin, int64_t end) {
 struct qjob {
   const float *x;
   int64_t ldx, k;
-  int bk;
+  int bk, units;
   int8_t *q;
   float *d;
   int32_t *s;
 };
 
+/* What the steps read of the sums, computed once per row instead of in every panel's inner loop
+ * (batchgen_quant_rows returns the sums as they are): where a format scales sub-blocks of 32
+ * (units 1 and 8), slot 2j of a row's s16 holds the sum over the 32 values j, s16[2j] +
+ * s16[2j + 1]; with blocks of 32 (units 1), slot 2j + 1 then holds the float bits of d_j *
+ * (float)sum_j (Q4_1's dx sx). The same integers and the same float product as before. */
+static void pair_sums(int64_t k, int bk, int units, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
+  if (units == 16) return;
+  for (int64_t r = r0; r < r1; r++) {
+    int32_t *sr = s16 + r * (k / 16);
+    for (int64_t j = 0; j < k / 32; j++) {
+      const int32_t sx = sr[2 * j] + sr[2 * j + 1];
+      sr[2 * j] = sx;
+      if (bk == 32) {
+        const float sxd = d[r * (k / 32) + j] * (float)sx;
+        memcpy(sr + 2 * j + 1, &sxd, sizeof sxd);
+      }
+    }
+  }
+}
+
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
   quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s);
+  pair_sums(Q->k, Q->bk, Q->units, begin, end, Q->d, Q->s);
 }
 
 /* y [m][ldy] = x [m][ldx] W^T (+ bias), W [n][k] packed as described at the top (npanels =
@@ -1077,7 +1099,7 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f->bk, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, f->units, q, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 
