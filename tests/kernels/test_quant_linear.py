@@ -138,6 +138,7 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(qtype: Q, pool_thread
     full = layer(batch)
     assert torch.equal(full[[0, 63, 64, 149]], alone)
     assert torch.equal(layer(batch[60:70])[3:5], full[63:65])
+    assert torch.equal(layer(batch[62:65]), full[62:65])  # 3 rows (the GEMV path) on 2 threads
     pool_threads(1)
     assert torch.equal(layer(batch), full)
 
