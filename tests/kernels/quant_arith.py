@@ -2,6 +2,9 @@
 int8 quantization, the weights' integer fields read from the GGUF bytes (independently of
 ``kernels/cpu/quant.py``'s de-quantization), exact integer dot products, and the float32
 combination of the block sums in ``quant.c``'s order. The kernel must equal it bit for bit.
+Also the kernel's own activation quantization (``batchgen_quant_rows``, to compare with this
+model) and the stated bound of the kernel's distance from the exact product
+(:func:`activation_error_bound`, ``docs/kernels.md``).
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+from batchgen.kernels.cpu import quant
 
 
 def quantize_activations(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,6 +29,41 @@ def quantize_activations(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.
     d = torch.where(finite, d, torch.full((), float("nan")))
     s16 = q.reshape(m, k // 16, 16).sum(dim=2)
     return q, d, s16
+
+
+def kernel_quantization(x: torch.Tensor, qtype: Q, isa: str = "native") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's (build ``isa``) int8 quantization of ``x`` [M, K] float32 for a weight of
+    ``qtype``: ``(q [M, K] int8, d [M, K / block] float32, s16 [M, K / 16] int32)``."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    bs = GGML_QUANT_SIZES[Q(qtype)][0]
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // bs)
+    s = torch.empty(m, k // 16, dtype=torch.int32)
+    quant.load_quant(isa).batchgen_quant_rows(x.data_ptr(), k, m, k, bs, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
+def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """How far the kernel's output may lie from the exact product of ``x`` [M, K] with the
+    de-quantized ``weight`` [N, K] (float64, [M, N]).
+
+    The kernel rounds each block of ``x`` (32 values; 256 for the K-quants) to int8 with the
+    scale ``amax / 127``: each value moves by at most half a step, ``amax_b / 254``. So an
+    output moves by at most ``sum_b (amax_b / 254) sum_{k in b} |w_k|``; the float32
+    combination of the block sums adds a sequential-sum rounding term,
+    ``(n_blocks + 4) eps sum_k |x_k w_k|``, and the int8 values' own rounding of the products
+    (``eps``-relative, absorbed by the 1 % margin).
+    """
+    bs = GGML_QUANT_SIZES[Q(qtype)][0]
+    m, k = x.shape
+    xd, wd = x.double(), weight.double()
+    amax = xd.abs().reshape(m, k // bs, bs).amax(dim=2)                  # [M, B]
+    wsum = wd.abs().reshape(weight.shape[0], k // bs, bs).sum(dim=2)     # [N, B]
+    step = (amax / 254.0) @ wsum.T
+    eps = torch.finfo(torch.float32).eps
+    rounding = (k // bs + 4) * eps * (xd.abs() @ wd.abs().T)
+    return 1.01 * step + 2 * rounding + 1e-30
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,11 @@
 
 For every format and every instruction-set build (``native``: AVX512-VNNI where the CPU has it,
 ``avx2`` forced, ``avxvnni`` forced (AVX2 with the 256-bit ``vpdpbusd``; where the CPU has
-AVX-VNNI), ``plain`` C), at 1, 7, 32 and 300 rows: the kernel equals its arithmetic
+AVX-VNNI), ``plain`` C), at 1, 3, 7, 32 and 300 rows (1-4 rows take the kernel's GEMV path, more
+its tiles): the kernel equals its arithmetic
 written out in torch (``quant_arith.py``: the same int8 activations, exact integer dot products,
 the same float32 order) bit for bit, so the builds agree bit for bit; and it lies within the
-stated bound (``quant.activation_error_bound``) of the exact product with the weight as
+stated bound (``quant_arith.activation_error_bound``) of the exact product with the weight as
 ``gguf`` de-quantizes it. Batch invariance (a row alone or inside a batch, 1 or 2 threads),
 non-finite rows, 16-bit inputs, the embedded model's own tensors, and the torch fallback.
 """
@@ -59,13 +60,13 @@ def _exact(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
 def _check(y: torch.Tensor, x: torch.Tensor, layer: QuantizedLinear) -> None:
     raw = layer.raw_rows()
     assert torch.equal(y, quant_arith.quant_linear(x, raw, layer.qtype, layer.in_features, layer.bias))
-    bound = quant.activation_error_bound(x, layer.dequantized_weight(), layer.qtype)
+    bound = quant_arith.activation_error_bound(x, layer.dequantized_weight(), layer.qtype)
     err = (y.double() - _exact(x, layer)).abs()
     assert bool((err <= bound).all()), f"max error {err.max():.3e}, bound there {bound.flatten()[err.argmax()]:.3e}"
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
 def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa: str, rows: int) -> None:
@@ -77,6 +78,37 @@ def test_equals_its_arithmetic_and_the_reference_within_the_bound(qtype: Q, isa:
     assert layer.isa == isa
     x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
     _check(layer(x), x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
+def test_odd_shapes(qtype: Q, isa: str) -> None:
+    """One output column, outputs not a multiple of the 16-column panel, and (for the types of
+    32-value blocks) K not a multiple of 256, on both the GEMV path (1-4 rows) and the tiles."""
+    _isa_or_skip(isa)
+    bs = quant.block_size(qtype)
+    torch.manual_seed(int(qtype))
+    for n, k in ((1, 3 * bs), (17, bs), (33, 5 * bs if bs == 32 else 2 * bs)):
+        layer = QuantizedLinear(quantized(qtype, n, k, seed=n), qtype, n, k, bias=torch.randn(n), isa=isa)
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, k)
+            _check(layer(x), x, layer)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_gemv_path_and_the_tiles_agree(isa: str) -> None:
+    """A row's bits are the same whether its call has 1-4 rows (the GEMV path) or more (the
+    tiles), at any position in the call."""
+    _isa_or_skip(isa)
+    torch.manual_seed(1)
+    x = torch.randn(9, 512)
+    for qtype in QUANT_FORMATS:
+        layer = QuantizedLinear(quantized(qtype, 24, 512, seed=3), qtype, 24, 512, isa=isa)
+        full = layer(x)
+        for lo, hi in ((0, 1), (2, 4), (5, 9), (3, 7), (8, 9)):
+            assert torch.equal(layer(x[lo:hi]), full[lo:hi]), (qtype.name, lo, hi)
 
 
 @needs_kernel
@@ -106,6 +138,7 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(qtype: Q, pool_thread
     full = layer(batch)
     assert torch.equal(full[[0, 63, 64, 149]], alone)
     assert torch.equal(layer(batch[60:70])[3:5], full[63:65])
+    assert torch.equal(layer(batch[62:65]), full[62:65])  # 3 rows (the GEMV path) on 2 threads
     pool_threads(1)
     assert torch.equal(layer(batch), full)
 
@@ -189,7 +222,7 @@ def test_activation_rounding_ties_go_to_even(isa: str, qtype: Q) -> None:
     x[0, :bs] = ties.repeat(bs // 8)
     x[0, 0] = 127.0
     x[1] = torch.randn(k)
-    q, d, s16 = quant.quantize_activations(x, qtype, isa=isa)
+    q, d, s16 = quant_arith.kernel_quantization(x, qtype, isa=isa)
     q2, d2, s2 = quant_arith.quantize_activations(x, bs)
     assert torch.equal(q.int(), q2) and torch.equal(d, d2) and torch.equal(s16, s2.int())
     assert q[0, 1:8].tolist() == [2, 2, 0, -2, -2, 126, -126] and bool((q[2] == 0).all()) and d[2, 0] == 0

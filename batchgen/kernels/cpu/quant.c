@@ -19,7 +19,7 @@
  * takes; the K-quants' sub-block scales and Q5_0's 32 fifth bits: one 32-bit lane per column,
  * decoded by shifts, Q5_0's bits by a byte shuffle).
  * Where the CPU has AVX2 or AVX-512, the quants are decoded in registers as the dot products
- * read them; the plain C build goes through a decoded copy of the panel.
+ * read them; the plain C build goes through a decoded copy of each block (in L1).
  *
  * Activations. Each row of x is quantized, per block of BK values (32; 256 for the K-quants):
  *   if the block holds a NaN or an infinity: d = NaN, q = 0 (its outputs become NaN);
@@ -46,8 +46,15 @@
  * and its weight row alone: the tile, the row block, the thread and the other rows of the call
  * change no bit (batch-invariant).
  *
+ * Passes. Each item reads its panel once, block by block (FORMAT_FNS): the bytes 8 KiB ahead
+ * prefetched, each block's scales decoded once for every row of the item, then its dot products
+ * and the epilogue above for each tile of rows. At most 4 rows (decode at batch 1-4) the
+ * accumulators stay in registers (the GEMV path, bound by the memory); more rows take tiles of
+ * MR, 256 values of k at a time. Which path a row takes changes none of its bits.
+ *
  * Threads. The work is a grid of (block of up to MC rows, panel) items, split by bg_parallel_for
- * into contiguous runs; no item splits an output's sum over blocks.
+ * into contiguous runs (at batch 1, contiguous runs of panels: each thread streams its own part
+ * of the weight); no item splits an output's sum over blocks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -644,24 +651,26 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
     }
   }
 }
-/* Q6_K (see the AVX-512 version); u <= 63: 2 groups' pairs summed in int16 (at most 32004). */
-static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
-                                                              const int s, const int sh, const int8_t *q,
-                                                              int64_t ldq, vi *out) {
+/* The AVX2 dot products of one unit from its decoded quants: w[g] (columns 0-7, 8-15) for
+ * `groups` groups of 4 k, each group's pairs (vpmaddubsw) summed in int16 `per` groups at a
+ * time, then widened (vpmaddwd by 1) and added in int32: per * (2 * 127 * umax) must stay
+ * below 32768 (Q6_K: umax 63, per 2; Q5_*: umax 31, per 4). Exact integers either way. */
+static inline __attribute__((always_inline)) void dot_pairs_widen(const int mr, const __m256i (*w)[2], const int groups,
+                                                                  const int per, const int8_t *q, int64_t ldq,
+                                                                  vi *out) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int g0 = 0; g0 < 4; g0 += 2) {
+  for (int g0 = 0; g0 < groups; g0 += per) {
     __m256i p0[MR], p1[MR];
     for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
-    for (int g = g0; g < g0 + 2; g++) {
-      const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
+    for (int g = g0; g < g0 + per; g++) {
       for (int r = 0; r < MR; r++) {
         if (r < mr) {
           int32_t xv;
           memcpy(&xv, q + r * ldq + 4 * g, 4);
           __m256i xb = _mm256_set1_epi32(xv);
-          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
-          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
+          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[g][0], xb));
+          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[g][1], xb));
         }
       }
     }
@@ -673,34 +682,20 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
     }
   }
 }
-/* Q5_0 and Q5_K (see q5_half): u <= 31, so a pair is at most 31 * 127 * 2 = 7874; 4 groups'
- * pairs summed in int16 (at most 31496), widened once per 4. */
+/* Q6_K (see the AVX-512 version); u <= 63. */
+static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
+                                                              const int s, const int sh, const int8_t *q,
+                                                              int64_t ldq, vi *out) {
+  __m256i w[4][2];
+  for (int g = 0; g < 4; g++) w[g][0] = q6_half(ql, qh, g, 0, s, sh), w[g][1] = q6_half(ql, qh, g, 1, s, sh);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 4, 2, q, ldq, out);
+}
+/* Q5_0 and Q5_K (see q5_half): u <= 31. */
 static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
                                                               const int j, const int8_t *q, int64_t ldq, vi *out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int g0 = 0; g0 < 8; g0 += 4) {
-    __m256i p0[MR], p1[MR];
-    for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
-    for (int g = g0; g < g0 + 4; g++) {
-      const __m256i w[2] = {q5_half(qs, qh, j, g, 0), q5_half(qs, qh, j, g, 1)};
-      for (int r = 0; r < MR; r++) {
-        if (r < mr) {
-          int32_t xv;
-          memcpy(&xv, q + r * ldq + 4 * g, 4);
-          __m256i xb = _mm256_set1_epi32(xv);
-          p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(w[0], xb));
-          p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(w[1], xb));
-        }
-      }
-    }
-    for (int r = 0; r < MR; r++) {
-      if (r < mr) {
-        out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
-        out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
-      }
-    }
-  }
+  __m256i w[8][2];
+  for (int g = 0; g < 8; g++) w[g][0] = q5_half(qs, qh, j, g, 0), w[g][1] = q5_half(qs, qh, j, g, 1);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 8, 4, q, ldq, out);
 }
 #define BG_DIRECT 1
 #else
@@ -709,13 +704,14 @@ static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, cons
 
 /* ---- the layer ----------------------------------------------------------------------------- */
 
-/* One panel decoded for all its blocks: u [k / 4][64], and per block the float scales and the
- * K-quants' integer ones. */
+/* A few blocks of a panel decoded (slots pb = 0, 1, ..., the blocks FORMAT_FNS works on at a
+ * time): per block the float scales and the K-quants' integer ones, and the plain C build's
+ * quants u [bk / 4][64]. */
 struct panel {
   const uint8_t *src; /* the packed panel itself (the direct dot products read it) */
   uint8_t *u;         /* decoded, where the dot products read a scratch (plain C) */
-  float *dw, *mw;     /* [nb][16]: d, and Q4_1's m or the K-quants' dmin */
-  int32_t *sc, *mn;   /* [nb][units][16], [nb][8][16] */
+  float *dw, *mw;     /* [slot][16]: d, and Q4_1's m or the K-quants' dmin */
+  int32_t *sc, *mn;   /* [slot][units][16], [slot][8][16] */
 };
 
 /* ---- each format's scales, decoded per block of the panel (16 columns at once) -------------- */
@@ -755,17 +751,17 @@ static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {
  * blk), added to acc. */
 #define AI __attribute__((always_inline))
 #define STEP_ARGS                                                                                    \
-  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t nb, const int8_t *q, \
+  const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
       const int64_t k, const float *xd, const int32_t *xs, vf *acc
 
-/* Q4_0, Q5_0, Q8_0: n = dot - off sx; acc += (d_c dx) n */
-static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
-  const vf dw = vf_load(P->dw + b * NR);
+/* Q4_0, Q5_0, Q8_0: n = dot - off sx (off = 1 << sh; sx in slot 2b, see pair_sums); acc += (d_c dx) n */
+static inline AI void add_offset(const vi *d, const int sh, STEP_ARGS) {
+  const vf dw = vf_load(P->dw + pb * NR);
   (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
-      const vi o = vi_set1(off * (xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]));
+      const vi o = vi_sll(vi_set1(xs[r * (k / 16) + 2 * b]), sh);
       acc[r] = vf_add(acc[r], vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(vi_sub(d[r], o))));
     }
   }
@@ -775,35 +771,36 @@ static inline AI void add_offset(const vi *d, const int32_t off, STEP_ARGS) {
 #define DOT32(direct) direct
 #define DOT_UNIT(direct, groups) direct
 #else
-#define DOT32(direct) unit_dot(mr, P->u + b * 32 * NR, 8, q + b * 32, k, d)
+#define DOT32(direct) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, k, d)
 #define DOT_UNIT(direct, groups) \
-  unit_dot(mr, P->u + b * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, d)
+  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, d)
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, d));
-  add_offset(d, 8, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 3, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, d));
-  add_offset(d, 16, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 4, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, d));
-  add_offset(d, 128, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_offset(d, 7, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
-/* Q4_1: acc += (d_c dx) dot + m_c (dx sx) */
+/* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
   (void)blk;
   DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, d));
-  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
+  const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[r * nb + b];
-      const float sxd = dx * (float)(xs[r * (k / 16) + 2 * b] + xs[r * (k / 16) + 2 * b + 1]);
+      float sxd;
+      memcpy(&sxd, xs + r * (k / 16) + 2 * b + 1, sizeof sxd);
       vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
       vf t2 = vf_mul(mw, vf_set1(sxd));
       acc[r] = vf_add(acc[r], vf_add(t1, t2));
@@ -813,14 +810,14 @@ static inline AI void step_q4_1(STEP_ARGS) {
 /* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
  * acc += (d_c dx) is - (dmin_c dx) nm */
 static inline AI void add_k(const vi *is, STEP_ARGS) {
-  const vf dw = vf_load(P->dw + b * NR), mw = vf_load(P->mw + b * NR);
-  const int32_t *mn = P->mn + b * 8 * NR;
+  const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
+  const int32_t *mn = P->mn + pb * 8 * NR;
   (void)q, (void)blk;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const int32_t *xr = xs + r * (k / 16) + 16 * b;
       vi im = vi_zero();
-      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j] + xr[2 * j + 1])));
+      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j])));
       const vf dx = vf_set1(xd[r * nb + b]);
       vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
       vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
@@ -833,22 +830,22 @@ static inline AI void step_q4_k(STEP_ARGS) {
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, d), 8);
-    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_k(STEP_ARGS) {
   vi d[MR], is[MR];
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
     DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, k, d), 8);
-    const vi scj = vi_load(P->sc + (b * 8 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16; acc += (d_c dx) n */
 static inline AI void step_q6_k(STEP_ARGS) {
@@ -860,11 +857,11 @@ static inline AI void step_q6_k(STEP_ARGS) {
     (void)h;
     DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
                          (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, d), 4);
-    const vi scj = vi_load(P->sc + (b * 16 + j) * NR);
+    const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
-      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_set1(32 * xs[r * (k / 16) + 16 * b + j]))));
+      if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, vi_sub(d[r], vi_sll(vi_set1(xs[r * (k / 16) + 16 * b + j]), 5))));
   }
-  const vf dw = vf_load(P->dw + b * NR);
+  const vf dw = vf_load(P->dw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
@@ -876,46 +873,104 @@ static inline AI void step_q6_k(STEP_ARGS) {
 /* ---- each format's functions, and the table -----------------------------------------------
  * FORMATS_LIST holds one row per block type: its GGML type id (gguf.GGMLQuantizationType), its
  * name, weights and bytes per block, units (sub-blocks whose integer sums are scaled apart: 1,
- * 8 or 16), and its decode, scales and step functions above. FORMAT_FNS makes of a row
- *   panel_<name>: decode a panel's nb blocks (the scales; the quants too in the plain C build);
- *   tiles_<name>: rows of an item against a decoded panel, MR rows a tile (then the rest), each
- *     tile's acc over every block in order (the step inlined: one loop per format and build). */
-typedef void panel_fn(const uint8_t *src, int64_t nb, struct panel *P);
-typedef void tiles_fn(int64_t rows, const struct panel *P, int64_t nb, const int8_t *q, int64_t k, const float *xd,
-                      const int32_t *xs, float *out);
+ * 8 or 16), and its decode, scales and step functions above. FORMAT_FNS makes of a row two
+ * functions over one panel (src: its packed bytes) and `rows` rows of x (q, xd, xs at the
+ * first), each in ONE pass over the panel, block by block: the block's bytes PREFETCH_AHEAD
+ * further on are asked for (the rest of this panel, then the next: panels lie one after the
+ * other), its scales decoded once (and in the plain C build its quants) into a one-block
+ * scratch that stays in L1, then the step for every row, each output's acc over b = 0, 1, ...
+ * in order (so the same bits whatever the rows, the function or the build):
+ *   gemv_<name>: at most GEMV_ROWS rows, acc in registers (batch 1-4: bound by the memory);
+ *   rows_<name>: at most MC rows, MR a tile (then the rest), acc in an L1 array: each block's
+ *     scales decoded once for all rows, its quants once per tile. */
+typedef void rows_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k, const float *xd,
+                     const int32_t *xs, float *out);
 
-#define TILE_CALL(name, mr_) tile_##name(mr_, P, nb, q + r * k, k, xd + r * nb, xs + r * (k / 16), out + r * NR)
-#define FORMAT_FNS(ID, name, BK, BYTES, UNITS, DECODE, SCALES, STEP)                                                   \
-  static void panel_##name(const uint8_t *src, int64_t nb, struct panel *P) {                                 \
-    P->src = src;                                                                                             \
+#define GEMV_ROWS 4
+#define PREFETCH_AHEAD 8192
+static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
+  for (int o = 0; o < bytes; o += 64) __builtin_prefetch(blk + PREFETCH_AHEAD + o, 0, 3);
+}
+
+/* The scratch P of a format (BK, UNITS) for KC blocks: their scales, and the plain C build's
+ * quants. rows_<name> takes the blocks KC_OF(BK) at a time (256 values), so that the acc of a
+ * tile stays in registers over a few blocks of 32. */
+#define KC_OF(BK) (256 / (BK))
+#define BLOCK_SCRATCH(BK, UNITS)                                                                              \
+  struct panel P;                                                                                             \
+  uint8_t u_[BG_DIRECT ? 64 : KC_OF(BK) * (BK) * NR] __attribute__((aligned(64)));                            \
+  float dw_[KC_OF(BK) * NR] __attribute__((aligned(64))), mw_[KC_OF(BK) * NR] __attribute__((aligned(64)));   \
+  int32_t sc_[KC_OF(BK) * (UNITS) * NR] __attribute__((aligned(64))), mn_[8 * NR] __attribute__((aligned(64))); \
+  P.src = src, P.u = u_, P.dw = dw_, P.mw = mw_, P.sc = sc_, P.mn = mn_
+/* block b (scratch slot pb): its bytes, its scales (and quants) */
+#define BLOCK_START(BK, BYTES, DECODE, SCALES, pb)                                                            \
+  const uint8_t *blk = src + b * NR * (BYTES);                                                                \
+  if (!BG_DIRECT) DECODE(blk, P.u + (pb) * (BK) * NR);                                                        \
+  SCALES(blk, (pb), &P)
+/* mr_ rows from r0_ over blocks [b0, b1), their acc in registers meanwhile; the first tile asks
+ * for the bytes PREFETCH_AHEAD on, a block at a time between its steps (a burst of a chunk's
+ * prefetches at once is partly dropped: Q8_0 at 8 rows streamed at a third of its speed) */
+#define ROWS_TILE(STEP, BYTES, mr_, r0_)                                                                      \
+  do {                                                                                                        \
+    vf a_[MR];                                                                                                \
+    for (int r = 0; r < MR; r++) a_[r] = r < (mr_) ? acc[(r0_) + r] : vf_zero();                              \
+    for (int64_t b = b0; b < b1; b++) {                                                                       \
+      if ((r0_) == 0) prefetch_ahead(src + b * NR * (BYTES), NR * (BYTES));                                   \
+      STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, xd + (r0_) * nb,               \
+           xs + (r0_) * (k / 16), a_);                                                                        \
+    }                                                                                                         \
+    for (int r = 0; r < (mr_); r++) acc[(r0_) + r] = a_[r];                                                   \
+  } while (0)
+/* the GEMV path's step: mr_ rows from r0_ against block b (scratch slot 0) */
+#define ROWS_STEP(STEP, mr_, r0_) \
+  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + (r0_) * nb, xs + (r0_) * (k / 16), acc + (r0_))
+#define ROWS_REST(STEP, BYTES, n) \
+  case n:                         \
+    if (n < MR) ROWS_TILE(STEP, BYTES, n, r0); \
+    break;
+
+#define FORMAT_FNS(ID, name, BK, BYTES, UNITS, DECODE, SCALES, STEP)                                          \
+  static inline AI void gemv_rows_##name(const int rows, const uint8_t *src, int64_t nb, const int8_t *q,     \
+                                         int64_t k, const float *xd, const int32_t *xs, float *out) {         \
+    BLOCK_SCRATCH(BK, UNITS);                                                                                 \
+    vf acc[GEMV_ROWS];                                                                                        \
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vf_zero();                                                   \
     for (int64_t b = 0; b < nb; b++) {                                                                        \
-      const uint8_t *blk = src + b * NR * (BYTES);                                                            \
-      if (!BG_DIRECT) DECODE(blk, P->u + b * (BK) * NR);                                                      \
-      SCALES(blk, b, P);                                                                                      \
+      BLOCK_START(BK, BYTES, DECODE, SCALES, 0);                                                              \
+      prefetch_ahead(blk, NR * (BYTES));                                                                      \
+      for (int r0 = 0; r0 < rows; r0 += MR) ROWS_STEP(STEP, rows - r0 < MR ? rows - r0 : MR, r0);             \
+    }                                                                                                         \
+    for (int r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                            \
+  }                                                                                                           \
+  static void gemv_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k,           \
+                          const float *xd, const int32_t *xs, float *out) {                                   \
+    switch (rows) {                                                                                           \
+      case 1: gemv_rows_##name(1, src, nb, q, k, xd, xs, out); break;                                         \
+      case 2: gemv_rows_##name(2, src, nb, q, k, xd, xs, out); break;                                         \
+      case 3: gemv_rows_##name(3, src, nb, q, k, xd, xs, out); break;                                         \
+      default: gemv_rows_##name(4, src, nb, q, k, xd, xs, out); break;                                        \
     }                                                                                                         \
   }                                                                                                           \
-  static inline AI void tile_##name(const int mr, const struct panel *P, int64_t nb, const int8_t *q, int64_t k, \
-                                    const float *xd, const int32_t *xs, float *out /* [mr][NR] */) {          \
-    vf acc[MR];                                                                                               \
-    for (int r = 0; r < MR; r++) acc[r] = vf_zero();                                                          \
-    for (int64_t b = 0; b < nb; b++) STEP(mr, P, P->src + b * NR * (BYTES), b, nb, q, k, xd, xs, acc);         \
-    for (int r = 0; r < MR; r++)                                                                              \
-      if (r < mr) vf_store(out + r * NR, acc[r]);                                                             \
-  }                                                                                                           \
-  static void tiles_##name(int64_t rows, const struct panel *P, int64_t nb, const int8_t *q, int64_t k,       \
-                           const float *xd, const int32_t *xs, float *out) {                                  \
-    int64_t r = 0;                                                                                            \
-    for (; r + MR <= rows; r += MR) TILE_CALL(name, MR);                                                      \
-    switch (rows - r) {                                                                                       \
-      case 1: TILE_CALL(name, 1); break;                                                                      \
-      case 2: TILE_CALL(name, 2); break;                                                                      \
-      case 3: TILE_CALL(name, 3); break;                                                                      \
-      case 4: TILE_CALL(name, 4); break;                                                                      \
-      case 5: TILE_CALL(name, 5); break;                                                                      \
-      case 6: TILE_CALL(name, 6); break;                                                                      \
-      case 7: TILE_CALL(name, 7); break;                                                                      \
-      default: break;                                                                                         \
+  static void rows_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k,           \
+                          const float *xd, const int32_t *xs, float *out) {                                   \
+    BLOCK_SCRATCH(BK, UNITS);                                                                                 \
+    vf acc[MC];                                                                                               \
+    for (int64_t r = 0; r < rows; r++) acc[r] = vf_zero();                                                    \
+    for (int64_t b0 = 0; b0 < nb; b0 += KC_OF(BK)) {                                                          \
+      const int64_t b1 = b0 + KC_OF(BK) < nb ? b0 + KC_OF(BK) : nb;                                           \
+      for (int64_t b = b0; b < b1; b++) {                                                                     \
+        BLOCK_START(BK, BYTES, DECODE, SCALES, b - b0);                                                       \
+      }                                                                                                       \
+      int64_t r0 = 0;                                                                                         \
+      for (; r0 + MR <= rows; r0 += MR) ROWS_TILE(STEP, BYTES, MR, r0);                                       \
+      switch (rows - r0) {                                                                                    \
+        ROWS_REST(STEP, BYTES, 1) ROWS_REST(STEP, BYTES, 2) ROWS_REST(STEP, BYTES, 3)                         \
+        ROWS_REST(STEP, BYTES, 4) ROWS_REST(STEP, BYTES, 5) ROWS_REST(STEP, BYTES, 6)                         \
+        ROWS_REST(STEP, BYTES, 7)                                                                             \
+        default: break;                                                                                       \
+      }                                                                                                       \
     }                                                                                                         \
+    for (int64_t r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                        \
   }
 #define FORMATS_LIST(X)                                                   \
   X(2, q4_0, 32, 18, 1, decode_q4_0, scales_d, step_q4_0)                 \
@@ -929,10 +984,10 @@ FORMATS_LIST(FORMAT_FNS)
 
 struct format {
   int qtype, bk, bytes, units; /* the row's numbers */
-  panel_fn *decode_panel;      /* this build's panel decoding */
-  tiles_fn *tiles;             /* this build's dot products and their combination */
+  rows_fn *gemv;               /* this build's panel against at most GEMV_ROWS rows */
+  rows_fn *rows;               /* ... against at most MC rows */
 };
-#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, panel_##name, tiles_##name},
+#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, gemv_##name, rows_##name},
 static const struct format FORMATS[] = {FORMATS_LIST(FORMAT_ROW)};
 
 /* The row of `qtype`, or NULL: an unknown type is refused, never read as another. */
@@ -954,58 +1009,76 @@ struct job {
   const float *bias;
   float *y;
   int64_t ldy;
-  int *failed; /* set when a chunk could not allocate its scratch */
 };
 
+/* rows [r0, r0 + rows) of panel p's outputs (out [rows][NR]) to y, plus the bias */
+static void store_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, const float *out) {
+  int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
+  for (int64_t r = 0; r < rows; r++) {
+    float *yr = J->y + (r0 + r) * J->ldy + p * NR;
+    const float *o = out + r * NR;
+    for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? o[c] + J->bias[p * NR + c] : o[c];
+  }
+}
+
+/* Items (row block of up to MC rows, panel), a panel's row blocks one after the other. */
 static void run_items(void *ctx, int64_t begin, int64_t end) {
   const struct job *J = (const struct job *)ctx;
-  const struct format *f = J->f;
   const int64_t k = J->k, nb = J->nb;
-  struct panel P;
-  /* one allocation per chunk of items: the decoded panel and its scales */
-  size_t ubytes = BG_DIRECT ? 0 : (size_t)(k * NR), fl = (size_t)(nb * NR);
-  char *mem = (char *)malloc(ubytes + 2 * fl * sizeof(float) + (size_t)(f->units + 8) * fl * sizeof(int32_t) + 64);
-  if (!mem) {
-    __atomic_store_n(J->failed, 1, __ATOMIC_RELAXED);
-    return;
-  }
-  P.u = (uint8_t *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-  P.dw = (float *)(P.u + ubytes);
-  P.mw = P.dw + fl;
-  P.sc = (int32_t *)(P.mw + fl);
-  P.mn = P.sc + (size_t)f->units * fl;
   float out[MC * NR] __attribute__((aligned(64)));
-  int64_t decoded = -1;
   for (int64_t item = begin; item < end; item++) {
-    int64_t p = item / J->nrb, rb = item % J->nrb; /* a panel's row blocks one after the other */
+    int64_t p = item / J->nrb, rb = item % J->nrb;
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
-    if (p != decoded) {
-      f->decode_panel(J->packed + p * nb * NR * f->bytes, nb, &P);
-      decoded = p;
-    }
-    f->tiles(rows, &P, nb, J->q + r0 * k, k, J->xd + r0 * nb, J->xs + r0 * (k / 16), out);
-    int64_t width = J->n - p * NR < NR ? J->n - p * NR : NR;
-    for (int64_t r = 0; r < rows; r++) {
-      float *yr = J->y + (r0 + r) * J->ldy + p * NR;
-      const float *o = out + r * NR;
-      for (int64_t c = 0; c < width; c++) yr[c] = J->bias ? o[c] + J->bias[p * NR + c] : o[c];
-    }
+    J->f->rows(rows, J->packed + p * nb * NR * J->f->bytes, nb, J->q + r0 * k, k, J->xd + r0 * nb,
+               J->xs + r0 * (k / 16), out);
+    store_out(J, p, r0, rows, out);
   }
-  free(mem);
+}
+
+/* m <= GEMV_ROWS: every row at once, panel after panel, in one pass (no scratch). */
+static void run_gemv(void *ctx, int64_t begin, int64_t end) {
+  const struct job *J = (const struct job *)ctx;
+  const int64_t nb = J->nb;
+  float out[GEMV_ROWS * NR] __attribute__((aligned(64)));
+  for (int64_t p = begin; p < end; p++) {
+    J->f->gemv(J->m, J->packed + p * nb * NR * J->f->bytes, nb, J->q, J->k, J->xd, J->xs, out);
+    store_out(J, p, 0, J->m, out);
+  }
 }
 
 struct qjob {
   const float *x;
   int64_t ldx, k;
-  int bk;
+  int bk, units;
   int8_t *q;
   float *d;
   int32_t *s;
 };
 
+/* What the steps read of the sums, computed once per row instead of in every panel's inner loop
+ * (batchgen_quant_rows returns the sums as they are): where a format scales sub-blocks of 32
+ * (units 1 and 8), slot 2j of a row's s16 holds the sum over the 32 values j, s16[2j] +
+ * s16[2j + 1]; with blocks of 32 (units 1), slot 2j + 1 then holds the float bits of d_j *
+ * (float)sum_j (Q4_1's dx sx). The same integers and the same float product as before. */
+static void pair_sums(int64_t k, int bk, int units, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
+  if (units == 16) return;
+  for (int64_t r = r0; r < r1; r++) {
+    int32_t *sr = s16 + r * (k / 16);
+    for (int64_t j = 0; j < k / 32; j++) {
+      const int32_t sx = sr[2 * j] + sr[2 * j + 1];
+      sr[2 * j] = sx;
+      if (bk == 32) {
+        const float sxd = d[r * (k / 32) + j] * (float)sx;
+        memcpy(sr + 2 * j + 1, &sxd, sizeof sxd);
+      }
+    }
+  }
+}
+
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
   quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s);
+  pair_sums(Q->k, Q->bk, Q->units, begin, end, Q->d, Q->s);
 }
 
 /* y [m][ldy] = x [m][ldx] W^T (+ bias), W [n][k] packed as described at the top (npanels =
@@ -1026,18 +1099,17 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f->bk, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, f->units, q, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 
-  int failed = 0;
-  struct job J = {f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy, &failed};
+  struct job J = {f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, q, d, s, packed, bias, y, ldy};
   int64_t items = J.npanels * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * NR * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);
-  bg_parallel_for(items, grain < 1 ? 1 : grain, run_items, &J);
+  bg_parallel_for(items, grain < 1 ? 1 : grain, m <= GEMV_ROWS ? run_gemv : run_items, &J);
   free(q);
   free(d);
   free(s);
-  return failed ? -1 : 0;
+  return 0;
 }

@@ -16,7 +16,8 @@ Two paths compute it:
   ``quant.c``'s header): batch-invariant and the same bits on every instruction-set build;
 * the torch reference (:func:`reference_linear`): de-quantize (bit for bit as
   ``gguf.quants.dequantize``), then ``F.linear`` in float32. The kernel differs from it by the
-  activations' int8 rounding, within :func:`activation_error_bound`.
+  activations' int8 rounding, within a bound the tests state and hold
+  (``tests/kernels/quant_arith.py``'s ``activation_error_bound``; ``docs/kernels.md``).
 
 ``dequantize`` is this project's own de-quantization (each row's de-quantizer in
 ``quant_formats.py``), in torch, bit-equal to ``gguf.quants.dequantize`` (the tests check it on
@@ -202,20 +203,6 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def quantize_activations(x: torch.Tensor, qtype, isa: str = "native") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
-    """The kernel's int8 quantization of ``x`` [M, K] float32 for a weight of ``qtype``: ``(q
-    [M, K] int8, d [M, K / block] float32, s16 [M, K / 16] int32)`` (for the tests)."""
-    qtype = _check_qtype(qtype)
-    x = x.float().contiguous()
-    m, k = x.shape
-    bs = block_size(qtype)
-    q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // bs)
-    s = torch.empty(m, k // 16, dtype=torch.int32)
-    load_quant(isa).batchgen_quant_rows(x.data_ptr(), k, m, k, bs, q.data_ptr(), d.data_ptr(), s.data_ptr())
-    return q, d, s
-
-
 # ---- the layer ----------------------------------------------------------------------------
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -223,29 +210,6 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``weight``, returned in ``x``'s dtype."""
     y = F.linear(x.float(), weight, None if bias is None else bias.float())
     return y.to(x.dtype)
-
-
-def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, qtype) -> torch.Tensor:  # noqa: ANN001
-    """How far the kernel's output may lie from the exact product of ``x`` [M, K] with the
-    de-quantized ``weight`` [N, K] (float64, [M, N]).
-
-    The kernel rounds each block of ``x`` (32 values; 256 for the K-quants) to int8 with the
-    scale ``amax / 127``: each value moves by at most half a step, ``amax_b / 254``. So an
-    output moves by at most ``sum_b (amax_b / 254) sum_{k in b} |w_k|``; the float32
-    combination of the block sums adds a sequential-sum rounding term,
-    ``(n_blocks + 4) eps sum_k |x_k w_k|``, and the int8 values' own rounding of the products
-    (``eps``-relative, absorbed by the 1 % margin).
-    """
-    qtype = _check_qtype(qtype)
-    bs = block_size(qtype)
-    m, k = x.shape
-    xd, wd = x.double(), weight.double()
-    amax = xd.abs().reshape(m, k // bs, bs).amax(dim=2)                  # [M, B]
-    wsum = wd.abs().reshape(weight.shape[0], k // bs, bs).sum(dim=2)     # [N, B]
-    step = (amax / 254.0) @ wsum.T
-    eps = torch.finfo(torch.float32).eps
-    rounding = (k // bs + 4) * eps * (xd.abs() @ wd.abs().T)
-    return 1.01 * step + 2 * rounding + 1e-30
 
 
 class QuantizedLinear(torch.nn.Module):
