@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.kernels.cpu import loader, quant
+from batchgen.kernels.cpu import c_build, quant
 from batchgen.kernels.cpu.quant_formats import QUANT_FORMATS
 from bench.quant_kernel import random_raw
 from bench.roofline import read_bandwidth
@@ -41,7 +41,7 @@ def base_library(rev: str, tmp: Path, isa: str):  # noqa: ANN201 - a ctypes libr
         text = subprocess.run(["git", "show", f"{rev}:batchgen/kernels/cpu/{name}"], capture_output=True,
                               text=True, cwd=root, check=True).stdout
         (tmp / name).write_text(text)
-    return loader.load_library(f"quant.c at {rev}", tmp / "quant.c", quant._declare, quant.ISAS[isa],
+    return c_build.load_library(f"quant.c at {rev}", tmp / "quant.c", quant._declare, quant.ISAS[isa],
                                accept=quant._runs_here, tag=f"base-{isa}")
 
 
@@ -96,7 +96,7 @@ def main() -> None:
                 ws = layers(qtype, n, k)
                 nbytes = ws[0].numel()
                 for t in threads:
-                    loader.set_num_threads(t)
+                    c_build.set_num_threads(t)
                     for m in rows:
                         best = {lab: float("inf") for lab in libs}
                         for _ in range(args.rounds):

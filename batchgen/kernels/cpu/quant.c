@@ -2,7 +2,7 @@
  * Q8_0, Q4_K, Q5_K, Q6_K: one row each in FORMATS_LIST, below), x in float32; integer dot
  * products on the CPU, threaded on pool.h. A type not in the table is refused (-2).
  *
- * Built and loaded by batchgen/kernels/cpu/quant.py through loader.py. The same source builds
+ * Built and loaded by batchgen/kernels/cpu/quant.py through c_build.py. The same source builds
  * four ways, picked by what the compiler targets: AVX512-VNNI (`vpdpbusd` on 16 output
  * columns), AVX2 with AVX-VNNI (the VEX `vpdpbusd` on two halves of 8: CPUs with AVX-VNNI but
  * no AVX-512), AVX2 (`vpmaddubsw` + `vpmaddwd` on two halves of 8), or plain C. All four

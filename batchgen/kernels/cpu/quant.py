@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from . import c_build as loader
+from . import c_build
 from .quant_formats import QUANT_FORMATS, format_of
 
 logger = logging.getLogger(__name__)
@@ -168,15 +168,15 @@ def load_quant(isa: str = "native") -> Any:
 
     Raises:
         ValueError: an unknown ``isa``.
-        loader.CpuKernelError: no compiler, or it would not build or run here.
+        c_build.CpuKernelError: no compiler, or it would not build or run here.
     """
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {', '.join(ISAS)}; got {isa!r}")
-    return loader.load_library("the CPU quantized linear kernel", QUANT_SOURCE, _declare, ISAS[isa],
+    return c_build.load_library("the CPU quantized linear kernel", QUANT_SOURCE, _declare, ISAS[isa],
                                accept=_runs_here, tag="" if isa == "native" else isa)
 
 
-_runs_here = loader.runs_here("batchgen_quant_cpu_ok")
+_runs_here = c_build.runs_here("batchgen_quant_cpu_ok")
 
 
 def _declare(lib: Any) -> None:
@@ -198,7 +198,7 @@ def unsupported_reason() -> str | None:
     """Why the quantized kernel cannot run here (then layers use the torch reference), or None."""
     try:
         load_quant()
-    except loader.CpuKernelError as exc:
+    except c_build.CpuKernelError as exc:
         return str(exc)
     return None
 
@@ -236,7 +236,7 @@ class QuantizedLinear(torch.nn.Module):
 
     Raises:
         ValueError: an unsupported type, a byte count or bias that does not match the shape.
-        loader.CpuKernelError: a build other than ``native`` asked for where it cannot build or run.
+        c_build.CpuKernelError: a build other than ``native`` asked for where it cannot build or run.
     """
 
     def __init__(self, raw, qtype, out_features: int, in_features: int,  # noqa: ANN001
@@ -260,7 +260,7 @@ class QuantizedLinear(torch.nn.Module):
         if isa != "torch":
             try:
                 self._lib = load_quant(isa)
-            except loader.CpuKernelError as exc:
+            except c_build.CpuKernelError as exc:
                 if isa != "native":
                     raise
                 _log_fallback_once(str(exc))
