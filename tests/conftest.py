@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (scripts/test.sh runs one worker per core), each worker keeps torch's
+# OpenMP pool and the engines' threads (num_threads=auto reads OMP_NUM_THREADS) to one
+# thread: two workers with two spinning OpenMP threads each on two cores slow one another
+# tenfold (a 60 s test took 600 s). It must be set before torch is imported. Tests that need
+# two threads ask for them explicitly.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -95,7 +103,7 @@ def cached_oracle(key: object, compute):
         return json.loads(path.read_text())
     result = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")  # parallel workers may compute the same one
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result

@@ -144,6 +144,32 @@ def test_test_script_keeps_the_pass_count(tmp_path: Path, args: tuple[str, ...],
     assert sorted(given) == sorted(a for a in verbosity if a in ("-q", "-v")), argv
 
 
+@pytest.mark.parametrize(("args", "env", "want"), [
+    ((), {}, ["-n", "auto", "--dist", "loadfile"]),
+    ((), {"BATCHGEN_TEST_WORKERS": "0"}, ["-n", "0", "--dist", "loadfile"]),
+    (("-n", "1", "tests/unit"), {}, ["-n", "1"]),
+    (("-p", "no:xdist"), {}, []),
+])
+def test_test_script_runs_one_worker_per_core_unless_told(tmp_path: Path, args: tuple[str, ...], env: dict,
+                                                          want: list[str]) -> None:
+    """scripts/test.sh adds pytest-xdist's ``-n auto --dist loadfile`` (BATCHGEN_TEST_WORKERS
+    sets the count), and nothing when the arguments choose the workers themselves."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts" / "test.sh")
+    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
+    python = repo / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    python.chmod(0o755)
+    run = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), *args], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, **env})
+    argv = run.stdout.splitlines()
+    assert run.returncode == 0, run
+    workers = [a for i, a in enumerate(argv) if a in ("-n", "--dist") or argv[i - 1] in ("-n", "--dist")]
+    assert workers == want, argv
+
+
 def test_quickstart_installs_no_test_extras(tmp_path: Path) -> None:
     """The quickstart installs batchgen and the model only; ``--test`` adds the extras (xgrammar
     without triton) and the plugin packages, and a test install satisfies the quickstart."""
