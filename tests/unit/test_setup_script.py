@@ -124,11 +124,8 @@ def test_every_step_says_what_it_installs(tmp_path: Path) -> None:
     assert not any("--quiet" in call or " -q " in call for call in calls), calls
 
 
-@pytest.mark.parametrize(("args", "verbosity"), [((), ["-q"]), (("-q",), ["-q"]), (("-v", "tests/unit"), ["-v"]),
-                                                 (("-x",), ["-q", "-x"])])
-def test_test_script_keeps_the_pass_count(tmp_path: Path, args: tuple[str, ...], verbosity: list[str]) -> None:
-    """scripts/test.sh passes -q unless the arguments set the verbosity (a second -q, -qq,
-    would hide pytest's pass count)."""
+def _fake_test_script(tmp_path: Path) -> Path:
+    """A copy of scripts/test.sh beside a no-op setup and a python that prints its arguments."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts" / "test.sh")
@@ -137,6 +134,15 @@ def test_test_script_keeps_the_pass_count(tmp_path: Path, args: tuple[str, ...],
     python.parent.mkdir(parents=True)
     python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     python.chmod(0o755)
+    return repo
+
+
+@pytest.mark.parametrize(("args", "verbosity"), [((), ["-q"]), (("-q",), ["-q"]), (("-v", "tests/unit"), ["-v"]),
+                                                 (("-x",), ["-q", "-x"])])
+def test_test_script_keeps_the_pass_count(tmp_path: Path, args: tuple[str, ...], verbosity: list[str]) -> None:
+    """scripts/test.sh passes -q unless the arguments set the verbosity (a second -q, -qq,
+    would hide pytest's pass count)."""
+    repo = _fake_test_script(tmp_path)
     run = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), *args], capture_output=True, text=True, timeout=60)
     argv = run.stdout.splitlines()
     assert run.returncode == 0 and argv[:2] == ["-m", "pytest"], run
@@ -154,14 +160,7 @@ def test_test_script_runs_one_worker_per_core_unless_told(tmp_path: Path, args: 
                                                           want: list[str]) -> None:
     """scripts/test.sh adds pytest-xdist's ``-n auto --dist loadfile`` (BATCHGEN_TEST_WORKERS
     sets the count), and nothing when the arguments choose the workers themselves."""
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "test.sh", repo / "scripts" / "test.sh")
-    (repo / "scripts" / "setup.sh").write_text("exit 0\n")
-    python = repo / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    python.chmod(0o755)
+    repo = _fake_test_script(tmp_path)
     run = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), *args], capture_output=True, text=True,
                          timeout=60, env={**os.environ, **env})
     argv = run.stdout.splitlines()
