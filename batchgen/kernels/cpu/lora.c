@@ -9,7 +9,7 @@
  *
  * Row invariance (the needle rule): every output is computed from its own row and its own
  * adapter's weights only, in an order fixed by the shapes (the dot products in 16 lanes over
- * the input features, then the lanes summed in order; the expand sums over the rank in
+ * the input features, then the lanes summed as a fixed tree; the expand sums over the rank in
  * order), so a row's delta does not depend on which rows or adapters share the call, nor on
  * the thread count (threads split the rows). */
 #include <math.h>
@@ -45,6 +45,14 @@ struct lora_args {
  * its tile, so a tile changes no bit. A tile of fewer rows repeats its last row. */
 #define TILE 4
 
+/* The 16 lanes summed as a tree (lane j with j + 8, then + 4, + 2, + 1): the same order in
+ * every build, and a chain of 4 additions rather than 16. */
+static inline float lane_sum(float *v) {
+  for (int half = LANES / 2; half > 0; half /= 2)
+    for (int j = 0; j < half; j++) v[j] = v[j] + v[j + half];
+  return v[0];
+}
+
 /* The products are fused multiply-adds (fmaf, or the same instruction on 16 lanes), so the
  * AVX-512 code and the plain C give the same bits. */
 static void shrink(const float *const *x, const float *a, int64_t n, float *const *out) {
@@ -66,8 +74,7 @@ static void shrink(const float *const *x, const float *a, int64_t n, float *cons
       for (int j = 0; j < LANES; j++) lanes[r][j] = fmaf(x[r][k + j], a[k + j], lanes[r][j]);
 #endif
   for (int r = 0; r < TILE; r++) {
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += lanes[r][j];
+    float sum = lane_sum(lanes[r]);
     for (int64_t q = k; q < n; q++) sum = fmaf(x[r][q], a[q], sum);
     *out[r] = sum;
   }
