@@ -55,6 +55,14 @@
  * Threads. The work is a grid of (block of up to MC rows, panel) items, split by bg_parallel_for
  * into contiguous runs (at batch 1, contiguous runs of panels: each thread streams its own part
  * of the weight); no item splits an output's sum over blocks.
+ *
+ * Files. This file holds the setup (the build's ISA), each format's functions and the table
+ * (FORMAT_FNS, FORMATS_LIST), the threads and the exported entry points; the rest is in local
+ * headers it includes (in this order, each needing the ones before; c_build.py hashes them into
+ * the build's identity): quant_vec.h (vf, vi: the 16 lanes of each build; fp16 -> float32),
+ * quant_rows.h (the activations), quant_blocks.h (the plain C decoders, struct panel, each
+ * format's scales), quant_dots.h (the integer dot products of each build) and quant_steps.h
+ * (each format's step: dot products and epilogue).
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,7 +94,7 @@
 #define MC 64  /* rows per item at most */
 #define GRAIN_MACS (64 * 1024)
 
-#define AI __attribute__((always_inline))
+#define AI __attribute__((always_inline)) /* the steps (quant_steps.h) and FORMAT_FNS below */
 
 /* 3 = AVX-VNNI (the AVX2 build with vpdpbusd on 256 bits), 2 = AVX512-VNNI, 1 = AVX2, 0 = plain C */
 int batchgen_quant_isa(void) { return BG_AVXVNNI ? 3 : BG_ISA; }
@@ -113,9 +121,9 @@ int batchgen_quant_cpu_ok(void) {
 /* ---- each format's functions, and the table -----------------------------------------------
  * FORMATS_LIST holds one row per block type: its GGML type id (gguf.GGMLQuantizationType), its
  * name, weights and bytes per block, units (sub-blocks whose integer sums are scaled apart: 1,
- * 8 or 16), and its decode, scales and step functions above. FORMAT_FNS makes of a row two
- * functions over one panel (src: its packed bytes) and `rows` rows of x (q, xd, xs at the
- * first), each in ONE pass over the panel, block by block: the block's bytes PREFETCH_AHEAD
+ * 8 or 16), and its decode, scales (quant_blocks.h) and step (quant_steps.h) functions.
+ * FORMAT_FNS makes of a row two functions over one panel (src: its packed bytes) and `rows`
+ * rows of x (q, xd, xs at the first), each in ONE pass over the panel, block by block: the block's bytes PREFETCH_AHEAD
  * further on are asked for (the rest of this panel, then the next: panels lie one after the
  * other), its scales decoded once (and in the plain C build its quants) into a one-block
  * scratch that stays in L1, then the step for every row, each output's acc over b = 0, 1, ...

@@ -10,7 +10,7 @@
 
 /* ---- the plain C build's scratch: a panel's block decoded to u ------------------------------
  * Each format's quants at `src` (16 * bytes, the panel's block) to unsigned bytes u laid out
- * [group of 4 k][16 columns][4] (the builds with AVX2 decode in registers instead, below). */
+ * [group of 4 k][16 columns][4] (the builds with AVX2 decode in registers instead, quant_dots.h). */
 
 /* Q4_0 / Q4_1's 16 bytes of nibbles (4 chunks of 64): chunk i's low nibbles are group i, its
  * high nibbles group i + 4. */

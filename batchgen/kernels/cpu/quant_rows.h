@@ -78,7 +78,7 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
 }
 
 /* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][k], d [m][k/bk],
- * s16 [m][k/16] (sums of q over each 16). See the top for the arithmetic. */
+ * s16 [m][k/16] (sums of q over each 16). See the top of quant.c for the arithmetic. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_t r0, int64_t r1,
                           int8_t *q, float *d, int32_t *s16) {
   int64_t nb = k / bk;

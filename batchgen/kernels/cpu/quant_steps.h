@@ -8,7 +8,7 @@
 #ifndef BATCHGEN_CPU_QUANT_STEPS_H
 #define BATCHGEN_CPU_QUANT_STEPS_H
 
-/* ---- each format's block: its dot products and their float32 combination (the top) ---------
+/* ---- each format's block: its dot products and their float32 combination (quant.c's top) -
  * mr rows (q, xd, xs at the tile's first row) against block b of the panel (its packed bytes at
  * blk), added to acc. */
 #define STEP_ARGS                                                                                    \
