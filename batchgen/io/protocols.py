@@ -53,7 +53,8 @@ also among the schema's choices in :mod:`batchgen.config.sections`, and its conf
 entry in ``plan``'s table of kinds; nothing else changes.
 
 Adding a quant block type (kept quantized in GGUF files) is of the same kind: a row in
-``kernels/cpu/quant_formats.py`` and a row in ``kernels/cpu/quant.c``; see docs/kernels.md,
+``kernels/cpu/quant_formats.py`` and a row in ``kernels/cpu/quant.c`` (its functions in the
+``quant_*.h`` it includes); see docs/kernels.md,
 "Adding a quant block type".
 
 This module imports nothing of batchgen but the engine's output types (for annotations only),

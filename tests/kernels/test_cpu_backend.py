@@ -16,7 +16,7 @@ from kernel_cases import assert_close_to_reference, make_decode_case, reference_
 from batchgen.kernels import cpu as kcpu
 from batchgen.kernels import cpu_unsupported_reason, get_ops
 from batchgen.kernels import torch_attention as reference
-from batchgen.kernels.cpu import c_build
+from batchgen.kernels.cpu import c_build, quant
 
 pytestmark = pytest.mark.skipif(kcpu.compiler() is None, reason="no C compiler (cc/gcc) on this machine")
 
@@ -239,6 +239,29 @@ def test_builds_are_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(kcpu.c_build, "_loaded", {})
     kcpu.load(48, 2)  # a new process would find the file and not compile again
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_editing_a_header_included_from_a_header_rebuilds(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "outer.c"
+    source.write_text('#include "middle.h"\nint outer_value(void) { return VALUE; }\n')
+    (tmp_path / "middle.h").write_text('#include "inner.h"\n#include "inner.h"\n')
+    (tmp_path / "inner.h").write_text("#define VALUE 1\n")
+    assert c_build.local_headers(source) == [tmp_path / "middle.h", tmp_path / "inner.h"]
+    values = []
+    for value in (1, 2):
+        (tmp_path / "inner.h").write_text(f"#define VALUE {value}\n")
+        with c_build._build_lock:
+            lib, _ = c_build.build("a header test", source, [])
+        values.append(lib.outer_value())
+    assert values == [1, 2]
+    assert len(list((tmp_path / "cache" / "cpu_kernels").glob("outer-*.so"))) == 2
+
+
+def test_the_quantized_kernel_hashes_all_its_headers() -> None:
+    names = [header.name for header in c_build.local_headers(quant.QUANT_SOURCE)]
+    assert set(names) >= {"pool.h", "quant_vec.h", "quant_rows.h", "quant_blocks.h", "quant_dots.h",
+                          "quant_steps.h"}
 
 
 def test_engine_falls_back_to_torch_when_the_kernel_cannot_serve(tiny_model, monkeypatch, caplog) -> None:

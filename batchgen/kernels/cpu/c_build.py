@@ -116,6 +116,25 @@ def _compile(cc: str, source: Path, flags: tuple[str, ...], defines: list[str], 
     return None
 
 
+_LOCAL_INCLUDE = re.compile(r'#include\s+"([^"]+)"')
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The local headers (``#include "..."``, beside the file that includes them) that ``source``
+    includes, directly or through another of them: each once, in the order first included."""
+    found: list[Path] = []
+
+    def scan(path: Path) -> None:
+        for name in _LOCAL_INCLUDE.findall(path.read_text()):
+            header = path.parent / name
+            if header not in found:
+                found.append(header)
+                scan(header)
+
+    scan(source)
+    return found
+
+
 def runs_here(symbol: str) -> Any:
     """An ``accept`` for :func:`build`: the library's own ``int symbol(void)`` cpuid check says
     whether this CPU runs the instructions it was built for (else the reason to refuse it)."""
@@ -132,7 +151,7 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     cached on disk, and load it.
 
     The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source and the
-    local headers it includes, compiler version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
+    local headers it includes (:func:`local_headers`), compiler version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
     loaded library (it is then skipped, like a failed compile). Call with ``_build_lock`` held.
 
     Returns:
@@ -146,8 +165,8 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
         raise CpuKernelError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     text = source.read_text()
-    # Local headers it includes ("..."), so that editing one rebuilds every user.
-    headers = [(source.parent / name).read_text() for name in re.findall(r'#include\s+"([^"]+)"', text)]
+    # Local headers it includes ("...", nested ones too), so that editing one rebuilds every user.
+    headers = [header.read_text() for header in local_headers(source)]
     identity = [text, *headers, version, _machine_tag(), *_COMMON_FLAGS]
     folder = cache_dir() / "cpu_kernels"
     folder.mkdir(parents=True, exist_ok=True)

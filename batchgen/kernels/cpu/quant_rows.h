@@ -1,0 +1,118 @@
+/* batchgen: quant.c's activation quantization: each row of x to int8 q per block, its scale d
+ * and its sums of q over every 16 (quantize_block, quantize_rows; the arithmetic is at the top
+ * of quant.c), and the pair sums the steps read instead (pair_sums).
+ *
+ * Included by quant.c only, after quant_vec.h (it needs BG_ISA from quant.c); not built alone.
+ */
+#ifndef BATCHGEN_CPU_QUANT_ROWS_H
+#define BATCHGEN_CPU_QUANT_ROWS_H
+
+/* One block of bk values (a multiple of 16). */
+static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_out) {
+#if BG_ISA == 2
+  __m512 vmax = _mm512_setzero_ps();
+  const __m512 fmax = _mm512_set1_ps(3.40282347e+38f);
+  __mmask16 bad = 0;
+  for (int t = 0; t < bk; t += 16) {
+    __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xb + t));
+    bad |= _mm512_cmp_ps_mask(a, fmax, _CMP_NLE_UQ); /* NaN or infinity */
+    vmax = _mm512_max_ps(vmax, a);
+  }
+  int finite = bad == 0;
+  float amax = _mm512_reduce_max_ps(vmax);
+#elif BG_ISA == 1
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 fmax = _mm256_set1_ps(3.40282347e+38f), sign = _mm256_set1_ps(-0.0f);
+  int bad = 0;
+  for (int t = 0; t < bk; t += 8) {
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + t));
+    bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, fmax, _CMP_NLE_UQ));
+    vmax = _mm256_max_ps(vmax, a);
+  }
+  int finite = bad == 0;
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.0f;
+  for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#else
+  int finite = 1;
+  float amax = 0.0f;
+  for (int t = 0; t < bk; t++) {
+    float a = fabsf(xb[t]);
+    finite &= a <= 3.40282347e+38f; /* false for NaN and infinities */
+    amax = a > amax ? a : amax;
+  }
+#endif
+  if (!finite) {
+    *d_out = NAN;
+    memset(qb, 0, (size_t)bk);
+    return;
+  }
+  float db = amax / 127.0f;
+  float id = db != 0.0f ? 1.0f / db : 0.0f;
+  *d_out = db;
+#if BG_ISA == 2
+  const __m512 vid = _mm512_set1_ps(id);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int t = 0; t < bk; t += 16) {
+    __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + t), vid)); /* nearest, ties even */
+    i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
+    _mm_storeu_si128((__m128i *)(qb + t), _mm512_cvtepi32_epi8(i));
+  }
+#elif BG_ISA == 1
+  const __m256 vid = _mm256_set1_ps(id);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (int t = 0; t < bk; t += 8) {
+    __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + t), vid)); /* nearest, ties even */
+    i = _mm256_min_epi32(_mm256_max_epi32(i, lo), hi);
+    __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64((__m128i *)(qb + t), _mm_packs_epi16(w16, w16));
+  }
+#else
+  for (int t = 0; t < bk; t++) {
+    float v = nearbyintf(xb[t] * id); /* the default rounding mode: nearest, ties even */
+    v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+    qb[t] = (int8_t)v;
+  }
+#endif
+}
+
+/* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][k], d [m][k/bk],
+ * s16 [m][k/16] (sums of q over each 16). See the top of quant.c for the arithmetic. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_t r0, int64_t r1,
+                          int8_t *q, float *d, int32_t *s16) {
+  int64_t nb = k / bk;
+  for (int64_t r = r0; r < r1; r++) {
+    const float *xr = x + r * ldx;
+    int8_t *qr = q + r * k;
+    for (int64_t b = 0; b < nb; b++) quantize_block(xr + b * bk, bk, qr + b * bk, d + r * nb + b);
+    int32_t *sr = s16 + r * (k / 16);
+    for (int64_t g = 0; g < k / 16; g++) {
+      int32_t s = 0;
+      for (int t = 0; t < 16; t++) s += qr[g * 16 + t];
+      sr[g] = s;
+    }
+  }
+}
+
+/* What the steps read of the sums, computed once per row instead of in every panel's inner loop
+ * (batchgen_quant_rows returns the sums as they are): where a format scales sub-blocks of 32
+ * (units 1 and 8), slot 2j of a row's s16 holds the sum over the 32 values j, s16[2j] +
+ * s16[2j + 1]; with blocks of 32 (units 1), slot 2j + 1 then holds the float bits of d_j *
+ * (float)sum_j (Q4_1's dx sx). The same integers and the same float product as before. */
+static void pair_sums(int64_t k, int bk, int units, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
+  if (units == 16) return;
+  for (int64_t r = r0; r < r1; r++) {
+    int32_t *sr = s16 + r * (k / 16);
+    for (int64_t j = 0; j < k / 32; j++) {
+      const int32_t sx = sr[2 * j] + sr[2 * j + 1];
+      sr[2 * j] = sx;
+      if (bk == 32) {
+        const float sxd = d[r * (k / 32) + j] * (float)sx;
+        memcpy(sr + 2 * j + 1, &sxd, sizeof sxd);
+      }
+    }
+  }
+}
+
+#endif /* BATCHGEN_CPU_QUANT_ROWS_H */
