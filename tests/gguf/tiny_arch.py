@@ -93,9 +93,11 @@ def _rope_freqs(config) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _metadata(writer, arch: str, config, case: str) -> None:
+def write_metadata(writer, arch: str, config, name: str) -> None:
+    """The metadata keys llama.cpp's converter writes for ``arch`` (``general.name`` ``name``),
+    and the tiny byte-level tokenizer (also used by ``bench/model_shapes.py``)."""
     tokens, merges = vocabulary(config.vocab_size)
-    writer.add_name(f"tiny-{case}")
+    writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -149,7 +151,7 @@ def write_arch_gguf(path: Path, case: str, qtype: str = "F32", *, seed: int = 0,
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    _metadata(writer, arch, config, case)
+    write_metadata(writer, arch, config, f"tiny-{case}")
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     meant = {}
