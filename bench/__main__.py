@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bench import runner
+from bench import model_shapes, runner
 from bench.workload import w32_prompts, w256_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -420,10 +420,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="machine, contention: the dtype of every peer's weights and KV cache; machine "
                          "'all': batchgen float32, bfloat16 and GGUF-native, vLLM float32 and bfloat16 and "
                          "llama.cpp in one row, greedy with EOS ignored (bench/gguf_rows.py)")
-    ap.add_argument("--workload", default="w32", choices=["w32", "w256", "1b-q4_k", "1b-q8_0"],
+    ap.add_argument("--workload", default="w32", choices=["w32", "w256", *model_shapes.WORKLOADS],
                     help="machine: W32 (--num-prompts of it) or W256 (--scaling-prompts of it); 1b-q4_k, "
-                         "1b-q8_0: a random 1B Llama in GGUF at each of --batches")
-    ap.add_argument("--batches", default="1,8,64", help="machine, 1B workloads: the batch sizes (prompts per row)")
+                         "1b-q8_0, qwen2.5-1.5b-q4_k_m, gemma2-2b-q4_k_m: a random-weight GGUF file of that "
+                         "shape (bench/model_shapes.py) at each of --batches")
+    ap.add_argument("--batches", default="1,8,64", help="machine, GGUF file workloads: the batch sizes (prompts per row)")
     ap.add_argument("--vllm-block-sizes", default="32,128",
                     help="machine: one vLLM peer per block size (its CPU default is 128; 'best': the fastest "
                          "of the W32 greedy row of the same dtype)")

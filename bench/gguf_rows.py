@@ -14,65 +14,48 @@ per repeat, both cores each, greedy with EOS ignored (every peer generates exact
   ``llama_decode`` per step (``bench/peers/llama_cpp_worker.py``), over a unified KV cache and
   over one KV stream per sequence (:func:`llama_cpp_peers` says why both).
 
-``--workload 1b-q4_k`` or ``1b-q8_0`` (with ``--batches 1,8,64``) runs a Llama-3.2-1B-shaped
-model (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, vocabulary 32000, tied
-embedding: 1.03 B parameters) with random weights, written once to ``/tmp/bench-models`` as a
-GGUF file in that one block type with the ``gguf`` package's writer
-(``tests/gguf/tiny_gguf.py``). Each batch size is a row: that many random 32-token prompts,
-``max_tokens`` each; peers ``batchgen_gguf``, ``llama_cpp`` and ``llama_cpp_split`` (``--peers`` adds ``batchgen``,
-the de-quantized float32 model). batchgen's KV cache is sized to the row (all sequences at
-their full length, rounded up), so peak RSS compares with file + KV cache.
+``--workload`` one of :data:`bench.model_shapes.WORKLOADS` (with ``--batches 1,8,64``) runs a
+random-weight GGUF file shaped like a model people download (:mod:`bench.model_shapes`: a
+Llama-3.2-1B-shaped Llama in Q4_K or Q8_0, a Qwen2.5-1.5B-shaped ``qwen2`` and a
+Gemma-2-2B-shaped ``gemma2``, both quantized by llama.cpp to ``Q4_K_M``), written once to
+``/tmp/bench-models``. Each batch size is a row: that many random 32-token prompts,
+``max_tokens`` each; peers ``batchgen_gguf``, ``llama_cpp`` and ``llama_cpp_split`` (``--peers``
+adds ``batchgen``, the de-quantized float32 model). batchgen's KV cache is sized to the row (all
+sequences at their full length, rounded up), so peak RSS compares with file + KV cache.
 
 Rows go into ``machine.json`` keyed ``<workload>/greedy_ignore_eos/all<--tag>`` and
-``<1b-qtype>/b<batch>/greedy_ignore_eos<--tag>``; each records both peers' ratios to
-``batchgen_gguf`` as well as to ``batchgen``, and, for the 1B rows, the file's size, the KV
+``<workload>/b<batch>/greedy_ignore_eos<--tag>``; each records both peers' ratios to
+``batchgen_gguf`` as well as to ``batchgen``, and, for the file rows, the file's size, the KV
 bytes and peak RSS over (file + KV).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import runner
+from bench import model_shapes, runner
+from bench.model_shapes import Shape
 
 GIB = 2**30
 MIB = 2**20
-MODELS = Path(os.environ.get("BENCH_MODELS", "/tmp/bench-models"))
-ONE_B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=32000)
-ONE_B_PROMPT_TOKENS = 32
+PROMPT_TOKENS = 32
 MODE = {"kind": "greedy", "ignore_eos": True}
 
 
 def one_b_model(qtype: str) -> Path:
     """The 1B random Llama in ``qtype`` (``Q4_K`` or ``Q8_0``), written on first use."""
-    path = MODELS / f"llama-1b-random-{qtype.lower()}.gguf"
-    if not path.is_file():
-        sys.path.insert(0, str(runner.REPO / "tests" / "gguf"))
-        from tiny_gguf import write_llama_gguf
-
-        MODELS.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        write_llama_gguf(tmp, linear_type=qtype, embed_type=qtype, oracle=False, **ONE_B)
-        tmp.rename(path)
-    return path
+    return model_shapes.model_file(f"1b-{qtype.lower()}")[0]
 
 
-def random_prompts(n: int, vocab: int, length: int = ONE_B_PROMPT_TOKENS, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, vocab: int, length: int = PROMPT_TOKENS, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of ``length`` token ids drawn uniformly from the non-special ids."""
     import random
 
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, elem: int = 4) -> int:
-    """K and V of one token in every layer (batchgen's float32 cache)."""
-    return 2 * layers * kv_heads * head_dim * elem
 
 
 def embedded_gguf() -> str:
@@ -112,17 +95,16 @@ def all_peers(args: Any, prompts: list[list[int]]) -> dict[str, dict]:
     return runner.select_peers(peers, args.peers)
 
 
-def one_b_peers(args: Any, path: Path, batch: int, max_tokens: int) -> tuple[dict[str, dict], int]:
-    """The peers of a 1B row and batchgen's KV cache bytes (all ``batch`` sequences at full
+def file_peers(args: Any, path: Path, shape: Shape, batch: int, max_tokens: int) -> tuple[dict[str, dict], int]:
+    """The peers of a file row and batchgen's KV cache bytes (all ``batch`` sequences at full
     length, rounded up to whole 16-token blocks, plus one block per sequence)."""
-    head_dim = ONE_B["hidden"] // ONE_B["heads"]
-    blocks = batch * (math.ceil((ONE_B_PROMPT_TOKENS + max_tokens) / 16) + 1)
-    kv = blocks * 16 * kv_bytes_per_token(ONE_B["layers"], ONE_B["kv_heads"], head_dim)
+    blocks = batch * (math.ceil((PROMPT_TOKENS + max_tokens) / 16) + 1)
+    kv = blocks * 16 * shape.kv_bytes_per_token()
     common = {"as": "batchgen", "model": str(path), "kv_cache_memory": kv, "dtype": "float32", "threads": 0}
     peers = {"batchgen_gguf": {**common, "quantization": "gguf"}}
     if "batchgen" in args.peers:
         peers["batchgen"] = {**common, "quantization": "none"}
-    cpp = llama_cpp_peers(str(path), [[0] * ONE_B_PROMPT_TOKENS] * batch, max_tokens)
+    cpp = llama_cpp_peers(str(path), [[0] * PROMPT_TOKENS] * batch, max_tokens)
     peers.update(cpp if batch > 1 else {"llama_cpp": cpp["llama_cpp"]})  # one sequence: the same either way
     return runner.select_peers(peers, args.peers), kv
 
@@ -147,14 +129,13 @@ def part(args: Any, result: dict, prompts_of: Callable[[str], list[list[int]]], 
          machine: dict, strip: Callable[[dict], None], save: Callable[[dict], None], threads: int) -> None:
     """Run the rows ``--workload`` and ``--dtype all`` ask for into ``result["rows"]``."""
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if args.workload.startswith("1b-"):
-        qtype = args.workload.split("-", 1)[1].upper()
-        path = one_b_model(qtype)
+    if args.workload in model_shapes.WORKLOADS:
+        path, shape = model_shapes.model_file(args.workload)
         file_bytes = path.stat().st_size
         log(f"machine {args.workload}: {path} ({file_bytes / MIB:.0f} MiB), batches {args.batches}")
         for batch in args.batches:
-            prompts = random_prompts(batch, ONE_B["vocab"])
-            peers, kv = one_b_peers(args, path, batch, args.max_tokens)
+            prompts = random_prompts(batch, shape.vocab)
+            peers, kv = file_peers(args, path, shape, batch, args.max_tokens)
             key = f"{args.workload}/b{batch}/greedy_ignore_eos{args.tag}"
             log(f"machine {key}: {list(peers)} x {args.repeats_greedy} repeats, KV {kv / MIB:.0f} MiB")
             res = runner.interleaved(peers, prompts, MODE, args.max_tokens, args.repeats_greedy, args.log_dir,
@@ -197,10 +178,10 @@ def color(name: str) -> str:
 
 
 def gguf_keys(rows: dict) -> list[str]:
-    """The GGUF rows of ``machine.json``: SmolLM2 rows first (W32, W256), then the 1B ones by
-    type and batch."""
+    """The GGUF rows of ``machine.json``: SmolLM2 rows first (W32, W256), then the file ones by
+    workload and batch."""
     keys = [k for k in rows if rows[k]["dtype"] == "all"]
-    return sorted(keys, key=lambda k: (rows[k]["workload"].startswith("1b-"), rows[k]["workload"],
+    return sorted(keys, key=lambda k: (rows[k]["workload"] in model_shapes.WORKLOADS, rows[k]["workload"],
                                        rows[k].get("batch", 0), k))
 
 
@@ -235,7 +216,7 @@ def ceiling_lines(out: Path) -> list[str]:
 
 def summary_lines(rows: dict, out: Path | None = None) -> list[str]:
     """The GGUF section of ``summary.md``: tokens/s of every peer, batchgen_gguf's ratios, for
-    the 1B rows peak RSS against file + KV cache, and the step's linear layers against the
+    the file rows peak RSS against file + KV cache, and the step's linear layers against the
     int8 ceiling (:func:`ceiling_lines`)."""
     keys = gguf_keys(rows)
     if not keys:
@@ -261,7 +242,7 @@ def summary_lines(rows: dict, out: Path | None = None) -> list[str]:
     lines.append("")
     mem = [k for k in keys if "file_bytes" in rows[k]]
     if mem:
-        lines += ["Memory of the 1B rows: peak RSS of each peer's process (load included), and its growth from "
+        lines += ["Memory of the file rows: peak RSS of each peer's process (load included), and its growth from "
                   "before the model loads (the interpreter and libraries imported: torch, transformers and "
                   "batchgen's engine for batchgen, numpy and llama_cpp for llama.cpp), each against the GGUF file plus batchgen's KV "
                   "cache (sized to the row).", "",

@@ -18,7 +18,7 @@ Every peer gets the same KV budget (1 GiB). Sampling runs without a per-request 
 build fails with one). Rows are keyed ``<workload>/<mode>/<dtype><--tag>`` in
 ``bench/results/machine.json``; a rerun of a key replaces it, other keys stay.
 
-``--dtype all`` (and the 1B workloads) run the GGUF rows instead: see :mod:`bench.gguf_rows`.
+``--dtype all`` (and the GGUF file workloads, ``bench.model_shapes.WORKLOADS``) run the GGUF rows instead: see :mod:`bench.gguf_rows`.
 
 ``python -m bench --parts contention`` runs batchgen at its defaults on W32 greedy with nothing
 else running, then beside one and two CPU-bound processes (``python -c 'while True: pass'``),
@@ -110,8 +110,9 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict,
     use_vllm, why = (False, "disabled with --no-vllm") if args.no_vllm else vllm_status()
     log(f"vLLM: {'available' if use_vllm else 'not run'}: {why}")
     threads = args.threads_given or default_threads()
-    if args.dtype == "all" or args.workload.startswith("1b-"):  # the GGUF rows: every dtype and llama.cpp
-        from bench import gguf_rows
+    from bench import gguf_rows, model_shapes
+
+    if args.dtype == "all" or args.workload in model_shapes.WORKLOADS:  # the GGUF rows: every dtype and llama.cpp
 
         gguf_rows.part(args, result, lambda name: workload(name, args.num_prompts if name == "w32"
                                                            else args.scaling_prompts),

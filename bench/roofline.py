@@ -287,7 +287,8 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
 
     from batchgen.kernels.cpu import c_build
     from bench import roof_report
-    from bench.gguf_rows import ONE_B, embedded_gguf, one_b_model
+    from bench.gguf_rows import embedded_gguf, one_b_model
+    from bench.model_shapes import SHAPES
     from bench.quant_kernel import cpu_name
     from bench.workload import w32_prompts
 
@@ -307,7 +308,7 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     max_tokens, prefill_repeats = (8, 2) if quick else (32, 3)
     result["decode_max_tokens"], result["prefill_repeats"] = max_tokens, prefill_repeats
     runs = [(f"1B {q}", str(one_b_model(q)), gguf_weights(one_b_model(q)), "gguf",
-             [(f"b{b}", random_prompts(b, ONE_B["vocab"], 32, b)) for b in args.batches], prefill_repeats)
+             [(f"b{b}", random_prompts(b, SHAPES["1b"].vocab, 32, b)) for b in args.batches], prefill_repeats)
             for q in ("Q4_K", "Q8_0")]
     smol = gguf_weights(embedded_gguf())
     w32 = [("W32 (b32)", w32_prompts())]

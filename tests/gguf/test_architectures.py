@@ -14,7 +14,8 @@ row (:mod:`tiny_arch`), in F32, Q8_0 and Q4_K.
 - **Errors.** A file whose tensors do not match its row, and a template that cannot be rendered,
   fail at load naming the file (and the tensor); the CLI exits 2.
 
-The llama.cpp oracle (``test_llama_cpp_oracle.py``) covers the ``llama`` row only.
+The llama.cpp oracle of every row, in F32, Q8_0, Q4_K and Q5_K, is ``test_llama_cpp_oracle.py``
+(the ``gguf-oracle`` extra).
 """
 
 from __future__ import annotations

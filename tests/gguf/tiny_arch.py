@@ -28,6 +28,11 @@ import torch
 from tiny_gguf import _permute, add_tokenizer, encode, vocabulary
 
 WINDOW = 16
+#: Tokens a file's vocabulary must hold for llama.cpp to load it, by architecture: llama.cpp
+#: sets the attributes of Phi-3's ``<unk>``, ``<s>`` and ``</s>`` by name for every model whose
+#: ``general.name`` contains "phi3" (``llama-vocab.cpp``), and fails to load one without them
+#: ("unordered_map::at"); Phi-3's own SentencePiece vocabulary has them.
+ARCH_TOKENS = {"phi3": ("<unk>", "<s>", "</s>")}
 _COMMON = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
@@ -93,9 +98,11 @@ def _rope_freqs(config) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _metadata(writer, arch: str, config, case: str) -> None:
-    tokens, merges = vocabulary(config.vocab_size)
-    writer.add_name(f"tiny-{case}")
+def write_metadata(writer, arch: str, config, name: str) -> None:
+    """The metadata keys llama.cpp's converter writes for ``arch`` (``general.name`` ``name``),
+    and the tiny byte-level tokenizer (also used by ``bench/model_shapes.py``)."""
+    tokens, merges = vocabulary(config.vocab_size, ARCH_TOKENS.get(arch, ()))
+    writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -149,7 +156,7 @@ def write_arch_gguf(path: Path, case: str, qtype: str = "F32", *, seed: int = 0,
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    _metadata(writer, arch, config, case)
+    write_metadata(writer, arch, config, f"tiny-{case}")
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     meant = {}

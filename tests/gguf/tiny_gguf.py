@@ -39,11 +39,12 @@ def _byte_alphabet() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def vocabulary(size: int) -> tuple[list[str], list[str]]:
-    """``size`` tokens (3 specials, the 256 bytes, then merges "Ġ"+letter..., then as many
-    unused ``<|unused{n}|>`` tokens as a larger ``size`` needs) and the merges."""
+def vocabulary(size: int, extra: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """``size`` tokens (3 specials, the 256 bytes, the ``extra`` tokens, then merges
+    "Ġ"+letter..., then as many unused ``<|unused{n}|>`` tokens as a larger ``size`` needs) and
+    the merges."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + _byte_alphabet()
+    tokens = specials + _byte_alphabet() + list(extra)
     merges = []
     letters = "etaoinshrdlucmfwypvbgkjqxz"
     for first in ["Ġ", *letters]:
