@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -74,7 +75,10 @@ def test_loading_prints_no_progress_bar_and_leaves_the_setting_as_it_was(shared_
         f"LLM({path!r}, dtype='float32', kv_cache_memory=2**22, num_threads=1)\n"
         "assert l.is_progress_bar_enabled()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # a fresh process's defaults: a quiet run earlier in this process (quiet_libraries) leaves
+    # HF_HUB_DISABLE_PROGRESS_BARS=1 in os.environ, which would start the child with bars off
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "Loading weights" not in proc.stderr
     assert "it/s" not in proc.stderr
