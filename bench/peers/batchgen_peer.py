@@ -131,7 +131,7 @@ class BatchgenPeer:
 
     def _fresh(self) -> None:
         from batchgen import LLM, SamplingParams
-        from batchgen.gguf.loader import release_freed_memory
+        from batchgen.gguf.hf_model import release_freed_memory
 
         self.llm = None
         gc.collect()
