@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from batchgen.engine import fusion, paged_attention
+from batchgen.engine import fusion, paged_attention, soft_cap
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
 from batchgen.engine.kv_cache import CacheShape, check_utilization_device
 from batchgen.gguf.hf_model import load_gguf_model
@@ -197,6 +197,7 @@ def _loaded(config: EngineConfig) -> LoadedModel:
     max_model_len = context_length(config.max_model_len, getattr(text_config, "max_position_embeddings", None) or 2048)
     shape = cache_shape(text_config, config.block_size, dtype)
     linear_backend = place_linears(model, config.linear_backend, device, dtype)
+    soft_cap.cap_in_place(model)  # after the packing: the head it wraps is the placed one
     return LoadedModel(source, device, dtype, model, linear_backend, max_model_len, shape)
 
 
