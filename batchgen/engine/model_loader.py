@@ -197,7 +197,7 @@ def _loaded(config: EngineConfig) -> LoadedModel:
     max_model_len = context_length(config.max_model_len, getattr(text_config, "max_position_embeddings", None) or 2048)
     shape = cache_shape(text_config, config.block_size, dtype)
     linear_backend = place_linears(model, config.linear_backend, device, dtype)
-    soft_cap.cap_in_place(model)  # after the packing: the head it wraps is the placed one
+    soft_cap.cap_in_place(model, text_config)  # after the packing: it wraps the placed head
     return LoadedModel(source, device, dtype, model, linear_backend, max_model_len, shape)
 
 

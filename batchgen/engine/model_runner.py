@@ -234,17 +234,15 @@ class ModelRunner:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits from its final hidden states: the output layer, then the final
-        scaling some models apply (Granite's ``logits_scaling``, Cohere's ``logit_scale``,
-        Gemma's ``final_logit_softcapping``)."""
+        scaling some models apply (Granite's ``logits_scaling``, Cohere's ``logit_scale``).
+        Gemma's ``final_logit_softcapping`` is the output layer's own since the load
+        (:mod:`batchgen.engine.soft_cap`)."""
         logits = self.model.get_output_embeddings()(hidden)
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         if getattr(cfg, "logits_scaling", None):
             logits = logits / cfg.logits_scaling
         if getattr(cfg, "logit_scale", None):
             logits = logits * cfg.logit_scale
-        cap = getattr(cfg, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
         return logits
 
     _output_layer_checked = False

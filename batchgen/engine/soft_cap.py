@@ -9,7 +9,7 @@ the copies.
 
 :func:`cap_in_place` puts the head in and clears the config's setting, so that the model's own
 code does not cap a second time; the runner's ``compute_logits`` (scored prompt positions)
-calls the output embeddings, this head, so those are capped once too.
+calls the output embeddings, this head, so those are capped once too, and by this code alone.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ class SoftCappedHead(torch.nn.Module):
         return self.head(x).div_(self.cap).tanh_().mul_(self.cap)
 
 
-def cap_in_place(model: Any) -> bool:
-    """Move ``model``'s final logit soft-cap into its output layer (see the module docstring);
-    False (nothing changed) for a model without one."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(config, "final_logit_softcapping", None)
+def cap_in_place(model: Any, text_config: Any) -> bool:
+    """Move ``model``'s final logit soft-cap (``text_config``'s, the language model's config)
+    into its output layer (see the module docstring); False (nothing changed) for a model
+    without one."""
+    cap = getattr(text_config, "final_logit_softcapping", None)
     head = model.get_output_embeddings()
     if not cap or head is None or isinstance(head, SoftCappedHead) or not hasattr(head, "out_features"):
         return False
     model.set_output_embeddings(SoftCappedHead(head, cap))
-    config.final_logit_softcapping = None
+    text_config.final_logit_softcapping = None
     return True

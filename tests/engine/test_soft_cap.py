@@ -32,7 +32,7 @@ def test_a_gemma2_engine_caps_once_in_its_head(tiny_model) -> None:
     head = model.get_output_embeddings()
     assert isinstance(head, SoftCappedHead) and head.cap == 5.0
     assert model.config.final_logit_softcapping is None  # the model's own code caps no more
-    assert not cap_in_place(model)  # once
+    assert not cap_in_place(model, model.config)  # once
     hidden = torch.randn(3, model.config.hidden_size)
     with torch.no_grad():
         logits = llm.runner.compute_logits(hidden)
