@@ -24,10 +24,15 @@ def quiet_notices(quiet: bool = True) -> Iterator[None]:
         _QUIET.reset(token)
 
 
+#: The HF hub's switch for its progress bars (read from the environment).
+_HUB_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
 def quiet_libraries() -> None:
     """Silence the progress bars and info logs of the libraries under us (transformers, the HF
-    hub): a run that is quiet, not on a terminal, or inside a replica shows only its own lines."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hub) for the rest of the process: a run that is quiet, not on a terminal, or inside a
+    replica shows only its own lines. A library step uses :func:`libraries_quiet` instead."""
+    os.environ.setdefault(_HUB_BARS, "1")
     try:
         # deferred: transformers (~4 s) only to switch its logging off
         from transformers.utils import logging as hf_logging
@@ -36,6 +41,29 @@ def quiet_libraries() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover - transformers is a dependency
         pass
+
+
+@contextmanager
+def libraries_quiet() -> Iterator[None]:
+    """:func:`quiet_libraries` for the block only: on the way out transformers' progress bars,
+    its log verbosity and ``HF_HUB_DISABLE_PROGRESS_BARS`` are what they were before, so a
+    library step (reading a GGUF file's metadata) quiets it without turning a Python API
+    user's bars and logs off for the rest of their process."""
+    # deferred: transformers (~4 s) only to switch its logging off for a while
+    from transformers.utils import logging as hf_logging
+
+    env = os.environ.get(_HUB_BARS)
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    quiet_libraries()
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop(_HUB_BARS, None)
+        else:
+            os.environ[_HUB_BARS] = env
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
 
 
 def is_quiet() -> bool:

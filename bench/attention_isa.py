@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -35,17 +36,25 @@ import torch
 
 from bench.attention_kernel import HEAD_SIZE, HEADS, KV_HEADS, cases, make_case
 
-SOURCES = ("paged_attention.c", "exp.h", "pool.h")
+SOURCE = "paged_attention.c"
 KERNEL_DIR = "batchgen/kernels/cpu"
+_LOCAL_INCLUDE = re.compile(r'#include\s+"([^"]+)"')
 
 
 def old_source(rev: str, folder: Path) -> Path:
-    """The kernel source (and the headers it includes) at git revision ``rev``, in ``folder``."""
+    """The kernel source and the local headers it includes (those of that revision: the
+    per-ISA headers since their split out of the source) at git revision ``rev``, in ``folder``."""
     root = Path(__file__).resolve().parent.parent
-    for name in SOURCES:
+    todo, seen = [SOURCE], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
         text = subprocess.run(["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=root, check=True,
                               capture_output=True, text=True).stdout
         (folder / name).write_text(text)
+        todo.extend(_LOCAL_INCLUDE.findall(text))
     return folder / "paged_attention.c"
 
 

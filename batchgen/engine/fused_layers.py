@@ -132,15 +132,37 @@ class FusedRMSNorm(torch.nn.Module):
         return cpu_fused.rms_norm(x, self.weight, self.variance_epsilon)
 
 
+#: The most bytes of gate/up output a :class:`FusedGatedMLP` holds at once: a prefill chunk's
+#: rows go through it a slice at a time. 16 MiB stays below glibc's largest mmap threshold
+#: (32 MiB), so each slice's buffers are reused from the heap instead of mapped and faulted in
+#: afresh: on the Qwen2.5-1.5B-shaped Q4_K_M file 2,048 rows took 395 ms a layer in slices of
+#: 64-384 rows against 670-930 ms whole, and the whole rows' gate/up and SiLU·up outputs are
+#: 210 MiB (``docs/gguf.md``, "Memory").
+SLICE_BYTES = 16 * 2**20
+
+
 class FusedGatedMLP(torch.nn.Module):
     """``down(silu(gate(x)) * up(x))``: gate and up merged into one layer
     (:func:`merge_linears`), the fused SiLU·up (:func:`~batchgen.kernels.cpu.fused.silu_mul`),
-    then the down projection (packed, or kept quantized). The layers given are not kept."""
+    then the down projection (packed, or kept quantized). The layers given are not kept.
+
+    Many rows (a prefill chunk) go through in slices of :attr:`slice_rows` rows (whole panels
+    of 16, :data:`SLICE_BYTES` of gate/up output): each row's result is the same bits either
+    way (every kernel computes a row from that row alone), with a fraction of the memory. A
+    projection that reads the step's rows by position (``reads_step_rows``: a LoRA layer,
+    whose adapter slots index the step's rows) gets them whole.
+    """
 
     def __init__(self, gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module) -> None:
         super().__init__()
         self.gate_up_proj = merge_linears([gate, up])
         self.down_proj = merge_linears([down])
+
+    def slice_rows(self, element_size: int = 4) -> int:
+        """Rows per slice: :data:`SLICE_BYTES` of gate/up output in elements of
+        ``element_size`` bytes, in whole panels of 16 rows (at least one)."""
+        rows = SLICE_BYTES // (element_size * self.gate_up_proj.out_features)
+        return max(16, rows // 16 * 16)
 
     def merged_projections(self) -> tuple[str, tuple[tuple[str, int], ...]]:
         """The merged linear's name and the projections it holds, in order, with their output
@@ -148,5 +170,19 @@ class FusedGatedMLP(torch.nn.Module):
         half = self.gate_up_proj.out_features // 2
         return "gate_up_proj", (("gate_proj", half), ("up_proj", half))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = self.slice_rows(x.element_size())
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= step or any(getattr(p, "reads_step_rows", False)
+                                        for p in (self.gate_up_proj, self.down_proj)):
+            return self._whole(x)
+        first = self._whole(rows[:step])
+        out = first.new_empty(rows.shape[0], first.shape[-1])
+        out[:step] = first
+        del first
+        for start in range(step, rows.shape[0], step):
+            out[start:start + step] = self._whole(rows[start:start + step])
+        return out.view(*x.shape[:-1], out.shape[-1])

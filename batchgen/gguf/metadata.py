@@ -41,7 +41,7 @@ from typing import Any
 from batchgen.cache import cache_dir, remove_stale_temp_folders
 from batchgen.gguf.architectures import ARCHITECTURES
 from batchgen.gguf.reader import GGUFError, GGUFFile
-from batchgen.quiet import quiet_libraries
+from batchgen.quiet import libraries_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,16 @@ def metadata_folder(path: Path) -> Path:
     started = time.perf_counter()
     logger.info("reading the config and tokenizer of %s (once per file: 10-25 s for a 50k-token vocabulary; "
                 "then kept in %s)", path.name, target)
-    quiet_libraries()
+    with libraries_quiet():  # transformers' bars and info logs, for the read only
+        _write_folder(path, gguf, target)
+    logger.info("read the config and tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
+    return target
+
+
+def _write_folder(path: Path, gguf: GGUFFile, target: Path) -> None:
+    """Write ``target``, the metadata folder of ``path`` (``gguf``, its parsed header):
+    transformers' config and tokenizer of the file, and its tensor table, into a temporary
+    folder renamed into place last."""
     # deferred: transformers (~3 s, and torch) only to convert a file once; this module stays torch-free
     from transformers import AutoConfig, AutoTokenizer
 
@@ -108,8 +117,6 @@ def metadata_folder(path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("read the config and tokenizer of %s in %.1f s", path.name, time.perf_counter() - started)
-    return target
 
 
 def hf_config(gguf: GGUFFile, config: Any) -> Any:

@@ -108,6 +108,11 @@ class LoRALinear(torch.nn.Module):
     and its scale: the tables the C kernel reads.
     """
 
+    #: Its rows' adapter slots are the step's rows by position (``context.row_slot``): a caller
+    #: must not pass it a slice of them (:class:`~batchgen.engine.fused_layers.FusedGatedMLP`
+    #: runs its rows whole when a projection says this).
+    reads_step_rows = True
+
     def __init__(self, base: torch.nn.Module, parts: list[Part], context: LoRAContext, max_loras: int) -> None:
         super().__init__()
         self.base = base

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from batchgen.engine import fusion
+from batchgen.engine import fused_layers, fusion
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, merge_linears, mergeable
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu import linear as cpu_linear
@@ -105,3 +105,51 @@ def test_linears_that_do_not_merge() -> None:
     assert mergeable([a, _linear(4, 16, 4)], torch.float32)
     with pytest.raises(ValueError, match="merge_linears needs"):
         merge_linears([a, b])
+
+
+class _RowsSeen(torch.nn.Module):
+    """A projection that records the rows of each input it is given, then runs ``inner``."""
+
+    def __init__(self, inner: torch.nn.Module, reads_step_rows: bool = False) -> None:
+        super().__init__()
+        self.inner, self.rows, self.reads_step_rows = inner, [], reads_step_rows
+        self.in_features, self.out_features = inner.in_features, inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return self.inner(x)
+
+
+def _mlp() -> FusedGatedMLP:
+    return FusedGatedMLP(_linear(96, 40, 0), _linear(96, 40, 1), _linear(40, 96, 2))
+
+
+def test_the_mlp_takes_many_rows_a_slice_at_a_time_with_the_same_bits(monkeypatch) -> None:
+    """Rows beyond one slice's bytes go through in slices of whole 16-row panels; each row's
+    output is the one the whole batch gave, bit for bit, in the input's shape."""
+    mlp = _mlp()
+    x = torch.randn(2, 45, 40, generator=torch.Generator().manual_seed(3))
+    whole = mlp(x)
+    assert mlp.slice_rows() > 90  # the default budget: these rows went through at once
+    monkeypatch.setattr(fused_layers, "SLICE_BYTES", 20 * 4 * 192)  # 20 rows of gate/up output
+    assert mlp.slice_rows() == 16
+    mlp.gate_up_proj = _RowsSeen(mlp.gate_up_proj)
+    mlp.down_proj = _RowsSeen(mlp.down_proj)
+    got = mlp(x)
+    assert got.shape == (2, 45, 40) and torch.equal(got, whole)
+    assert mlp.gate_up_proj.rows == mlp.down_proj.rows == [16] * 5 + [10]
+
+
+def test_a_projection_that_reads_the_steps_rows_gets_them_whole(monkeypatch) -> None:
+    """A LoRA layer indexes its adapter slots by the step's row: the MLP does not slice then."""
+    from batchgen.lora.layers import LoRALinear
+
+    assert LoRALinear.reads_step_rows
+    monkeypatch.setattr(fused_layers, "SLICE_BYTES", 16 * 4 * 192)
+    mlp = _mlp()
+    x = torch.randn(1, 40, 40, generator=torch.Generator().manual_seed(4))
+    whole = mlp(x)
+    mlp.down_proj = _RowsSeen(mlp.down_proj, reads_step_rows=True)
+    mlp.gate_up_proj = _RowsSeen(mlp.gate_up_proj)
+    assert torch.equal(mlp(x), whole)
+    assert mlp.gate_up_proj.rows == mlp.down_proj.rows == [40]

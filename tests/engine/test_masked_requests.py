@@ -108,3 +108,15 @@ def test_every_request_masked_fails_each_one(llm):
     bad = SamplingParams(max_tokens=4, logits_processors=[_mask_all])
     outputs = llm.generate(PROMPTS, bad)
     assert all("masks every token" in o.error for o in outputs)
+
+
+def test_the_sampler_gets_the_steps_logits_uncopied_when_it_takes_them_all() -> None:
+    """All the rows in order: the logits themselves (no [rows, vocab] copy); any other rows (a
+    request that left the batch, a reordering): those rows, copied."""
+    from batchgen.engine.core import _rows_of
+
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    assert _rows_of(logits, [0, 1, 2]) is logits
+    for rows in ([0, 2], [0, 1], [2, 1, 0]):
+        got = _rows_of(logits, rows)
+        assert torch.equal(got, logits[rows]) and got.data_ptr() != logits.data_ptr()

@@ -286,3 +286,41 @@ def test_the_5_bit_types_stay_quantized_and_keep_the_greedy_tokens(tmp_path: Pat
     steps = slice(ids.shape[1] - 1, -1)  # the logits that chose want's new tokens
     agree = _logits(kept, want)[:, steps].argmax(-1) == _logits(oracle, want)[:, steps].argmax(-1)
     assert agree.float().mean() >= TOP1_BOUND
+
+
+def test_reading_a_files_metadata_quiets_the_libraries_for_the_read_only(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' bars and info logs are off while a GGUF file's config and tokenizer are
+    read, and after the read the process's settings are the ones it had: a Python API user's
+    bars, verbosity and ``HF_HUB_DISABLE_PROGRESS_BARS`` (unset, or their own value)."""
+    from transformers.utils import logging as hf_logging
+
+    from batchgen.gguf import metadata
+
+    seen = []
+    real = metadata.hf_config
+
+    def spy(gguf, config):  # noqa: ANN001, ANN202 - inside the read
+        seen.append((hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity(),
+                     os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")))
+        return real(gguf, config)
+
+    monkeypatch.setattr(metadata, "hf_config", spy)
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    try:
+        for name, env, level in (("a", None, hf_logging.WARNING), ("b", "0", hf_logging.INFO)):
+            path = tmp_path / f"{name}.gguf"
+            write_llama_gguf(path, layers=1, oracle=False)
+            if env is None:
+                monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+            else:
+                monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", env)
+            hf_logging.enable_progress_bar()
+            hf_logging.set_verbosity(level)
+            metadata_folder(path)
+            assert seen.pop() == (False, hf_logging.ERROR, env or "1")
+            assert hf_logging.is_progress_bar_enabled() and hf_logging.get_verbosity() == level
+            assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == env
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()

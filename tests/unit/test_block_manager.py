@@ -12,7 +12,7 @@ import builtins
 
 import pytest
 
-import batchgen.engine.block_manager as block_manager_module
+import batchgen.engine.prefix_cache as prefix_cache_module  # where the block hashes are taken
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.sequence import Sequence
 
@@ -399,7 +399,7 @@ def test_prefix_caching_disabled_never_hits_and_frees_plainly() -> None:
 def test_hash_collision_does_not_reuse_blocks_with_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a hash that collides on every block, equal hashes with different tokens must not
     be reused, and blocks with equal tokens still are."""
-    monkeypatch.setattr(block_manager_module, "hash", lambda _key: 12345, raising=False)
+    monkeypatch.setattr(prefix_cache_module, "hash", lambda _key: 12345, raising=False)
     bm = BlockManager(num_blocks=16, block_size=2, watermark=0.0)
     a = admit(bm, [1, 2, 3, 4, 5])
     assert bm.blocks[a.block_table[0]].block_hash == 12345  # the patched hash is in use
@@ -417,7 +417,7 @@ def test_hash_collision_does_not_reuse_blocks_with_other_tokens(monkeypatch: pyt
 def test_hash_collision_on_second_block_stops_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hash that ignores the parent: the same tokens after a different prefix collide."""
     real_hash = builtins.hash
-    monkeypatch.setattr(block_manager_module, "hash", lambda key: real_hash(key[1]), raising=False)
+    monkeypatch.setattr(prefix_cache_module, "hash", lambda key: real_hash(key[1]), raising=False)
     bm = BlockManager(num_blocks=16, block_size=2, watermark=0.0)
     a = admit(bm, [1, 2, 3, 4, 0])
     b = admit(bm, [5, 6, 1, 2, 3, 4, 0])  # its block [1, 2] collides with a's first block
