@@ -20,24 +20,12 @@ Model
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 from batchgen.engine.config import MAX_BLOCK_SIZE
-from batchgen.engine.prefix_cache import PrefixCache
+from batchgen.engine.prefix_cache import Block, PrefixCache
 from batchgen.engine.sequence import Sequence
 
 __all__ = ["Block", "BlockManager"]
-
-
-@dataclass
-class Block:
-    """One physical block. ``block_hash``/``token_ids``/``parent_hash`` are set while cached."""
-
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
 
 
 class BlockManager(PrefixCache):

@@ -24,14 +24,22 @@ It keeps no state of its own: its methods read and write the manager's blocks (`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from batchgen.engine.sequence import Sequence
 
-if TYPE_CHECKING:  # the manager imports this module (its base class)
-    from batchgen.engine.block_manager import Block
+__all__ = ["Block", "PrefixCache"]
 
-__all__ = ["PrefixCache"]
+
+@dataclass
+class Block:
+    """One physical block. ``block_hash``/``token_ids``/``parent_hash`` are set while cached."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 class PrefixCache:

@@ -11,15 +11,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batchgen.engine.outputs import RequestOutput
 from batchgen.plugins import PluginError
 from batchgen.run.executors import ExecutorError
 from batchgen.run.executors.replica import CALL_MAX_SECONDS
-
-if TYPE_CHECKING:  # the executor imports this module
-    from batchgen.run.executors.ray import RayExecutor
 
 __all__ = ["CALLS_PER_REPLICA", "MAX_ROW_CRASHES", "MAX_START_FAILURES", "Replica", "RowStream", "failure_cause"]
 
@@ -33,6 +30,23 @@ MAX_ROW_CRASHES = 3
 CALLS_PER_REPLICA = 2
 #: Restarts of one replica in a row that fail to start before the run gives up.
 MAX_START_FAILURES = 3
+
+
+class ReplicaPool(Protocol):
+    """What a :class:`RowStream` uses of its executor (:class:`~batchgen.run.executors.ray.RayExecutor`,
+    which imports this module): Ray, the replicas, the calls each may have in flight, and folding,
+    killing and launching a replica when it crashes."""
+
+    _ray: Any
+    replicas: list[Replica]
+
+    def in_flight_limit(self) -> int: ...
+
+    def _fold(self, replica: Replica) -> None: ...
+
+    def _kill(self, replica: Replica) -> None: ...
+
+    def _launch(self, replica: Replica) -> None: ...
 
 
 @dataclass
@@ -69,7 +83,7 @@ class RowStream:
     (``"step"`` or ``"ready"``).
     """
 
-    def __init__(self, executor: RayExecutor, requests: Iterable[Any],
+    def __init__(self, executor: ReplicaPool, requests: Iterable[Any],
                  on_tokens: Callable[[int], None] | None) -> None:
         self.executor = executor
         self.ray = executor._ray
