@@ -121,7 +121,8 @@ int batchgen_quant_cpu_ok(void) {
 /* ---- each format's functions, and the table -----------------------------------------------
  * FORMATS_LIST holds one row per block type: its GGML type id (gguf.GGMLQuantizationType), its
  * name, weights and bytes per block, units (sub-blocks whose integer sums are scaled apart: 1,
- * 8 or 16), and its decode, scales (quant_blocks.h) and step (quant_steps.h) functions.
+ * 8 or 16), zsh (its quants' zero point is 1 << zsh: u = w + (1 << zsh); 0 for none, the formats
+ * with a min), and its decode, scales (quant_blocks.h) and step (quant_steps.h) functions.
  * FORMAT_FNS makes of a row two functions over one panel (src: its packed bytes) and `rows`
  * rows of x (q, xd, xs at the first), each in ONE pass over the panel, block by block: the block's bytes PREFETCH_AHEAD
  * further on are asked for (the rest of this panel, then the next: panels lie one after the
@@ -177,7 +178,7 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     if (n < MR) ROWS_TILE(STEP, BYTES, n, r0); \
     break;
 
-#define FORMAT_FNS(ID, name, BK, BYTES, UNITS, DECODE, SCALES, STEP)                                          \
+#define FORMAT_FNS(ID, name, BK, BYTES, UNITS, ZSH, DECODE, SCALES, STEP)                                          \
   static inline AI void gemv_rows_##name(const int rows, const uint8_t *src, int64_t nb, const int8_t *q,     \
                                          int64_t k, const float *xd, const int32_t *xs, float *out) {         \
     BLOCK_SCRATCH(BK, UNITS);                                                                                 \
@@ -221,21 +222,21 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     for (int64_t r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                        \
   }
 #define FORMATS_LIST(X)                                                   \
-  X(2, q4_0, 32, 18, 1, decode_q4_0, scales_d, step_q4_0)                 \
-  X(3, q4_1, 32, 20, 1, decode_q4_1, scales_dm, step_q4_1)                \
-  X(6, q5_0, 32, 22, 1, decode_q5_0, scales_d, step_q5_0)                 \
-  X(8, q8_0, 32, 34, 1, decode_q8_0, scales_d, step_q8_0)                 \
-  X(12, q4_k, 256, 144, 8, decode_q4_k, scales_k, step_q4_k)              \
-  X(13, q5_k, 256, 176, 8, decode_q5_k, scales_k, step_q5_k)              \
-  X(14, q6_k, 256, 210, 16, decode_q6_k, scales_q6_k, step_q6_k)
+  X(2, q4_0, 32, 18, 1, 3, decode_q4_0, scales_d, step_q4_0)              \
+  X(3, q4_1, 32, 20, 1, 0, decode_q4_1, scales_dm, step_q4_1)             \
+  X(6, q5_0, 32, 22, 1, 4, decode_q5_0, scales_d, step_q5_0)              \
+  X(8, q8_0, 32, 34, 1, 7, decode_q8_0, scales_d, step_q8_0)              \
+  X(12, q4_k, 256, 144, 8, 0, decode_q4_k, scales_k, step_q4_k)           \
+  X(13, q5_k, 256, 176, 8, 0, decode_q5_k, scales_k, step_q5_k)           \
+  X(14, q6_k, 256, 210, 16, 5, decode_q6_k, scales_q6_k, step_q6_k)
 FORMATS_LIST(FORMAT_FNS)
 
 struct format {
-  int qtype, bk, bytes, units; /* the row's numbers */
+  int qtype, bk, bytes, units, zsh; /* the row's numbers */
   rows_fn *gemv;               /* this build's panel against at most GEMV_ROWS rows */
   rows_fn *rows;               /* ... against at most MC rows */
 };
-#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ...) {ID, BK, BYTES, UNITS, gemv_##name, rows_##name},
+#define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ZSH, ...) {ID, BK, BYTES, UNITS, ZSH, gemv_##name, rows_##name},
 static const struct format FORMATS[] = {FORMATS_LIST(FORMAT_ROW)};
 
 /* The row of `qtype`, or NULL: an unknown type is refused, never read as another. */
@@ -297,7 +298,7 @@ static void run_gemv(void *ctx, int64_t begin, int64_t end) {
 struct qjob {
   const float *x;
   int64_t ldx, k;
-  int bk, units;
+  int bk, units, zsh;
   int8_t *q;
   float *d;
   int32_t *s;
@@ -307,7 +308,7 @@ struct qjob {
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
   quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s);
-  pair_sums(Q->k, Q->bk, Q->units, begin, end, Q->d, Q->s);
+  pair_sums(Q->k, Q->bk, Q->units, Q->zsh, begin, end, Q->d, Q->s);
 }
 
 /* For the tests: the activation quantization alone. */
@@ -334,7 +335,7 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f->bk, f->units, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, f->units, f->zsh, q, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 

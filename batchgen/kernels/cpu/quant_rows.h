@@ -96,18 +96,27 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_
 }
 
 /* What the steps read of the sums, computed once per row instead of in every panel's inner loop
- * (batchgen_quant_rows returns the sums as they are): where a format scales sub-blocks of 32
- * (units 1 and 8), slot 2j of a row's s16 holds the sum over the 32 values j, s16[2j] +
- * s16[2j + 1]; with blocks of 32 (units 1), slot 2j + 1 then holds the float bits of d_j *
- * (float)sum_j (Q4_1's dx sx). The same integers and the same float product as before. */
-static void pair_sums(int64_t k, int bk, int units, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
-  if (units == 16) return;
+ * (batchgen_quant_rows returns the sums as they are). A format whose quants carry a zero point
+ * (u = w + (1 << zsh): FORMATS_LIST's zsh, 0 for none) subtracts sx << zsh from each dot; that
+ * term is kept here, negated, for the dots to start from (Z_OF in quant_dots.h):
+ *   units 16 (Q6_K): slot j holds -(s16[j] << zsh);
+ *   units 1 and 8 (sub-blocks of 32): slot 2j holds sx_j, the sum over the 32 values j
+ *     (s16[2j] + s16[2j + 1]); with blocks of 32 (units 1), slot 2j + 1 then holds -(sx_j << zsh)
+ *     or, without a zero point (Q4_1), the float bits of d_j * (float)sx_j (its dx sx).
+ * The same integers and the same float product as the steps computed before. */
+static void pair_sums(int64_t k, int bk, int units, int zsh, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
   for (int64_t r = r0; r < r1; r++) {
     int32_t *sr = s16 + r * (k / 16);
+    if (units == 16) {
+      for (int64_t j = 0; zsh && j < k / 16; j++) sr[j] = -(sr[j] * (1 << zsh));
+      continue;
+    }
     for (int64_t j = 0; j < k / 32; j++) {
       const int32_t sx = sr[2 * j] + sr[2 * j + 1];
       sr[2 * j] = sx;
-      if (bk == 32) {
+      if (bk == 32 && zsh) {
+        sr[2 * j + 1] = -(sx * (1 << zsh));
+      } else if (bk == 32) {
         const float sxd = d[r * (k / 32) + j] * (float)sx;
         memcpy(sr + 2 * j + 1, &sxd, sizeof sxd);
       }
