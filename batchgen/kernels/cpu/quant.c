@@ -165,14 +165,14 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     for (int r = 0; r < MR; r++) a_[r] = r < (mr_) ? acc[(r0_) + r] : vf_zero();                              \
     for (int64_t b = b0; b < b1; b++) {                                                                       \
       if ((r0_) == 0) prefetch_ahead(src + b * NR * (BYTES), NR * (BYTES));                                   \
-      STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, xd + (r0_) * nb,               \
-           xs + (r0_) * (k / 16), a_);                                                                        \
+      STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, xd + rg_at((r0_), 0, nb),      \
+           xs + rg_at((r0_), 0, k / 16), a_);                                                                 \
     }                                                                                                         \
     for (int r = 0; r < (mr_); r++) acc[(r0_) + r] = a_[r];                                                   \
   } while (0)
 /* the GEMV path's step: mr_ rows from r0_ against block b (scratch slot 0) */
 #define ROWS_STEP(STEP, mr_, r0_) \
-  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + (r0_) * nb, xs + (r0_) * (k / 16), acc + (r0_))
+  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, k / 16), acc + (r0_))
 #define ROWS_REST(STEP, BYTES, n) \
   case n:                         \
     if (n < MR) ROWS_TILE(STEP, BYTES, n, r0); \
@@ -252,8 +252,8 @@ struct job {
   const struct format *f;
   int64_t m, k, n, nb, npanels, nrb;
   const int8_t *q;   /* [m][k] */
-  const float *xd;   /* [m][k / bk] */
-  const int32_t *xs; /* [m][k / 16] */
+  const float *xd;   /* k / bk a row, in groups of RG rows (rg_at) */
+  const int32_t *xs; /* k / 16 a row, likewise */
   const uint8_t *packed;
   const float *bias;
   float *y;
@@ -278,8 +278,8 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; item++) {
     int64_t p = item / J->nrb, rb = item % J->nrb;
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
-    J->f->rows(rows, J->packed + p * nb * NR * J->f->bytes, nb, J->q + r0 * k, k, J->xd + r0 * nb,
-               J->xs + r0 * (k / 16), out);
+    J->f->rows(rows, J->packed + p * nb * NR * J->f->bytes, nb, J->q + r0 * k, k, J->xd + rg_at(r0, 0, nb),
+               J->xs + rg_at(r0, 0, k / 16), out);
     store_out(J, p, r0, rows, out);
   }
 }
@@ -307,14 +307,14 @@ struct qjob {
 
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
-  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s);
+  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s, 1);
   pair_sums(Q->k, Q->bk, Q->units, Q->zsh, begin, end, Q->d, Q->s);
 }
 
 /* For the tests: the activation quantization alone. */
 void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int bk, int8_t *q, float *d,
                          int32_t *s16) {
-  quantize_rows(x, ldx, k, bk, 0, m, q, d, s16);
+  quantize_rows(x, ldx, k, bk, 0, m, q, d, s16, 0);
 }
 
 /* y [m][ldy] = x [m][ldx] W^T (+ bias), W [n][k] packed as described at the top (npanels =
@@ -326,9 +326,10 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   if (k <= 0 || k % f->bk) return -3;
   if (m <= 0 || n <= 0) return 0;
   int64_t nb = k / f->bk;
+  const int64_t mg = (m + RG - 1) / RG * RG; /* d and s in whole groups of RG rows */
   int8_t *q = (int8_t *)malloc((size_t)(m * k));
-  float *d = (float *)malloc((size_t)(m * nb) * sizeof(float));
-  int32_t *s = (int32_t *)malloc((size_t)(m * (k / 16)) * sizeof(int32_t));
+  float *d = (float *)malloc((size_t)(mg * nb) * sizeof(float));
+  int32_t *s = (int32_t *)malloc((size_t)(mg * (k / 16)) * sizeof(int32_t));
   if (!q || !d || !s) {
     free(q);
     free(d);

@@ -13,16 +13,16 @@
  * blk), added to acc. */
 #define STEP_ARGS                                                                                    \
   const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
-      const int64_t k, const float *xd, const int32_t *xs, vf *acc
+      const int64_t k, const float *xd, const int32_t *xs, vf *acc  /* xd, xs: rows RG apart (rg_at) */
 
 /* Q4_0, Q5_0, Q8_0: n = dot - (sx << zsh), the sums started at slot 2b + 1's -(sx << zsh) (see
  * pair_sums and Z_OF); acc += (d_c dx) n */
 static inline AI void add_offset(const vi *n, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR);
-  (void)q, (void)blk, (void)xs;
+  (void)q, (void)blk, (void)xs, (void)nb;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const float dx = xd[r * nb + b];
+      const float dx = xd[RG * b + r];
       acc[r] = vf_add(acc[r], vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(n[r])));
     }
   }
@@ -32,26 +32,26 @@ static inline AI void add_offset(const vi *n, STEP_ARGS) {
 #define DOT32(direct, z) direct
 #define DOT_UNIT(direct, groups, z) direct
 #else
-#define DOT32(direct, z) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, k, (z), k / 16, d)
+#define DOT32(direct, z) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, k, (z), 1, d)
 #define DOT_UNIT(direct, groups, z) \
-  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, (z), k / 16, d)
+  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, (z), 1, d)
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + 2 * b + 1;
-  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, z, k / 16, d), z);
+  const int32_t *z = xs + RG * (2 * b + 1);
+  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, z, 1, d), z);
   add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + 2 * b + 1;
-  DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, z, k / 16, d), z);
+  const int32_t *z = xs + RG * (2 * b + 1);
+  DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, z, 1, d), z);
   add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + 2 * b + 1;
-  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, z, k / 16, d), z);
+  const int32_t *z = xs + RG * (2 * b + 1);
+  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, z, 1, d), z);
   add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
@@ -62,9 +62,9 @@ static inline AI void step_q4_1(STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const float dx = xd[r * nb + b];
+      const float dx = xd[RG * b + r];
       float sxd;
-      memcpy(&sxd, xs + r * (k / 16) + 2 * b + 1, sizeof sxd);
+      memcpy(&sxd, xs + RG * (2 * b + 1) + r, sizeof sxd);
       vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
       vf t2 = vf_mul(mw, vf_set1(sxd));
       acc[r] = vf_add(acc[r], vf_add(t1, t2));
@@ -76,13 +76,13 @@ static inline AI void step_q4_1(STEP_ARGS) {
 static inline AI void add_k(const vi *is, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
   const int32_t *mn = P->mn + pb * 8 * NR;
-  (void)q, (void)blk;
+  (void)q, (void)blk, (void)nb;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const int32_t *xr = xs + r * (k / 16) + 16 * b;
+      const int32_t *xr = xs + RG * 16 * b + r;
       vi im = vi_zero();
-      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[2 * j])));
-      const vf dx = vf_set1(xd[r * nb + b]);
+      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[RG * 2 * j])));
+      const vf dx = vf_set1(xd[RG * b + r]);
       vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
       vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
       acc[r] = vf_add(acc[r], vf_sub(t1, t2));
@@ -121,8 +121,8 @@ static inline AI void step_q6_k(STEP_ARGS) {
     const int h = j / 8;
     (void)h;
     DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
-                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, xs + 16 * b + j, k / 16, d),
-             4, xs + 16 * b + j);
+                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, xs + RG * (16 * b + j), 1, d),
+             4, xs + RG * (16 * b + j));
     const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
@@ -130,7 +130,7 @@ static inline AI void step_q6_k(STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR);
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      vf t = vf_mul(vf_mul(dw, vf_set1(xd[r * nb + b])), vi_float(is[r]));
+      vf t = vf_mul(vf_mul(dw, vf_set1(xd[RG * b + r])), vi_float(is[r]));
       acc[r] = vf_add(acc[r], t);
     }
   }
