@@ -111,19 +111,23 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
 }
 /* Q6_K, one unit of 16 k (4 groups): group t's quants are the nibble `s` of ql chunk t and the
  * two bits at `sh` of qh chunk t, u = lo | hi << 4 <= 63. */
+static inline __attribute__((always_inline)) __m512i q6_w(const uint8_t *ql, const uint8_t *qh, const int s,
+                                                          const int sh, const int g) {
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * g));
+  __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
+  l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
+  h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
+  return _mm512_or_si512(l, h);
+}
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
                                                               int64_t ldq, const int32_t *z, int64_t ldz, vi *out) {
-  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
   __m512i a0 = _mm512_set1_epi32(Z_OF(0)), a1 = _mm512_set1_epi32(Z_OF(1)), a2 = _mm512_set1_epi32(Z_OF(2)),
           a3 = _mm512_set1_epi32(Z_OF(3)), a4 = _mm512_set1_epi32(Z_OF(4)), a5 = _mm512_set1_epi32(Z_OF(5)),
           a6 = _mm512_set1_epi32(Z_OF(6)), a7 = _mm512_set1_epi32(Z_OF(7));
   for (int g = 0; g < 4; g++) {
-    __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * g));
-    __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
-    l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
-    h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
-    const __m512i w = _mm512_or_si512(l, h);
+    const __m512i w = q6_w(ql, qh, s, sh, g);
     DPW_ALL(w, g)
   }
   out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;

@@ -55,11 +55,9 @@ static inline AI void step_q8_0(STEP_ARGS) {
   add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
-static inline AI void step_q4_1(STEP_ARGS) {
-  vi d[MR];
-  (void)blk;
-  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, NULL, 0, d), NULL);
+static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
+  (void)q, (void)blk, (void)nb, (void)k;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[RG * b + r];
@@ -70,6 +68,11 @@ static inline AI void step_q4_1(STEP_ARGS) {
       acc[r] = vf_add(acc[r], vf_add(t1, t2));
     }
   }
+}
+static inline AI void step_q4_1(STEP_ARGS) {
+  vi d[MR];
+  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, NULL, 0, d), NULL);
+  add_q4_1(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 /* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
  * acc += (d_c dx) is - (dmin_c dx) nm */
@@ -113,6 +116,16 @@ static inline AI void step_q5_k(STEP_ARGS) {
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16 (each dot started at slot j's
  * -(sx_j << 5), see pair_sums); acc += (d_c dx) n */
+static inline AI void add_q6_k(const vi *is, STEP_ARGS) {
+  const vf dw = vf_load(P->dw + pb * NR);
+  (void)q, (void)blk, (void)nb, (void)k, (void)xs;
+  for (int r = 0; r < MR; r++) {
+    if (r < mr) {
+      vf t = vf_mul(vf_mul(dw, vf_set1(xd[RG * b + r])), vi_float(is[r]));
+      acc[r] = vf_add(acc[r], t);
+    }
+  }
+}
 static inline AI void step_q6_k(STEP_ARGS) {
   vi d[MR], is[MR];
   (void)blk;
@@ -127,13 +140,7 @@ static inline AI void step_q6_k(STEP_ARGS) {
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  const vf dw = vf_load(P->dw + pb * NR);
-  for (int r = 0; r < MR; r++) {
-    if (r < mr) {
-      vf t = vf_mul(vf_mul(dw, vf_set1(xd[RG * b + r])), vi_float(is[r]));
-      acc[r] = vf_add(acc[r], t);
-    }
-  }
+  add_q6_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
 }
 
 #endif /* BATCHGEN_CPU_QUANT_STEPS_H */
