@@ -232,7 +232,7 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
   X(3, q4_1, 32, 20, 1, 0, 0, decode_q4_1, scales_dm, step_q4_1)             \
   X(6, q5_0, 32, 22, 1, 4, 0, decode_q5_0, scales_d, step_q5_0)              \
   X(8, q8_0, 32, 34, 1, 7, 1, decode_q8_0, scales_d, step_q8_0)              \
-  X(12, q4_k, 256, 144, 8, 0, 1, decode_q4_k, scales_k, step_q4_k)           \
+  X(12, q4_k, 256, 144, 8, 0, 0, decode_q4_k, scales_k, step_q4_k)           \
   X(13, q5_k, 256, 176, 8, 0, 0, decode_q5_k, scales_k, step_q5_k)           \
   X(14, q6_k, 256, 210, 16, 5, 0, decode_q6_k, scales_q6_k, step_q6_k)
 FORMATS_LIST(FORMAT_FNS)

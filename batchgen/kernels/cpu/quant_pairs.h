@@ -1,7 +1,7 @@
 /* batchgen: quant.c's tiles over a pair of panels (32 output columns), the AVX-512 VNNI build's
  * alone: the dot products of up to PAIR_MR rows against both panels' block at once
  * (unit_dot2_direct) and the step over the pair of each format whose FORMATS_LIST row says
- * pair = 1 (step2_q4_0, step2_q8_0, step2_q4_k: the names PAIR_FNS pastes).
+ * pair = 1 (step2_q4_0, step2_q8_0: the names PAIR_FNS pastes).
  *
  * Why: a tile over one panel needs a broadcast of the row's 4 values for every vpdpbusd, and
  * on Zen 5 those loads bound it (a loop of vpdpbusd with one broadcast each ran at 5.8 a ns,
@@ -12,10 +12,11 @@
  * same order (the epilogues of quant_steps.h, panel by panel), so the bits are the same.
  *
  * Measured (300 rows x 2048 x 2048, 1 thread, CPU-time medians interleaved with the one-panel
- * tiles, the machine loaded): Q8_0 +4-8 %, Q4_0 +3-6 %, Q4_K +1-4 % (64 to 512 rows). The pair
- * halves the rows sharing each decoded weight vector (8 -> 4), so the formats whose quants
- * take several operations to decode lost: Q5_K -22 %, Q5_0 and Q4_1 -4 %, Q6_K -2 to +2 %;
- * they keep the one-panel tiles (pair = 0), and their two-panel steps were dropped.
+ * tiles, the machine loaded): Q8_0 +4-8 %, Q4_0 +3-6 % (64 to 512 rows). The pair halves
+ * the rows sharing each decoded weight vector (8 -> 4), so the formats whose quants take more
+ * operations to decode gained nothing or lost: Q4_K -7 to +6 % over several runs (equal on a
+ * calmer one), Q6_K -2 to +2 %, Q5_0 and Q4_1 -4 %, Q5_K -22 %; they keep the one-panel tiles
+ * (pair = 0), and their two-panel steps were dropped.
  *
  * Included by quant.c only, after quant_steps.h; not built alone.
  */
@@ -84,24 +85,6 @@ static inline AI void unit_dot2_direct(const int mr, const uint8_t *s0, const ui
   }
 STEP2_DIRECT(q4_0, 16 * 2, K_Q4_32, xs + RG * (2 * b + 1), add_offset)
 STEP2_DIRECT(q8_0, 32, K_Q8, xs + RG * (2 * b + 1), add_offset)
-/* is += sc_j d for both panels (the K-quants' units) */
-#define ADD_SCALED(units)                                                          \
-  do {                                                                             \
-    const vi s0 = vi_load(P0->sc + (pb * (units) + j) * NR), s1 = vi_load(P1->sc + (pb * (units) + j) * NR); \
-    for (int r = 0; r < PAIR_MR; r++)                                              \
-      if (r < mr) is0[r] = vi_add(is0[r], vi_mul(s0, d0[r])), is1[r] = vi_add(is1[r], vi_mul(s1, d1[r])); \
-  } while (0)
-static inline AI void step2_q4_k(STEP2_ARGS) {
-  vi d0[MR], d1[MR], is0[MR], is1[MR];
-  for (int r = 0; r < PAIR_MR; r++) is0[r] = is1[r] = vi_zero();
-  for (int j = 0; j < 8; j++) {
-    const int64_t o = 16 * 16 + 64 * 8 * (j / 2);
-    unit_dot2_direct(mr, blk0 + o, blk1 + o, j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, NULL, 0, d0, d1);
-    ADD_SCALED(8);
-  }
-  EPI2(add_k, is0, is1);
-}
-#undef ADD_SCALED
 #undef STEP2_DIRECT
 #undef PAIR_DOT_ARGS
 #undef PAIR_END
