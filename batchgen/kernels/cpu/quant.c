@@ -172,13 +172,13 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     for (int64_t b = b0; b < b1; b++) {                                                                       \
       if ((r0_) == 0) prefetch_ahead(src + b * NR * (BYTES), NR * (BYTES));                                   \
       STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, xd + rg_at((r0_), 0, nb),      \
-           xs + rg_at((r0_), 0, k / 16), a_);                                                                 \
+           xs + rg_at((r0_), 0, k / 16), a_, RG);                                                             \
     }                                                                                                         \
     for (int r = 0; r < (mr_); r++) acc[(r0_) + r] = a_[r];                                                   \
   } while (0)
 /* the GEMV path's step: mr_ rows from r0_ against block b (scratch slot 0) */
 #define ROWS_STEP(STEP, mr_, r0_) \
-  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, k / 16), acc + (r0_))
+  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + (r0_), xs + (r0_), acc + (r0_), rows) /* groups of `rows` */
 #define ROWS_REST(STEP, BYTES, n) \
   case n:                         \
     if (n < MR) ROWS_TILE(STEP, BYTES, n, r0); \
@@ -253,7 +253,7 @@ typedef void pair_fn(int64_t rows, const uint8_t *src0, const uint8_t *src1, int
       if ((r0_) == 0) prefetch_ahead(src0 + b * NR * (BYTES), NR * (BYTES));                                  \
       if ((r0_) == 0) prefetch_ahead(src1 + b * NR * (BYTES), NR * (BYTES));                                  \
       STEP2((mr_), &P0, &P1, src0 + b * NR * (BYTES), src1 + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, \
-            xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, k / 16), a_, c_);                                  \
+            xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, k / 16), a_, c_, RG);                                  \
     }                                                                                                         \
     for (int r = 0; r < (mr_); r++) acc0[(r0_) + r] = a_[r], acc1[(r0_) + r] = c_[r];                         \
   } while (0)
@@ -318,7 +318,7 @@ struct job {
   int64_t m, k, n, nb, npanels, nrb;
   int pairs; /* items over pairs of panels (pair_<name>) */
   const int8_t *q;   /* [m][k] */
-  const float *xd;   /* k / bk a row, in groups of RG rows (rg_at) */
+  const float *xd;   /* k / bk a row, in groups of RG rows (rg_at; of m rows up to GEMV_ROWS) */
   const int32_t *xs; /* k / 16 a row, likewise */
   const uint8_t *packed;
   const float *bias;
@@ -374,6 +374,7 @@ struct qjob {
   const float *x;
   int64_t ldx, k;
   int bk, units, zsh;
+  int64_t g; /* rows a group of d and s (grp_at) */
   int8_t *q;
   float *d;
   int32_t *s;
@@ -382,14 +383,14 @@ struct qjob {
 
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
-  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s, 1);
-  pair_sums(Q->k, Q->bk, Q->units, Q->zsh, begin, end, Q->d, Q->s);
+  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s, Q->g);
+  pair_sums(Q->k, Q->bk, Q->units, Q->zsh, Q->g, begin, end, Q->d, Q->s);
 }
 
 /* For the tests: the activation quantization alone. */
 void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int bk, int8_t *q, float *d,
                          int32_t *s16) {
-  quantize_rows(x, ldx, k, bk, 0, m, q, d, s16, 0);
+  quantize_rows(x, ldx, k, bk, 0, m, q, d, s16, 1);
 }
 
 /* y [m][ldy] = x [m][ldx] W^T (+ bias), W [n][k] packed as described at the top (npanels =
@@ -401,7 +402,7 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   if (k <= 0 || k % f->bk) return -3;
   if (m <= 0 || n <= 0) return 0;
   int64_t nb = k / f->bk;
-  const int64_t mg = (m + RG - 1) / RG * RG; /* d and s in whole groups of RG rows */
+  const int64_t g = m <= GEMV_ROWS ? m : RG, mg = (m + g - 1) / g * g; /* d and s in whole groups */
   int8_t *q = (int8_t *)malloc((size_t)(m * k));
   float *d = (float *)malloc((size_t)(mg * nb) * sizeof(float));
   int32_t *s = (int32_t *)malloc((size_t)(mg * (k / 16)) * sizeof(int32_t));
@@ -411,7 +412,7 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f->bk, f->units, f->zsh, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, f->units, f->zsh, g, q, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 

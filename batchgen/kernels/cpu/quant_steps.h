@@ -13,7 +13,7 @@
  * blk), added to acc. */
 #define STEP_ARGS                                                                                    \
   const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
-      const int64_t k, const float *xd, const int32_t *xs, vf *acc  /* xd, xs: rows RG apart (rg_at) */
+      const int64_t k, const float *xd, const int32_t *xs, vf *acc, const int G /* xd, xs: rows G apart (grp_at) */
 
 /* Q4_0, Q5_0, Q8_0: n = dot - (sx << zsh), the sums started at slot 2b + 1's -(sx << zsh) (see
  * pair_sums and Z_OF); acc += (d_c dx) n */
@@ -22,7 +22,7 @@ static inline AI void add_offset(const vi *n, STEP_ARGS) {
   (void)q, (void)blk, (void)xs, (void)nb;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const float dx = xd[RG * b + r];
+      const float dx = xd[G * b + r];
       acc[r] = vf_add(acc[r], vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(n[r])));
     }
   }
@@ -38,21 +38,21 @@ static inline AI void add_offset(const vi *n, STEP_ARGS) {
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + RG * (2 * b + 1);
+  const int32_t *z = xs + G * (2 * b + 1);
   DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + RG * (2 * b + 1);
+  const int32_t *z = xs + G * (2 * b + 1);
   DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
-  const int32_t *z = xs + RG * (2 * b + 1);
+  const int32_t *z = xs + G * (2 * b + 1);
   DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
 static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
@@ -60,9 +60,9 @@ static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
   (void)q, (void)blk, (void)nb, (void)k;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const float dx = xd[RG * b + r];
+      const float dx = xd[G * b + r];
       float sxd;
-      memcpy(&sxd, xs + RG * (2 * b + 1) + r, sizeof sxd);
+      memcpy(&sxd, xs + G * (2 * b + 1) + r, sizeof sxd);
       vf t1 = vf_mul(vf_mul(dw, vf_set1(dx)), vi_float(d[r]));
       vf t2 = vf_mul(mw, vf_set1(sxd));
       acc[r] = vf_add(acc[r], vf_add(t1, t2));
@@ -72,7 +72,7 @@ static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
   DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, NULL, 0, d), NULL);
-  add_q4_1(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_q4_1(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 /* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
  * acc += (d_c dx) is - (dmin_c dx) nm */
@@ -82,10 +82,10 @@ static inline AI void add_k(const vi *is, STEP_ARGS) {
   (void)q, (void)blk, (void)nb;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      const int32_t *xr = xs + RG * 16 * b + r;
+      const int32_t *xr = xs + G * 16 * b + r;
       vi im = vi_zero();
-      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[RG * 2 * j])));
-      const vf dx = vf_set1(xd[RG * b + r]);
+      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[G * 2 * j])));
+      const vf dx = vf_set1(xd[G * b + r]);
       vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
       vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));
       acc[r] = vf_add(acc[r], vf_sub(t1, t2));
@@ -101,7 +101,7 @@ static inline AI void step_q4_k(STEP_ARGS) {
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 static inline AI void step_q5_k(STEP_ARGS) {
   vi d[MR], is[MR];
@@ -112,7 +112,7 @@ static inline AI void step_q5_k(STEP_ARGS) {
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16 (each dot started at slot j's
  * -(sx_j << 5), see pair_sums); acc += (d_c dx) n */
@@ -121,7 +121,7 @@ static inline AI void add_q6_k(const vi *is, STEP_ARGS) {
   (void)q, (void)blk, (void)nb, (void)k, (void)xs;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      vf t = vf_mul(vf_mul(dw, vf_set1(xd[RG * b + r])), vi_float(is[r]));
+      vf t = vf_mul(vf_mul(dw, vf_set1(xd[G * b + r])), vi_float(is[r]));
       acc[r] = vf_add(acc[r], t);
     }
   }
@@ -134,13 +134,13 @@ static inline AI void step_q6_k(STEP_ARGS) {
     const int h = j / 8;
     (void)h;
     DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
-                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, xs + RG * (16 * b + j), 1, d),
-             4, xs + RG * (16 * b + j));
+                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, xs + G * (16 * b + j), 1, d),
+             4, xs + G * (16 * b + j));
     const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_q6_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc);
+  add_q6_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
 
 #endif /* BATCHGEN_CPU_QUANT_STEPS_H */
