@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,17 +31,25 @@ HERE = Path(__file__).resolve().parent
 SHAPES = {"Q4_K": [(2048, 2048), (8192, 2048)], "Q8_0": [(2048, 2048), (8192, 2048)],
           "Q4_1": [(2048, 2048), (8192, 2048)], "Q6_K": [(2048, 8192)], "Q5_K": [(2048, 2048)],
           "Q5_0": [(2048, 2048)], "Q4_0": [(2048, 2048)]}
+LOCAL_INCLUDE = re.compile(r'#include\s+"([^"]+)"')  # as c_build.local_headers reads them
 STREAM_BYTES = 96 << 20  # > the 32 MiB L3 of the machine this was written on, by 3x
 
 
 def base_library(rev: str, tmp: Path, isa: str):  # noqa: ANN201 - a ctypes library
-    """``quant.c`` (and ``pool.h``) as of ``rev``, built and loaded beside this tree's."""
+    """``quant.c`` and the local headers it includes (``pool.h``, ``quant_*.h``, nested ones too)
+    as of ``rev``, built and loaded beside this tree's."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           cwd=HERE, check=True).stdout.strip()
-    for name in ("quant.c", "pool.h"):
+    todo, seen = ["quant.c"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
         text = subprocess.run(["git", "show", f"{rev}:batchgen/kernels/cpu/{name}"], capture_output=True,
                               text=True, cwd=root, check=True).stdout
         (tmp / name).write_text(text)
+        todo += LOCAL_INCLUDE.findall(text)
     return c_build.load_library(f"quant.c at {rev}", tmp / "quant.c", quant._declare, quant.ISAS[isa],
                                accept=quant._runs_here, tag=f"base-{isa}")
 

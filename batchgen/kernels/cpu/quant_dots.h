@@ -18,13 +18,18 @@
 #define MR 2
 #endif
 
+/* Where each sum starts: row r's zero-point term z[r * ldz] (-(sx << zsh), see pair_sums in
+ * quant_rows.h: dot - (sx << zsh) as (-(sx << zsh)) + dot, the same int32) or, z NULL, 0. The
+ * subtraction then costs no vector operation of its own (the broadcast is a load). */
+#define Z_OF(r) (z && (r) < mr ? z[(r) * ldz] : 0)
+
 #if BG_ISA == 0
 /* out[r] (16 lanes) = sum_{g, t} u[g][c][t] * q[r][4g + t], exact, over a decoded scratch. */
 static inline void unit_dot(const int mr, const uint8_t *u, const int groups, const int8_t *q, int64_t ldq,
-                            vi *out) {
+                            const int32_t *z, int64_t ldz, vi *out) {
   for (int r = 0; r < mr; r++)
     for (int c = 0; c < NR; c++) {
-      int32_t s = 0;
+      int32_t s = Z_OF(r);
       for (int g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) s += (int32_t)u[64 * g + 4 * c + t] * (int32_t)q[r * ldq + 4 * g + t];
       out[r].v[c] = s;
@@ -80,9 +85,12 @@ static inline __attribute__((always_inline)) __m256i q5_half(const uint8_t *qs, 
             : "v"(wv), "m"(*(const int32_t *)(const void *)(q + (r) * ldq + 4 * (g))));
 #define DPW_ALL(wv, g) DPW(0, wv, g) DPW(1, wv, g) DPW(2, wv, g) DPW(3, wv, g) DPW(4, wv, g) DPW(5, wv, g) DPW(6, wv, g) DPW(7, wv, g)
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
-                                                                  const int8_t *q, int64_t ldq, vi *out) {
+                                                                  const int8_t *q, int64_t ldq, const int32_t *z,
+                                                                  int64_t ldz, vi *out) {
   const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512i a0 = _mm512_set1_epi32(Z_OF(0)), a1 = _mm512_set1_epi32(Z_OF(1)), a2 = _mm512_set1_epi32(Z_OF(2)),
+          a3 = _mm512_set1_epi32(Z_OF(3)), a4 = _mm512_set1_epi32(Z_OF(4)), a5 = _mm512_set1_epi32(Z_OF(5)),
+          a6 = _mm512_set1_epi32(Z_OF(6)), a7 = _mm512_set1_epi32(Z_OF(7));
   if (kind == K_Q4_32) {
     for (int i = 0; i < 4; i++) {
       const __m512i c = _mm512_loadu_si512((const void *)(src + 64 * i));
@@ -103,17 +111,23 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
 }
 /* Q6_K, one unit of 16 k (4 groups): group t's quants are the nibble `s` of ql chunk t and the
  * two bits at `sh` of qh chunk t, u = lo | hi << 4 <= 63. */
+static inline __attribute__((always_inline)) __m512i q6_w(const uint8_t *ql, const uint8_t *qh, const int s,
+                                                          const int sh, const int g) {
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * g));
+  __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
+  l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
+  h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
+  return _mm512_or_si512(l, h);
+}
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
-                                                              int64_t ldq, vi *out) {
-  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                                                              int64_t ldq, const int32_t *z, int64_t ldz, vi *out) {
+  __m512i a0 = _mm512_set1_epi32(Z_OF(0)), a1 = _mm512_set1_epi32(Z_OF(1)), a2 = _mm512_set1_epi32(Z_OF(2)),
+          a3 = _mm512_set1_epi32(Z_OF(3)), a4 = _mm512_set1_epi32(Z_OF(4)), a5 = _mm512_set1_epi32(Z_OF(5)),
+          a6 = _mm512_set1_epi32(Z_OF(6)), a7 = _mm512_set1_epi32(Z_OF(7));
   for (int g = 0; g < 4; g++) {
-    __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * g));
-    __m512i h = _mm512_loadu_si512((const void *)(qh + 64 * g));
-    l = _mm512_and_si512(s ? _mm512_srli_epi16(l, 4) : l, m4);
-    h = _mm512_and_si512(sh <= 4 ? _mm512_slli_epi16(h, 4 - sh) : _mm512_srli_epi16(h, sh - 4), m30);
-    const __m512i w = _mm512_or_si512(l, h);
+    const __m512i w = q6_w(ql, qh, s, sh, g);
     DPW_ALL(w, g)
   }
   out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3, out[4] = a4, out[5] = a5, out[6] = a6, out[7] = a7;
@@ -141,8 +155,11 @@ static inline __attribute__((always_inline)) __m512i q5_w(const uint8_t *qs, con
   return _mm512_or_si512(lo, _mm512_and_si512(j <= 4 ? _mm512_slli_epi16(h, 4 - j) : _mm512_srli_epi16(h, j - 4), m16));
 }
 static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
-                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                                                              const int j, const int8_t *q, int64_t ldq,
+                                                              const int32_t *z, int64_t ldz, vi *out) {
+  __m512i a0 = _mm512_set1_epi32(Z_OF(0)), a1 = _mm512_set1_epi32(Z_OF(1)), a2 = _mm512_set1_epi32(Z_OF(2)),
+          a3 = _mm512_set1_epi32(Z_OF(3)), a4 = _mm512_set1_epi32(Z_OF(4)), a5 = _mm512_set1_epi32(Z_OF(5)),
+          a6 = _mm512_set1_epi32(Z_OF(6)), a7 = _mm512_set1_epi32(Z_OF(7));
   for (int g = 0; g < 8; g++) {
     const __m512i w = q5_w(qs, qh, j, g);
     DPW_ALL(w, g)
@@ -171,10 +188,11 @@ static inline __attribute__((always_inline)) __m256i q_bcast(const int8_t *p) {
     }                                                                                    \
   }
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
-                                                                  const int8_t *q, int64_t ldq, vi *out) {
+                                                                  const int8_t *q, int64_t ldq, const int32_t *z,
+                                                                  int64_t ldz, vi *out) {
   const __m256i m4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
   __m256i a[MR], b[MR];
-  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_set1_epi32(Z_OF(r));
   /* group g = 4h + t, chunk t (Q4_0/Q4_1) or g: fixed trip counts, whatever `kind` */
   for (int h = 0; h < 2; h++) {
     for (int t = 0; t < 4; t++) {
@@ -199,9 +217,9 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
 /* Q6_K (see the AVX-512 version): u = lo | hi << 4 <= 63. */
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
-                                                              int64_t ldq, vi *out) {
+                                                              int64_t ldq, const int32_t *z, int64_t ldz, vi *out) {
   __m256i a[MR], b[MR];
-  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_set1_epi32(Z_OF(r));
   for (int g = 0; g < 4; g++) {
     const __m256i w[2] = {q6_half(ql, qh, g, 0, s, sh), q6_half(ql, qh, g, 1, s, sh)};
     DP_ROWS(w[0], w[1], g)
@@ -211,9 +229,10 @@ static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, cons
 }
 /* Q5_0 and Q5_K (see q5_half): u <= 31. */
 static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
-                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
+                                                              const int j, const int8_t *q, int64_t ldq,
+                                                              const int32_t *z, int64_t ldz, vi *out) {
   __m256i a[MR], b[MR];
-  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_setzero_si256();
+  for (int r = 0; r < MR; r++) a[r] = b[r] = _mm256_set1_epi32(Z_OF(r));
   for (int g = 0; g < 8; g++) {
     const __m256i w[2] = {q5_half(qs, qh, j, g, 0), q5_half(qs, qh, j, g, 1)};
     DP_ROWS(w[0], w[1], g)
@@ -225,9 +244,10 @@ static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, cons
 #define BG_DIRECT 1
 #elif BG_ISA == 1
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
-                                                                  const int8_t *q, int64_t ldq, vi *out) {
+                                                                  const int8_t *q, int64_t ldq, const int32_t *z,
+                                                                  int64_t ldz, vi *out) {
   const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16), m4 = _mm256_set1_epi8(15);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
   if (kind == K_Q8) { /* u up to 255: split in nibbles (see unit_dot) */
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     for (int g = 0; g < 8; g++) {
@@ -274,8 +294,8 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
   }
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
-      out[r].a = _mm256_madd_epi16(p0[r], ones);
-      out[r].b = _mm256_madd_epi16(p1[r], ones);
+      out[r].a = _mm256_add_epi32(out[r].a, _mm256_madd_epi16(p0[r], ones));
+      out[r].b = _mm256_add_epi32(out[r].b, _mm256_madd_epi16(p1[r], ones));
     }
   }
 }
@@ -285,9 +305,9 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
  * below 32768 (Q6_K: umax 63, per 2; Q5_*: umax 31, per 4). Exact integers either way. */
 static inline __attribute__((always_inline)) void dot_pairs_widen(const int mr, const __m256i (*w)[2], const int groups,
                                                                   const int per, const int8_t *q, int64_t ldq,
-                                                                  vi *out) {
+                                                                  const int32_t *z, int64_t ldz, vi *out) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
   for (int g0 = 0; g0 < groups; g0 += per) {
     __m256i p0[MR], p1[MR];
     for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
@@ -313,21 +333,23 @@ static inline __attribute__((always_inline)) void dot_pairs_widen(const int mr, 
 /* Q6_K (see the AVX-512 version); u <= 63. */
 static inline __attribute__((always_inline)) void unit_dot_q6(const int mr, const uint8_t *ql, const uint8_t *qh,
                                                               const int s, const int sh, const int8_t *q,
-                                                              int64_t ldq, vi *out) {
+                                                              int64_t ldq, const int32_t *z, int64_t ldz, vi *out) {
   __m256i w[4][2];
   for (int g = 0; g < 4; g++) w[g][0] = q6_half(ql, qh, g, 0, s, sh), w[g][1] = q6_half(ql, qh, g, 1, s, sh);
-  dot_pairs_widen(mr, (const __m256i(*)[2])w, 4, 2, q, ldq, out);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 4, 2, q, ldq, z, ldz, out);
 }
 /* Q5_0 and Q5_K (see q5_half): u <= 31. */
 static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, const uint8_t *qs, const uint8_t *qh,
-                                                              const int j, const int8_t *q, int64_t ldq, vi *out) {
+                                                              const int j, const int8_t *q, int64_t ldq,
+                                                              const int32_t *z, int64_t ldz, vi *out) {
   __m256i w[8][2];
   for (int g = 0; g < 8; g++) w[g][0] = q5_half(qs, qh, j, g, 0), w[g][1] = q5_half(qs, qh, j, g, 1);
-  dot_pairs_widen(mr, (const __m256i(*)[2])w, 8, 4, q, ldq, out);
+  dot_pairs_widen(mr, (const __m256i(*)[2])w, 8, 4, q, ldq, z, ldz, out);
 }
 #define BG_DIRECT 1
 #else
 #define BG_DIRECT 0
 #endif
+#undef Z_OF
 
 #endif /* BATCHGEN_CPU_QUANT_DOTS_H */

@@ -7,6 +7,18 @@
 #ifndef BATCHGEN_CPU_QUANT_ROWS_H
 #define BATCHGEN_CPU_QUANT_ROWS_H
 
+/* The layer's scales and sums of the activations (d, s16: c values a row) lie with the rows in
+ * groups of g: value i of row r at grp_at(g, r, i, c), a group's rows side by side. A tile (MR
+ * rows, MR dividing g, from a multiple of MR) then reads its rows' values at one pointer plus
+ * constant offsets, rather than a pointer per row (what GCC otherwise keeps in vector
+ * registers and on the stack for want of general ones). g is RG for the tiles, the call's rows
+ * (1-4) for the GEMV path (a row's values then no further apart than needed: with groups of 8,
+ * one row's spread over 8 times the cache lines, and Q4_0 at batch 1 ran 5 % slower), 1 for
+ * the plain layout batchgen_quant_rows returns. */
+#define RG 8
+static inline int64_t grp_at(int64_t g, int64_t r, int64_t i, int64_t c) { return (r / g) * g * c + g * i + r % g; }
+static inline int64_t rg_at(int64_t r, int64_t i, int64_t c) { return grp_at(RG, r, i, c); }
+
 /* One block of bk values (a multiple of 16). */
 static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_out) {
 #if BG_ISA == 2
@@ -77,39 +89,50 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
 #endif
 }
 
-/* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][k], d [m][k/bk],
- * s16 [m][k/16] (sums of q over each 16). See the top of quant.c for the arithmetic. */
+/* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][k], d (k/bk a row),
+ * s16 (k/16 a row: sums of q over each 16), in groups of g rows (grp_at; 1: row after row).
+ * See the top of quant.c for the arithmetic. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_t r0, int64_t r1,
-                          int8_t *q, float *d, int32_t *s16) {
+                          int8_t *q, float *d, int32_t *s16, int64_t g) {
   int64_t nb = k / bk;
   for (int64_t r = r0; r < r1; r++) {
     const float *xr = x + r * ldx;
     int8_t *qr = q + r * k;
-    for (int64_t b = 0; b < nb; b++) quantize_block(xr + b * bk, bk, qr + b * bk, d + r * nb + b);
-    int32_t *sr = s16 + r * (k / 16);
-    for (int64_t g = 0; g < k / 16; g++) {
+    for (int64_t b = 0; b < nb; b++) quantize_block(xr + b * bk, bk, qr + b * bk, d + grp_at(g, r, b, nb));
+    for (int64_t j = 0; j < k / 16; j++) {
       int32_t s = 0;
-      for (int t = 0; t < 16; t++) s += qr[g * 16 + t];
-      sr[g] = s;
+      for (int t = 0; t < 16; t++) s += qr[j * 16 + t];
+      s16[grp_at(g, r, j, k / 16)] = s;
     }
   }
 }
 
 /* What the steps read of the sums, computed once per row instead of in every panel's inner loop
- * (batchgen_quant_rows returns the sums as they are): where a format scales sub-blocks of 32
- * (units 1 and 8), slot 2j of a row's s16 holds the sum over the 32 values j, s16[2j] +
- * s16[2j + 1]; with blocks of 32 (units 1), slot 2j + 1 then holds the float bits of d_j *
- * (float)sum_j (Q4_1's dx sx). The same integers and the same float product as before. */
-static void pair_sums(int64_t k, int bk, int units, int64_t r0, int64_t r1, const float *d, int32_t *s16) {
-  if (units == 16) return;
+ * (batchgen_quant_rows returns the sums as they are). A format whose quants carry a zero point
+ * (u = w + (1 << zsh): FORMATS_LIST's zsh, 0 for none) subtracts sx << zsh from each dot; that
+ * term is kept here, negated, for the dots to start from (Z_OF in quant_dots.h):
+ *   units 16 (Q6_K): slot j holds -(s16[j] << zsh);
+ *   units 1 and 8 (sub-blocks of 32): slot 2j holds sx_j, the sum over the 32 values j
+ *     (s16[2j] + s16[2j + 1]); with blocks of 32 (units 1), slot 2j + 1 then holds -(sx_j << zsh)
+ *     or, without a zero point (Q4_1), the float bits of d_j * (float)sx_j (its dx sx).
+ * The same integers and the same float product as the steps computed before. d and s16 in
+ * groups of g rows (grp_at). */
+static void pair_sums(int64_t k, int bk, int units, int zsh, int64_t g, int64_t r0, int64_t r1, const float *d,
+                      int32_t *s16) {
   for (int64_t r = r0; r < r1; r++) {
-    int32_t *sr = s16 + r * (k / 16);
+    int32_t *sr = s16 + grp_at(g, r, 0, k / 16); /* slot i at sr[g * i] */
+    if (units == 16) {
+      for (int64_t j = 0; zsh && j < k / 16; j++) sr[g * j] = -(sr[g * j] * (1 << zsh));
+      continue;
+    }
     for (int64_t j = 0; j < k / 32; j++) {
-      const int32_t sx = sr[2 * j] + sr[2 * j + 1];
-      sr[2 * j] = sx;
-      if (bk == 32) {
-        const float sxd = d[r * (k / 32) + j] * (float)sx;
-        memcpy(sr + 2 * j + 1, &sxd, sizeof sxd);
+      const int32_t sx = sr[g * 2 * j] + sr[g * (2 * j + 1)];
+      sr[g * 2 * j] = sx;
+      if (bk == 32 && zsh) {
+        sr[g * (2 * j + 1)] = -(sx * (1 << zsh));
+      } else if (bk == 32) {
+        const float sxd = d[grp_at(g, r, j, k / 32)] * (float)sx;
+        memcpy(sr + g * (2 * j + 1), &sxd, sizeof sxd);
       }
     }
   }
