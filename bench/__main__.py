@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="", help="throughput, prefix, structured: only these peers (comma-separated)")
     ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
     ap.add_argument("--merge", action="store_true",
-                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json; "
+                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json; scoring: to scoring.json; "
                          "prefix, structured: add repeats to prefix.json / structured.json")
     ap.add_argument("--scaleout-only", default="", choices=["", "runs", "ceiling"],
                     help="scaleout: only the timed runs, or only the driver ceiling")

@@ -324,6 +324,10 @@ def run_part(args, out: Path, log: Callable[[str], None], machine: Callable[[], 
                      "ppl_tokens": {size: w["tokens"] for size, w in ppl.items()}, "ppl_max_length": PPL_MAX_LENGTH},
         "mc": {}, "ppl": {},
     }
+    if args.merge and (out / "scoring.json").exists():  # another kind or dtype added to an earlier run's
+        earlier = json.loads((out / "scoring.json").read_text())
+        result = {**earlier, "runs": earlier.get("runs", [{k: earlier.get(k) for k in ("machine", "kinds", "repeats")}])
+                  + [{k: result[k] for k in ("machine", "kinds", "repeats")}], "mc": earlier["mc"], "ppl": earlier["ppl"]}
     for dtype in args.scoring_dtypes:
         peers = _peers(args, dtype, vllm[0])
         result["peers_" + dtype] = peers
