@@ -11,22 +11,16 @@ Workloads (built here, deterministic, from the chat prompts of W32, ``bench/w32.
   ``--scoring-ppl-tokens`` in all (50K in the full run; also a quarter of it, or the sizes of
   ``--scoring-ppl-sizes``), scored by ``loglikelihood_rolling`` in windows of ``max_length`` 2048.
 
-``--scoring-kinds`` picks ``mc``, ``ppl`` or both. Peers, each in its own process at the same
-thread count and dtype, interleaved over ``--repeats`` repeats (the order reversed every other
-repeat; a ratio pairs the runs of one repeat); batchgen and ``hf`` get lm-eval ``Instance``
-objects (``python -m bench.scoring child ...``) and answer them with ``loglikelihood`` /
-``loglikelihood_rolling`` exactly as lm-eval's evaluator calls them:
-
-* ``batchgen``: :class:`batchgen.integrations.lm_eval.BatchgenLM` on the fp32 (or bf16) folder
-  (one engine call per request type, prefix cache on, 512 MiB of KV);
-* ``batchgen_gguf`` (float32 only): the same on SmolLM2's Q4_1 GGUF file with ``quantization
-  gguf`` (the weights kept in their blocks, int8 activations; batchgen's fastest CPU mode);
-* ``hf``: lm-eval's ``hf`` model (``HFLM``) on the same fp32 folder, ``batch_size`` 16 (the
-  reference);
-* ``vllm``: vLLM's CPU build, from its own venv (``bench/peers/vllm_scoring.py``; ``--no-vllm``
-  leaves it out), given the inputs lm-eval's ``vllm`` model builds (``vllm_inputs``; lm-eval
-  is not installed there) and scoring them as that model does, all in one ``generate``
-  (``batch_size auto``), block size 32, prefix caching on.
+``--scoring-kinds`` picks ``mc``, ``ppl`` or both. Each peer runs in its own process at the
+same thread count and dtype, ``--repeats`` times interleaved (order reversed every other repeat;
+a ratio pairs one repeat's runs). batchgen and ``hf`` answer lm-eval ``Instance`` objects with
+``loglikelihood`` / ``loglikelihood_rolling`` as lm-eval's evaluator calls them (``python -m
+bench.scoring child ...``): ``batchgen`` (:class:`~batchgen.integrations.lm_eval.BatchgenLM` on
+the fp32 or bf16 folder, prefix cache on, 512 MiB of KV), ``batchgen_gguf`` (float32 only: the
+same on SmolLM2's Q4_1 file, ``quantization gguf``), ``hf`` (lm-eval's ``HFLM``, ``batch_size``
+16: the reference). ``vllm``: vLLM's CPU build in its own venv (``bench/peers/vllm_scoring.py``,
+``--no-vllm`` leaves it out), given lm-eval ``vllm``'s inputs (``bench/scoring_vllm.py``),
+scored as that model does in one ``generate`` (``batch_size auto``), block 32, prefix caching on.
 
 Reported per peer and dtype: questions/s and scored (continuation) tokens/s of the timed call
 (model load and a warm-up excluded), the prompt tokens computed (batchgen: the engine's
