@@ -29,8 +29,10 @@ Parts (``--parts``, comma-separated; default all):
   (``--threads``), batchgen at its defaults and optionally at one thread (``--one-thread``), vLLM
   at each of ``--vllm-block-sizes`` (``bench.machine``). Not in the default set.
 * ``scoring``: lm-eval's multiple-choice and rolling-perplexity requests through batchgen's
-  lm-eval backend against lm-eval's ``hf`` model (and its ``vllm`` one when importable), fp32
-  and bf16 (``bench.scoring``). Not in the default set.
+  lm-eval backend (fp32 / bf16, and the ``gguf`` mode on SmolLM2's Q4_1 file) against lm-eval's
+  ``hf`` model and vLLM's CPU build (lm-eval ``vllm``'s requests, in its own venv),
+  ``--scoring-kinds``, ``--scoring-questions``, ``--scoring-ppl-tokens`` / ``--scoring-ppl-sizes``
+  (``bench.scoring``). Not in the default set.
 * ``lora``: W32 under 4 LoRA adapters (rank 16, every projection) in one run, against 4
   merged-adapter runs, one merged run of the same size, and HF + PEFT (``bench.lora``). Not
   in the default set.
@@ -372,11 +374,9 @@ def part_machine(args, out: Path) -> dict:
 
 
 def part_scoring(args, out: Path) -> dict:
-    import importlib.util
-
     from bench import scoring
 
-    return scoring.run_part(args, out, log, machine, save, importlib.util.find_spec("vllm") is not None)
+    return scoring.run_part(args, out, log, machine, save, (False, "--no-vllm") if args.no_vllm else vllm_status())
 
 
 def part_lora(args, out: Path) -> dict:
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="", help="throughput, prefix, structured: only these peers (comma-separated)")
     ap.add_argument("--tag", default="", help="throughput: suffix of the mode keys written (e.g. _rerun)")
     ap.add_argument("--merge", action="store_true",
-                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json; "
+                    help="throughput, scaleout: add to the existing throughput.json / scaleout.json; scoring: to scoring.json; "
                          "prefix, structured: add repeats to prefix.json / structured.json")
     ap.add_argument("--scaleout-only", default="", choices=["", "runs", "ceiling"],
                     help="scaleout: only the timed runs, or only the driver ceiling")
@@ -443,7 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-request-seed", action="store_true",
                     help="sampling without a per-request seed (vLLM's CPU build fails with one)")
     ap.add_argument("--scoring-questions", type=int, default=200, help="scoring: multiple-choice questions (4 choices)")
-    ap.add_argument("--scoring-ppl-tokens", type=int, default=100_000, help="scoring: tokens of the perplexity texts")
+    ap.add_argument("--scoring-ppl-tokens", type=int, default=50_000,
+                    help="scoring: tokens of the longest perplexity workload (also run: a quarter of it)")
+    ap.add_argument("--scoring-ppl-sizes", default="",
+                    help="scoring: the perplexity workloads' sizes in tokens, comma-separated (instead of "
+                         "--scoring-ppl-tokens and its quarter)")
+    ap.add_argument("--scoring-kinds", default="mc,ppl", help="scoring: mc, ppl or both")
     ap.add_argument("--scoring-dtypes", default="float32,bfloat16", help="scoring: the dtypes, comma-separated")
     ap.add_argument("--report-only", action="store_true", help="only rebuild plots and summary.md")
     ap.add_argument("--out", type=Path, default=None)
@@ -458,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.peers = [p for p in args.peers.split(",") if p]
     args.scoring_dtypes = [d for d in args.scoring_dtypes.split(",") if d]
+    args.scoring_kinds = [k for k in args.scoring_kinds.split(",") if k]
+    args.scoring_ppl_sizes = ([int(n) for n in args.scoring_ppl_sizes.split(",") if n] or
+                              [args.scoring_ppl_tokens // 4, args.scoring_ppl_tokens])
     bad = [m for m in args.modes if m not in MODES]
     parts = [p for p in args.parts.split(",") if p]
     bad += [p for p in parts if p not in ALL_PARTS + EXTRA_PARTS]

@@ -228,7 +228,8 @@ class ModelRunner:
         rows, targets, num_top = prompt_logprobs.score_rows(scheduled, scores)
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         result = reduce_logprobs(hidden.index_select(0, index), torch.tensor(targets, dtype=torch.long),
-                                 self.compute_logits, num_top, chunk_rows_for(self.vocab_size))
+                                 self.compute_logits, num_top, chunk_rows_for(self.vocab_size),
+                                 fused=self.linear_backend == "cpu")  # the sampler's logsumexp
         prompt_logprobs.split_result(result, scores)
         return logits
 

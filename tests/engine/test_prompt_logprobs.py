@@ -8,6 +8,7 @@ prefix cache, across prefill chunks, and with block sizes 16 and 1.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -60,6 +61,38 @@ def test_reduction_equals_a_full_log_softmax(chunk_rows):
     assert got.top_ids == full.topk(4).indices.tolist()
     assert max(seen) <= chunk_rows and sum(seen) == 37
     assert chunk_rows_for(49152) * 49152 <= 1 << 22
+
+
+def test_fused_reduction_is_torch_s_within_rounding_and_row_invariant():
+    torch.manual_seed(1)
+    weight, hidden = torch.randn(3000, 32), torch.randn(50, 32) * 2
+    targets = torch.randint(0, 3000, (50,))
+    targets[5] = 7
+
+    def logits_of(h):
+        logits = torch.stack([weight @ row for row in h])  # row by row: the same bits in any chunk
+        logits[h[:, 0] > 2.0, 7] = float("inf")  # rows the fused pass leaves to torch
+        return logits
+
+    assert 0 < int((hidden[:, 0] > 2.0).sum()) < 50 and hidden[5, 0] <= 2.0
+    torch_path = reduce_logprobs(hidden, targets, logits_of, num_top=3, chunk_rows=7)
+    fused = reduce_logprobs(hidden, targets, logits_of, num_top=3, chunk_rows=7, fused=True)
+    inf_rows = (hidden[:, 0] > 2.0).tolist()
+    for i, (a, b) in enumerate(zip(fused.logprobs, torch_path.logprobs)):
+        if inf_rows[i]:  # another token's logit is +inf: torch.logsumexp's inf, a logprob of -inf
+            assert a == -math.inf and math.isnan(b), i  # (torch's in-place path, like log_softmax: NaN)
+        else:
+            assert a == pytest.approx(b, abs=2e-5), i
+    assert fused.ranks == torch_path.ranks and fused.top_ids == torch_path.top_ids
+    finite = [i for i in range(50) if not inf_rows[i]]
+    assert [fused.top_logprobs[i] for i in finite] == [pytest.approx(torch_path.top_logprobs[i], abs=2e-5)
+                                                       for i in finite]
+    # a row's numbers are its own: alone, in other chunks, with or without alternatives
+    alone = reduce_logprobs(hidden[23:24], targets[23:24], logits_of, chunk_rows=1, fused=True)
+    other = reduce_logprobs(hidden, targets, logits_of, num_top=0, chunk_rows=64, fused=True)
+    assert alone.logprobs[0] == fused.logprobs[23] == other.logprobs[23]
+    assert alone.ranks[0] == fused.ranks[23] == other.ranks[23]
+    assert [other.logprobs[i] for i in finite] == [fused.logprobs[i] for i in finite]
 
 
 # ----------------------------------------------------------------------------- tiny model

@@ -160,6 +160,34 @@ def test_a_token_is_computed_the_same_by_decode_by_any_prefill_chunk_and_in_any_
         assert torch.equal(batched[starts[s]:starts[s + 1]], whole[s][b:]), s
 
 
+def test_a_long_context_s_larger_tiles_give_the_same_bits_as_short_chunks_and_decode() -> None:
+    """A context of 1024 tokens or more is prefilled 16 tokens a tile instead of 4 (fewer reads
+    of its K/V rows); each row's result must not tell: a 1100-token prompt in one call (large
+    tiles), in chunks of 61 and 300 (small tiles until the context reaches 1024), and as
+    decodes give the same bits, close to the reference."""
+    n = 1100
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16, context_lens=[n],
+                            num_kv_heads=3, group=3, seed=8)
+    ops = get_ops("cpu")
+    q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(9))
+
+    def chunk(begin: int, end: int) -> torch.Tensor:
+        one = case.select([0])
+        one.context_lens = torch.tensor([end], dtype=torch.int32)
+        return prefill(ops, one, q[begin:end], torch.tensor([0, end - begin], dtype=torch.int32))
+
+    whole = chunk(0, n)
+    ref = reference.paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables,
+                                            torch.tensor([0, n], dtype=torch.int32), case.context_lens, case.scale)
+    assert_close_to_reference(whole, ref, torch.float32, "prefill of 1100 tokens")
+    for size in (61, 300):
+        assert torch.equal(torch.cat([chunk(b, min(b + size, n)) for b in range(0, n, size)]), whole), size
+    for p in (0, 1023, 1024, 1099):
+        dec = ops.paged_decode_attention(q[p:p + 1], case.k_cache, case.v_cache, case.block_tables,
+                                         torch.tensor([p + 1], dtype=torch.int32), case.scale)
+        assert torch.equal(dec[0], whole[p]), p
+
+
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_the_thread_count_does_not_change_the_result(threads: int) -> None:
     case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16,

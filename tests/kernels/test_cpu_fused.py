@@ -1,5 +1,5 @@
 """The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, RoPE with the cache write,
-the greedy pick.
+the greedy pick, the prompt logprobs' logsumexp and rank.
 
 Each op is checked against its torch reference (``kernels/cpu/reference.py``, the torch ops it
 replaces), in float32 and, for RMSNorm and SiLU·up, bfloat16 and float16, including the edges
@@ -187,6 +187,46 @@ def test_sampler_fused_greedy_picks_what_torch_picks() -> None:
     torch.testing.assert_close(torch.tensor(fused.logprobs), torch.tensor(plain.logprobs), rtol=0, atol=4e-6)
     asked = Sampler(fused_greedy=True)(logits, rows(logprobs=2))  # top logprobs: torch's path
     assert asked.top_logprobs[0] is not None and len(asked.top_logprobs[0]) == 2
+
+
+@needs_lib
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 49152])
+def test_token_logprobs_equal_logsumexp_and_rank(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen) * 4
+    logits[3, :] = 0.5  # every entry tied with the target: rank 1
+    targets = torch.randint(0, vocab, (9,), generator=gen)
+    lse, ranks = cpu_fused.token_logprobs(logits, targets)
+    assert torch.equal(lse, cpu_fused.logsumexp(logits))  # the sampler's logsumexp, bit for bit
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.double(), dim=-1), rtol=0, atol=2e-6)
+    target = logits.gather(1, targets.unsqueeze(1))
+    assert ranks.tolist() == ((logits > target).sum(-1) + 1).tolist()
+    assert ranks[3] == 1
+
+
+@needs_lib
+def test_token_logprobs_rows_alone_at_any_thread_count_and_edges(kernel_threads) -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(40, 3000, generator=gen) * 3
+    targets = torch.randint(0, 3000, (40,), generator=gen)
+    kernel_threads(1)
+    want = cpu_fused.token_logprobs(logits, targets)
+    for n in (2, 3):
+        kernel_threads(n)
+        got = cpu_fused.token_logprobs(logits, targets)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        alone = cpu_fused.token_logprobs(logits[17:18], targets[17:18])
+        assert torch.equal(alone[0], want[0][17:18]) and torch.equal(alone[1], want[1][17:18])
+    strided = cpu_fused.token_logprobs(logits[::2], targets[::2])
+    assert torch.equal(strided[0], want[0][::2]) and torch.equal(strided[1], want[1][::2])
+    bad = logits[:3].clone()
+    bad[0, 5], bad[1, 6] = float("nan"), float("inf")
+    lse, ranks = cpu_fused.token_logprobs(bad, torch.tensor([4, 6, 7]))
+    assert lse[0].isnan() and lse[1] == float("inf") and torch.equal(lse[2], want[0][2])
+    assert ranks[1] == 1  # the target is the +inf entry
+    assert cpu_fused.token_logprobs(logits.double(), targets) is None
+    with pytest.raises(ValueError, match="ids in"):
+        cpu_fused.token_logprobs(logits, targets + 3000)
 
 
 def _rope_case(dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_size: int, seed: int = 0):

@@ -7,6 +7,7 @@
  *   batchgen_rms_norm_f32   y = w * (x * 1/sqrt(mean(x^2) + eps))      (RMSNorm, per row)
  *   batchgen_silu_mul_f32   y = silu(gate) * up, from one [m, 2n] row   (gated MLP)
  *   batchgen_greedy_f32     argmax, max and logsumexp of each row        (greedy sampling)
+ *   batchgen_token_logprobs_f32  logsumexp and the target's rank per row (prompt logprobs)
  *   batchgen_rope_cache     rotate-half RoPE of the q and k heads of a fused qkv row, in
  *                           place, and the k and v heads copied into the paged KV cache
  *                           (attention; float32, and bfloat16 / float16 with AVX2 and F16C)
@@ -139,6 +140,21 @@ struct greedy_args {
   float *maxes, *lse;
 };
 
+/* log(sum(exp(row))) of a row whose largest value is the finite top: the exps in float, summed
+ * in double (a vocabulary-long float sum would lose ~1e-5 of the total) over RLANES lanes, then
+ * the lanes in order. */
+static float row_lse(const float *restrict row, int64_t n, float top) {
+  double sums[RLANES] = {0}, total = 0.0;
+  int64_t k = 0;
+  for (; k + RLANES <= n; k += RLANES) {
+#pragma omp simd
+    for (int l = 0; l < RLANES; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
+  }
+  for (int l = 0; k + l < n; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
+  for (int l = 0; l < RLANES; ++l) total += sums[l];
+  return (float)((double)top + log(total));
+}
+
 static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
   const struct greedy_args *a = ctx;
   const int64_t n = a->n;
@@ -163,19 +179,7 @@ static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
     }
     a->ids[i] = arg;
     a->maxes[i] = top;
-    if (top == -INFINITY || top == INFINITY) {
-      a->lse[i] = top;
-      continue;
-    }
-    /* summed in double: a vocabulary-long float sum would lose ~1e-5 of the total */
-    double sums[RLANES] = {0}, total = 0.0;
-    for (k = 0; k + RLANES <= n; k += RLANES) {
-#pragma omp simd
-      for (int l = 0; l < RLANES; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
-    }
-    for (int l = 0; k + l < n; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
-    for (int l = 0; l < RLANES; ++l) total += sums[l];
-    a->lse[i] = (float)((double)top + log(total));
+    a->lse[i] = top == -INFINITY || top == INFINITY ? top : row_lse(row, n, top);
   }
 }
 
@@ -187,6 +191,57 @@ void batchgen_greedy_f32(const float *logits, int64_t ld, int64_t m, int64_t n, 
                          float *maxes, float *lse) {
   struct greedy_args a = {logits, ld, n, ids, maxes, lse};
   bg_parallel_for(m, row_grain(n), greedy_rows, &a);
+}
+
+struct token_args {
+  const float *logits;
+  int64_t ld, n;
+  const int64_t *targets;
+  float *lse;
+  int64_t *ranks;
+};
+
+/* One pass for the largest value and the count of values above the target's, then row_lse. */
+static void token_rows(void *ctx, int64_t begin, int64_t end) {
+  const struct token_args *a = ctx;
+  const int64_t n = a->n;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *restrict row = a->logits + i * a->ld;
+    const float t = row[a->targets[i]];
+    float tops[RLANES], top = -INFINITY;
+    int32_t above[RLANES] = {0};
+    int64_t rank = 1;
+    for (int l = 0; l < RLANES; ++l) tops[l] = -INFINITY;
+    int64_t k = 0;
+    for (; k + RLANES <= n; k += RLANES) {
+#pragma omp simd
+      for (int l = 0; l < RLANES; ++l) {
+        tops[l] = row[k + l] > tops[l] ? row[k + l] : tops[l];
+        above[l] += row[k + l] > t;
+      }
+    }
+    for (int l = 0; k + l < n; ++l) {
+      tops[l] = row[k + l] > tops[l] ? row[k + l] : tops[l];
+      above[l] += row[k + l] > t;
+    }
+    for (int l = 0; l < RLANES; ++l) {
+      top = tops[l] > top ? tops[l] : top;
+      rank += above[l];
+    }
+    a->ranks[i] = rank;
+    a->lse[i] = top == -INFINITY || top == INFINITY ? top : row_lse(row, n, top);
+  }
+}
+
+/* For each row of logits [m, n] (row stride ld) and its target index targets[i] (0 <= t < n,
+ * checked by the caller): lse[i] = log(sum(exp(row))), the same bits as batchgen_greedy_f32's,
+ * and ranks[i] = 1 + the number of entries larger than the target's (vLLM's rank). A row with
+ * NaN or infinities gets a lse that is not finite (the caller then falls back). Rows have
+ * under 2^31 entries. */
+void batchgen_token_logprobs_f32(const float *logits, int64_t ld, int64_t m, int64_t n,
+                                 const int64_t *targets, float *lse, int64_t *ranks) {
+  struct token_args a = {logits, ld, n, targets, lse, ranks};
+  bg_parallel_for(m, row_grain(n), token_rows, &a);
 }
 
 /* ---- RoPE and the KV-cache write ----------------------------------------------------- */

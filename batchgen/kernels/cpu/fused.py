@@ -15,11 +15,15 @@ went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 m
   the paged cache (``reshape_and_cache``): about a dozen torch ops per attention layer in one
   pass;
 - :func:`greedy` returns each row's argmax with its log-probability, in two passes over the
-  logits instead of torch's argmax plus logsumexp (five passes and three temporaries).
+  logits instead of torch's argmax plus logsumexp (five passes and three temporaries);
+- :func:`token_logprobs` returns each row's logsumexp and its target's rank, the same two
+  passes, for prompt logprobs (scoring: a 2048-token window reduces 2048 rows of the whole
+  vocabulary, which torch's compare, max, exp and sum took five passes over).
 
 Their users are the engine's: the fused layers (:mod:`batchgen.engine.fused_layers`,
 :mod:`batchgen.engine.fused_attention`), put in a model's place where a probe shows them exact
-by :func:`batchgen.engine.fusion.fuse_model`, and the sampler's greedy pick.
+by :func:`batchgen.engine.fusion.fuse_model`, the sampler's greedy pick and the prompt
+logprobs' reduction (:mod:`batchgen.sampling.logprobs`).
 
 Numerics: results equal torch's within float32 rounding (sums in another order; ``exp`` is a
 polynomial within about 2e-7 relative of the true value). In bfloat16 and float16 the
@@ -70,6 +74,8 @@ def _declare(lib: Any) -> None:
     lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.batchgen_greedy_f32.restype = None
     lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.batchgen_token_logprobs_f32.restype = None
+    lib.batchgen_token_logprobs_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.batchgen_fused_has_16.restype = ctypes.c_int
     lib.batchgen_rope_cache.restype = ctypes.c_int
     lib.batchgen_rope_cache.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
@@ -255,6 +261,34 @@ def _greedy_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
         load_fused().batchgen_greedy_f32(logits.data_ptr(), logits.stride(0), m, n, ids.data_ptr(),
                                          maxes.data_ptr(), lse.data_ptr())
     return ids, maxes, lse
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(logsumexp, rank)`` of each row of float32 CPU ``[rows, vocab]`` logits for its target
+    id ``targets[i]``: the logsumexp :func:`logsumexp` gives (the same bits; float32, not finite
+    for a row holding NaN or infinities) and ``1 + #{v : row[v] > row[target]}`` (int64), in
+    two passes over each row and no temporary the size of the logits. A row's values do not
+    depend on the other rows nor on the thread count. None when the library is unavailable or
+    the logits are not float32 on the CPU.
+
+    Raises:
+        ValueError: ``targets`` is not ``[rows]`` or holds an id outside ``[0, vocab)``.
+    """
+    if (logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 2
+            or not available()):
+        return None
+    m, n = logits.shape
+    targets = targets.to(device="cpu", dtype=torch.int64).contiguous()
+    if targets.shape != (m,) or (m and not 0 <= int(targets.min()) <= int(targets.max()) < n):
+        raise ValueError(f"targets must be [{m}] ids in [0, {n}), got shape {tuple(targets.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    lse = torch.empty(m, dtype=torch.float32)
+    ranks = torch.empty(m, dtype=torch.int64)
+    if m:
+        load_fused().batchgen_token_logprobs_f32(logits.data_ptr(), logits.stride(0), m, n, targets.data_ptr(),
+                                                 lse.data_ptr(), ranks.data_ptr())
+    return lse, ranks
 
 
 def supported(dtype: torch.dtype) -> bool:

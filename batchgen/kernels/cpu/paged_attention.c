@@ -115,12 +115,21 @@
 #define NV ((HEAD_SIZE + 15) / 16)   /* 16-float vectors per head row */
 #define NFULL (HEAD_SIZE / 16)       /* of which full */
 #define HSP (NV * 16)                /* a head row padded to whole vectors (scratch rows) */
-/* Query rows computed together over one read of each K/V row (prefill); a decode has one. The
- * per-row arithmetic is the same whatever the tile. */
+/* Query tokens computed together over one read of each K/V row (prefill); a decode has one.
+ * The per-row arithmetic is the same whatever the tile. A sequence whose context reaches
+ * LONG_CONTEXT takes TILE_LONG tokens a tile: its K/V rows (2048 x 64 floats of K and of V per
+ * KV head at 2048 tokens, more than the L2 holds beside the scores) are then read a quarter as
+ * often, while a short context keeps TILE (less work past each row's last key). */
 #ifndef TILE
 #define TILE ((GROUP) * (HEAD_SIZE) <= 1024 ? 4 : 1)
 #endif
-#define ROWS (TILE * GROUP)
+#ifndef TILE_LONG
+#define TILE_LONG (TILE > 1 ? 4 * TILE : 1)
+#endif
+#define LONG_CONTEXT 1024
+#define ROWS (TILE_LONG * GROUP) /* the most rows of one tile */
+
+static inline int64_t tile_of(int64_t context_len) { return context_len >= LONG_CONTEXT ? TILE_LONG : TILE; }
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -350,9 +359,10 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
     const int64_t k = it - a->item_start[s];
     const int64_t q0 = a->query_start_loc ? a->query_start_loc[s] : s;
     const int64_t q_len = a->query_start_loc ? a->query_start_loc[s + 1] - q0 : 1;
-    const int64_t tile = (q_len + TILE - 1) / TILE - 1 - k / a->num_kv_heads, h = k % a->num_kv_heads;
-    const int64_t r0 = q0 + tile * TILE;
-    const int nq = (int)(q_len - tile * TILE < TILE ? q_len - tile * TILE : TILE);
+    const int64_t t = tile_of(a->context_lens[s]);
+    const int64_t tile = (q_len + t - 1) / t - 1 - k / a->num_kv_heads, h = k % a->num_kv_heads;
+    const int64_t r0 = q0 + tile * t;
+    const int nq = (int)(q_len - tile * t < t ? q_len - tile * t : t);
     if (attend(a, s, h, r0, nq) != 0) a->failed = 1;
   }
 }
@@ -394,7 +404,8 @@ int batchgen_paged_attention(
   item_start[0] = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = query_start_loc ? query_start_loc[s + 1] - query_start_loc[s] : 1;
-    item_start[s + 1] = item_start[s] + (q_len + TILE - 1) / TILE * num_kv_heads;
+    const int64_t t = tile_of(context_lens[s]);
+    item_start[s + 1] = item_start[s] + (q_len + t - 1) / t * num_kv_heads;
   }
   Args a = {out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             item_start, num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok,
