@@ -111,14 +111,17 @@ class FusedAttention(torch.nn.Module):
         cos, sin = position_embeddings
         qkv = self.qkv_proj(hidden_states)
         num_tokens = qkv.shape[-2]
-        layer = self.layer_idx
+        layer, heads, head_dim = self.layer_idx, self.num_heads, self.head_dim
         if self.qk_norms:
             self._norm_heads(qkv, num_tokens)
-        cpu_fused.rope_and_cache(qkv, cos, sin, meta.kv_cache[layer, 0], meta.kv_cache[layer, 1],
-                                 meta.slot_mapping, self.num_heads)
-        width = self.num_heads * self.head_dim
-        query = qkv.view(num_tokens, -1)[:, :width].view(num_tokens, self.num_heads, self.head_dim)
+        k_cache, v_cache = meta.layer_pools(layer)
+        cpu_fused.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads)
+        # the query heads of each row (rope_and_cache checked the rows' unit column stride)
+        query = qkv.as_strided((num_tokens, heads, head_dim), (qkv.stride(-2), head_dim, 1))
         if meta.seen is not None:
             meta.seen[layer] = self.options
         out = paged_attention.attend(query, layer, self.options, meta)
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], width)), None
+        shape = hidden_states.shape
+        width = heads * head_dim
+        out = out.reshape(shape[0], num_tokens, width) if len(shape) == 3 else out.reshape(*shape[:-1], width)
+        return self.o_proj(out), None

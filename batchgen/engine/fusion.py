@@ -13,7 +13,12 @@ float32, bfloat16 or float16 CPU model it replaces
 - each HF Llama-like attention layer (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
   ``head_dim``, ``layer_idx``, ``scaling``; a model with one rotary embedding over the whole
   head) by a :class:`~batchgen.engine.fused_attention.FusedAttention`: q/k/v as one GEMM, RoPE
-  and the KV-cache write in one C pass, then the paged attention.
+  and the KV-cache write in one C pass, then the paged attention;
+- then each decoder layer whose four parts (two norms, attention, MLP) all fused by a
+  :class:`~batchgen.engine.fused_decoder.FusedDecoderLayer`: one lean forward instead of HF's,
+  the residual add and the second norm in one C pass; and where every layer is one, the
+  decoder's forward for the engine's steps by a
+  :class:`~batchgen.engine.fused_decoder.LeanDecoderForward` (no mask building, no wrappers).
 
 Why: in a decode step of a small model each of these is a chain of narrow torch ops over a few
 dozen rows whose dispatch costs more than their arithmetic (figures in ``docs/kernels.md``).
@@ -25,7 +30,9 @@ separate layers' bits. Modules are recognised by their attributes, then **checke
 candidate is replaced only if the fused layer reproduces the module's own output on a probe
 input (norms and MLPs: random rows; attention: hidden states with the model's own rotary
 ``cos``/``sin``, a mixed decode + prefill step over a small probe cache, the original run
-through batchgen's attention interface, its output and the K/V it writes compared). A variant
+through batchgen's attention interface, its output and the K/V it writes compared; decoder
+layers: the same attention probe, output and K/V equal bit for bit; the decoder: the model's
+logits and K/V over that step through every layer, bit for bit). A variant
 of other semantics (Gemma's ``1 + weight`` norm, another activation, partial or interleaved
 rotary) fails the probe and stays as it is. Per-head q/k norms (Qwen3, Gemma 3) are kept and run
 by the fused layer; the layer's scale, sliding window and soft cap are what the original passed
@@ -45,8 +52,9 @@ from typing import Any, Iterable
 
 import torch
 
-from batchgen.engine import paged_attention
+from batchgen.engine import fused_decoder, paged_attention
 from batchgen.engine.fused_attention import FusedAttention
+from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
 from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
 from batchgen.gguf.hf_model import release_freed_memory
 from batchgen.kernels import torch_attention
@@ -56,7 +64,7 @@ from batchgen.kernels.cpu.quant import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 #: The kinds of fusion, in the keys of :func:`fuse_model`'s counts.
-KINDS = ("rms_norm", "gated_mlp", "attention")
+KINDS = ("rms_norm", "gated_mlp", "attention", "decoder_layer", "decoder")
 
 PROBE_ROWS = 5
 # How far a fused norm or MLP may be from the module it replaces on the probe, relative to the
@@ -241,7 +249,7 @@ def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, fused: 
         return
     model.set_submodule(name, fused)
     counts[kind] += 1
-    if any(isinstance(m, QuantizedLinear) for m in fused.modules()):
+    if kind != "decoder_layer" and any(isinstance(m, QuantizedLinear) for m in fused.modules()):
         # a merge's transient copies of GGUF blocks: handed back at once, so the peak stays
         # near the weights' bytes (float layers are packed later, by pack_linears)
         release_freed_memory()
@@ -258,17 +266,20 @@ def _modules(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
             continue
 
 
-def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str, int]) -> None:
+def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str, int]) -> dict[int, _Probe]:
+    """Fuse the attention layers that pass the probe; the probe of each candidate's layer index
+    (the decoder layers' probe, :func:`_fuse_decoder_layers`)."""
     candidates = [name for name, m in model.named_modules() if _attention_candidate(m, dtype)]
     if not candidates:
-        return
+        return {}
     rotary = _rotary_embedding(model)
     if rotary is None or not _full_rotary(model.config):
         counts["rejected"] += len(candidates)
         logger.info("%d attention layers left unfused: the model's rotary embedding is not one "
                     "full-head rotate-half", len(candidates))
-        return
+        return {}
     probes: dict[tuple[int, int, int, Any], _Probe] = {}
+    by_layer: dict[int, _Probe] = {}
     num_layers = 1 + max(model.get_submodule(name).layer_idx for name in candidates)
     for name in candidates:
         module = model.get_submodule(name)
@@ -277,13 +288,74 @@ def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str
         key = (module.q_proj.in_features, module.k_proj.out_features // head_dim, head_dim, layer_type)
         if key not in probes:
             probes[key] = _Probe(rotary, key[0], num_layers, key[1], head_dim, dtype, layer_type)
+        by_layer[module.layer_idx] = probes[key]
         fused, ok = _fused_attention(module, probes[key], dtype)
         _replace(model, name, module, fused, ok, "attention", counts)
+    return by_layer
+
+
+def _same_layer(original: torch.nn.Module, fused: torch.nn.Module, probe: _Probe, layer: int) -> bool:
+    """Whether ``fused`` gives ``original``'s output and K/V on the probe, bit for bit."""
+    try:
+        want, want_cache = probe.run(original, layer)
+        got, got_cache = probe.run(fused, layer)
+    except Exception as exc:  # noqa: BLE001 - a layer that cannot take the probe is not replaced
+        logger.debug("the decoder-layer probe failed: %s", exc)
+        return False
+    return (isinstance(want, torch.Tensor) and want.shape == got.shape and want.dtype == got.dtype
+            and torch.equal(got, want) and torch.equal(got_cache, want_cache))
+
+
+def _fuse_decoder_layers(model: torch.nn.Module, probes: dict[int, _Probe], counts: dict[str, int]) -> None:
+    """Replace each decoder layer whose parts are all fused (:func:`fused_decoder.candidate`)
+    by a :class:`FusedDecoderLayer` where the attention probe of its layer shows it exact."""
+    for name, module in _modules(model):
+        if not fused_decoder.candidate(module):
+            continue
+        layer = module.self_attn.layer_idx
+        probe = probes.get(layer)
+        if probe is None:  # its attention was fused by an earlier call: no probe of its layer here
+            continue
+        fused = FusedDecoderLayer(module)
+        _replace(model, name, module, fused, _same_layer(module, fused, probe, layer), "decoder_layer", counts)
+
+
+def _decoder_probe_run(model: torch.nn.Module, probe: _Probe, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits at the probe step's tokens and the K/V it left in every layer."""
+    probe.meta.kv_cache.copy_(probe.initial)
+    probe.meta.seen = {}
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=probe.position_ids, use_cache=False, batchgen_metadata=probe.meta)
+    return out.logits, probe.meta.kv_cache.clone()
+
+
+def _fuse_decoder(model: torch.nn.Module, probes: dict[int, _Probe], counts: dict[str, int]) -> None:
+    """Install a :class:`LeanDecoderForward` on the model's decoder where its layers all fused
+    and, on one probe step over every layer, the model's logits and K/V stay HF's bit for bit."""
+    decoder = getattr(model, "model", None)
+    if (not fused_decoder.lean_candidate(decoder) or len({id(p) for p in probes.values()}) != 1
+            or set(probes) != set(range(len(decoder.layers)))):
+        return  # not the plain stack, or its layers' caches differ: the probe cache holds one shape
+    probe = next(iter(probes.values()))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(decoder.embed_tokens.num_embeddings, (1, len(PROBE_POSITIONS)), generator=gen)
+    try:
+        want = _decoder_probe_run(model, probe, ids)
+        decoder.forward = LeanDecoderForward(decoder)
+        got = _decoder_probe_run(model, probe, ids)
+        ok = all(torch.equal(g, w) for g, w in zip(got, want))
+    except Exception as exc:  # noqa: BLE001 - a model that cannot take the probe keeps HF's forward
+        logger.debug("the decoder probe failed: %s", exc)
+        ok = False
+    if not ok:
+        vars(decoder).pop("forward", None)
+        logger.info("the decoder's lean forward does not reproduce HF's: left as it was")
+    counts["decoder" if ok else "rejected"] += 1
 
 
 def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str, int]:
-    """Replace the RMSNorms, gated MLPs and attention layers of a float32, bfloat16 or float16
-    CPU ``model`` (loaded with batchgen's attention, ``attn_implementation="batchgen_paged"``)
+    """Replace the RMSNorms, gated MLPs, attention layers and then decoder layers of a float32,
+    bfloat16 or float16 CPU ``model`` (loaded with batchgen's attention, ``attn_implementation="batchgen_paged"``)
     by fused ones where the probe shows them equal (see the module docstring). The replaced
     layers' weights are dropped once merged. Call before
     :func:`~batchgen.kernels.cpu.linear.pack_linears`, which packs the linears left.
@@ -293,7 +365,9 @@ def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str
 
     Returns:
         ``{"rms_norm": fused norms, "gated_mlp": fused MLPs, "attention": fused attention
-        layers, "rejected": candidates that failed the probe}``.
+        layers, "decoder_layer": decoder layers run by one lean forward, "decoder": 1 where the
+        decoder stack runs the engine's steps by a lean forward, "rejected": candidates that failed
+        the probe}``.
 
     Raises:
         ValueError: a kind not in :data:`KINDS`.
@@ -316,6 +390,9 @@ def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str
             fused = FusedGatedMLP(module.gate_proj, module.up_proj, module.down_proj)
             _replace(model, name, module, fused, _reproduces(module, fused, module.gate_proj.in_features, dtype),
                      "gated_mlp", counts)
-    if "attention" in kinds:
-        _fuse_attention(model, dtype, counts)
+    probes = _fuse_attention(model, dtype, counts) if "attention" in kinds else {}
+    if "decoder_layer" in kinds:
+        _fuse_decoder_layers(model, probes, counts)
+    if "decoder" in kinds:
+        _fuse_decoder(model, probes, counts)
     return counts

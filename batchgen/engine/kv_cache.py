@@ -104,6 +104,8 @@ class KVCache:
             shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_size,
             dtype=shape.dtype, device=device,
         )
+        # each layer's (K, V) pools as views, made once (AttentionMetadata.pools)
+        self.pools = tuple((self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(shape.num_layers))
         logger.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB (%s, %s)",
             num_blocks, shape.block_size, self.num_bytes / 2**20, shape.dtype, device,

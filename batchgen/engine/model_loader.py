@@ -231,8 +231,11 @@ def place_linears(model: Any, name: str, device: torch.device, dtype: torch.dtyp
         count = cpu_linear.pack_linears(model)
         path = f", bfloat16 through {cpu_linear.bf16_path()}" if dtype == torch.bfloat16 else ""
         logger.info("linear backend cpu: %d layers packed for the C GEMM%s; fused %d RMSNorms, "
-                    "%d gated MLPs and %d attention layers (%d candidates left as they were)",
-                    count, path, fused["rms_norm"], fused["gated_mlp"], fused["attention"], fused["rejected"])
+                    "%d gated MLPs, %d attention layers and %d decoder layers (%d candidates left as they were)",
+                    count, path, fused["rms_norm"], fused["gated_mlp"], fused["attention"], fused["decoder_layer"],
+                    fused["rejected"])
+        if fused["decoder"]:
+            logger.info("the decoder runs the engine's steps by its lean forward (engine/fused_decoder.py)")
     elif why is not None and device.type == "cpu":
         # the C kernels would have carried the step: say plainly why they do not
         logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])

@@ -177,6 +177,7 @@ class ModelRunner:
             prefill_context_lens=torch.tensor(pre_lens, dtype=torch.int32, device=dev),
             ops=self.ops,
             workspace=self.workspace,
+            pools=self.kv_cache.pools,
         )
         return StepInput(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=dev),

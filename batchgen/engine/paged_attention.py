@@ -19,7 +19,7 @@ the cache write in one C pass, then calls :func:`attend` too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -45,6 +45,9 @@ class AttentionMetadata:
             across steps (``batchgen.kernels.torch_attention.Workspace``).
         seen: None, or a dict that :func:`paged_attention_forward` fills with each layer's
             :class:`LayerOptions` as the model passed them (the fusion probe reads it).
+        pools: None, or each layer's ``(kv_cache[layer, 0], kv_cache[layer, 1])``, made once
+            by the cache's owner (:attr:`batchgen.engine.kv_cache.KVCache.pools`): a decode step
+            asks for them a few times per layer, and each indexing is a new view.
     """
 
     kv_cache: torch.Tensor
@@ -58,6 +61,13 @@ class AttentionMetadata:
     ops: Any
     workspace: Any = None
     seen: dict[int, LayerOptions] | None = None
+    pools: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V pools, ``[num_blocks, block_size, num_kv_heads, head_size]``."""
+        if self.pools is not None:
+            return self.pools[layer]
+        return self.kv_cache[layer, 0], self.kv_cache[layer, 1]
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ def paged_attention_forward(
     layer = module.layer_idx
     if meta.seen is not None:
         meta.seen[layer] = options
-    meta.ops.reshape_and_cache(k, v, meta.kv_cache[layer, 0], meta.kv_cache[layer, 1], meta.slot_mapping)
+    meta.ops.reshape_and_cache(k, v, *meta.layer_pools(layer), meta.slot_mapping)
     out = attend(q, layer, options, meta)
     return out.unsqueeze(0), None
 
@@ -133,15 +143,16 @@ def attend(query: torch.Tensor, layer: int, options: LayerOptions, meta: Attenti
     Returns:
         ``[num_tokens, num_heads, head_size]``.
     """
-    k_cache, v_cache = meta.kv_cache[layer, 0], meta.kv_cache[layer, 1]
+    k_cache, v_cache = meta.layer_pools(layer)
     num_decode = meta.num_decode_tokens
     num_tokens = query.shape[0]
     scale = options.scale
-    extra = {"workspace": meta.workspace, "sliding_window": options.sliding_window,
-             "logits_soft_cap": options.logits_soft_cap}
     if num_decode == num_tokens:
         return meta.ops.paged_decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **extra)
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+            workspace=meta.workspace, sliding_window=options.sliding_window, logits_soft_cap=options.logits_soft_cap)
+    extra = {"workspace": meta.workspace, "sliding_window": options.sliding_window,
+             "logits_soft_cap": options.logits_soft_cap}
     if num_decode == 0:
         return meta.ops.paged_prefill_attention(
             query, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,

@@ -171,6 +171,6 @@ def test_the_runner_fuses_and_logs_the_count(tiny_model, caplog, model_type, fus
     with caplog.at_level(logging.INFO, logger="batchgen.engine.model_loader"):
         runner = load_runner(EngineConfig(model=tiny_model(model_type, head_dim=16), dtype="float32", device="cpu",
                              kv_cache_memory=2**20))
-    assert f"and {fused} attention layers ({left} candidates left as they were)" in caplog.text
+    assert f"{fused} attention layers and {fused} decoder layers ({left} candidates left as they were)" in caplog.text
     kinds = [type(layer.self_attn) is FusedAttention for layer in runner.model.model.layers]
     assert kinds == [fused > 0] * 2

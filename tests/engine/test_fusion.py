@@ -45,7 +45,8 @@ def test_norms_and_mlps_of_a_llama_are_fused(tiny_model) -> None:
     before = _logits(model, ids)
     gate = weakref.ref(model.model.layers[0].mlp.gate_proj.weight)
     counts = fusion.fuse_model(model, kinds=NORMS_AND_MLPS)
-    assert counts == {"rms_norm": 2 * 2 + 1, "gated_mlp": 2, "attention": 0, "rejected": 0}
+    assert counts == {"rms_norm": 2 * 2 + 1, "gated_mlp": 2, "attention": 0, "decoder_layer": 0, "decoder": 0,
+                      "rejected": 0}
     assert isinstance(model.model.norm, FusedRMSNorm)
     mlp = model.model.layers[1].mlp
     assert isinstance(mlp, FusedGatedMLP) and isinstance(mlp.gate_up_proj, PackedLinear)

@@ -1,5 +1,5 @@
-"""The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm, SiLU·up, RoPE with the cache write,
-the greedy pick, the prompt logprobs' logsumexp and rank.
+"""The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm (alone and after a residual add),
+SiLU·up, RoPE with the cache write, the greedy pick, the prompt logprobs' logsumexp and rank.
 
 Each op is checked against its torch reference (``kernels/cpu/reference.py``, the torch ops it
 replaces), in float32 and, for RMSNorm and SiLU·up, bfloat16 and float16, including the edges
@@ -92,6 +92,36 @@ def test_rms_norm_strided_batched_and_batch_invariant() -> None:
     torch.testing.assert_close(got, _torch_rms_norm(x, weight, 1e-6), rtol=2e-6, atol=1e-6)
     alone = cpu_fused.rms_norm(x[1, 4:5], weight, 1e-6)
     assert torch.equal(alone[0], got[1, 4])
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 7, 17, 576, 2048])
+def test_add_rms_norm_is_torchs_add_then_the_fused_norm_bit_for_bit(dtype, width) -> None:
+    """A decoder layer's residual add and second norm in one pass: the sum is torch's ``x + h``
+    and the norm rms_norm's of that sum, bit for bit; strided rows and rows alone give the same."""
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(2, 9, width + 5, generator=gen) * 3).to(dtype)[..., 5:]  # strided rows
+    h = (torch.randn(2, 9, width, generator=gen) * 3).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    total, normed = cpu_fused.add_rms_norm(x, h, weight, 1e-5)
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    assert torch.equal(total, x + h)
+    assert torch.equal(normed, cpu_fused.rms_norm(x + h, weight, 1e-5))
+    alone = cpu_fused.add_rms_norm(x[1, 4:5], h[1, 4:5], weight, 1e-5)
+    assert torch.equal(alone[0][0], total[1, 4]) and torch.equal(alone[1][0], normed[1, 4])
+
+
+@needs_lib
+def test_add_rms_norm_contract_violations_raise() -> None:
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        cpu_fused.add_rms_norm(torch.zeros(2, 4), torch.zeros(1, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        cpu_fused.add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="1-D torch.float32 weight"):
+        cpu_fused.add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 2), 1e-6)
+    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 4\]"):
+        cpu_fused.add_rms_norm(torch.zeros(2, 5), torch.zeros(2, 5), torch.ones(4), 1e-6)
 
 
 @needs_lib

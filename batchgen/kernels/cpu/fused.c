@@ -5,15 +5,17 @@
  * dispatch and temporaries than in arithmetic. These replace chains of them with one pass:
  *
  *   batchgen_rms_norm_f32   y = w * (x * 1/sqrt(mean(x^2) + eps))      (RMSNorm, per row)
+ *   batchgen_add_rms_norm_f32  s = x + h, then y = RMSNorm(s)          (a decoder layer's
+ *                           residual add and its second norm, per row)
  *   batchgen_silu_mul_f32   y = silu(gate) * up, from one [m, 2n] row   (gated MLP)
  *   batchgen_greedy_f32     argmax, max and logsumexp of each row        (greedy sampling)
  *   batchgen_token_logprobs_f32  logsumexp and the target's rank per row (prompt logprobs)
  *   batchgen_rope_cache     rotate-half RoPE of the q and k heads of a fused qkv row, in
  *                           place, and the k and v heads copied into the paged KV cache
  *                           (attention; float32, and bfloat16 / float16 with AVX2 and F16C)
- *   batchgen_rms_norm_16, batchgen_silu_mul_16: the same for bfloat16 / float16 tensors, in
- *     float32 arithmetic, rounded to the 16-bit type where the torch modules they replace
- *     round (see each).
+ *   batchgen_rms_norm_16, batchgen_add_rms_norm_16, batchgen_silu_mul_16: the same for
+ *     bfloat16 / float16 tensors, in float32 arithmetic, rounded to the 16-bit type where the
+ *     torch ops they replace round (see each).
  *
  * Rows are independent and each row is computed by one thread, in one fixed order: a row's
  * result never depends on the other rows of the call, nor on the thread count.
@@ -75,28 +77,28 @@ struct rms_args {
  * AVX2 or none) changes no bit; only the lanes' final sum has an order, written out. */
 #define RLANES 16
 
-/* y[i, :] = w * (x[i, :] * (1 / sqrt(mean(x[i, :]^2) + eps))), the order HF's RMSNorm uses. */
+/* yr = w * (xr * (1 / sqrt(mean(xr^2) + eps))) over one row of n, the order HF's RMSNorm uses. */
+static void rms_row_f32(const float *restrict xr, const float *restrict w, float *restrict yr, int64_t n,
+                        float eps) {
+  /* the sum of squares in RLANES lanes (element j into lane j % RLANES, in order of j), then
+   * the lanes in order: one order in every build (AVX-512, AVX2, plain C) */
+  float lanes[RLANES] = {0}, ss = 0.f;
+  int64_t j = 0;
+  for (; j + RLANES <= n; j += RLANES) {
+#pragma omp simd
+    for (int l = 0; l < RLANES; ++l) lanes[l] += xr[j + l] * xr[j + l];
+  }
+  for (int l = 0; j + l < n; ++l) lanes[l] += xr[j + l] * xr[j + l];
+  for (int l = 0; l < RLANES; ++l) ss += lanes[l];
+  const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) yr[j] = w[j] * (xr[j] * inv);
+}
+
 static void rms_rows_f32(void *ctx, int64_t begin, int64_t end) {
   const struct rms_args *a = ctx;
-  const int64_t n = a->n;
-  const float *restrict w = a->w;
-  for (int64_t i = begin; i < end; ++i) {
-    const float *restrict xr = (const float *)a->x + i * a->ldx;
-    float *restrict yr = (float *)a->y + i * a->ldy;
-    /* the sum of squares in RLANES lanes (element j into lane j % RLANES, in order of j), then
-     * the lanes in order: one order in every build (AVX-512, AVX2, plain C) */
-    float lanes[RLANES] = {0}, ss = 0.f;
-    int64_t j = 0;
-    for (; j + RLANES <= n; j += RLANES) {
-#pragma omp simd
-      for (int l = 0; l < RLANES; ++l) lanes[l] += xr[j + l] * xr[j + l];
-    }
-    for (int l = 0; j + l < n; ++l) lanes[l] += xr[j + l] * xr[j + l];
-    for (int l = 0; l < RLANES; ++l) ss += lanes[l];
-    const float inv = 1.0f / sqrtf(ss / (float)n + a->eps);
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) yr[j] = w[j] * (xr[j] * inv);
-  }
+  for (int64_t i = begin; i < end; ++i)
+    rms_row_f32((const float *)a->x + i * a->ldx, a->w, (float *)a->y + i * a->ldy, a->n, a->eps);
 }
 
 /* x: [m, n], row stride ldx; y: [m, n], row stride ldy; w: [n]. */
@@ -104,6 +106,38 @@ void batchgen_rms_norm_f32(const float *x, int64_t ldx, const float *w, float *y
                            int64_t m, int64_t n, float eps) {
   struct rms_args a = {x, w, y, ldx, ldy, n, eps, 0};
   bg_parallel_for(m, row_grain(n), rms_rows_f32, &a);
+}
+
+/* The residual add before a decoder layer's second norm: s = x + h, then y = RMSNorm(s) (s and
+ * y contiguous rows of n). */
+struct add_rms_args {
+  const void *x, *h, *w;
+  void *s, *y;
+  int64_t ldx, ldh, n;
+  float eps;
+  int dtype;
+};
+
+static void add_rms_rows_f32(void *ctx, int64_t begin, int64_t end) {
+  const struct add_rms_args *a = ctx;
+  const int64_t n = a->n;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *restrict xr = (const float *)a->x + i * a->ldx;
+    const float *restrict hr = (const float *)a->h + i * a->ldh;
+    float *restrict sr = (float *)a->s + i * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sr[j] = xr[j] + hr[j];
+    rms_row_f32(sr, a->w, (float *)a->y + i * n, n, a->eps);
+  }
+}
+
+/* s = x + h and y = RMSNorm(s) with weight w: x [m, n] (row stride ldx), h [m, n] (row stride
+ * ldh), s and y [m, n] contiguous. s is torch's float32 x + h, y what batchgen_rms_norm_f32
+ * gives for s. */
+void batchgen_add_rms_norm_f32(const float *x, int64_t ldx, const float *h, int64_t ldh, const float *w,
+                               float *s, float *y, int64_t m, int64_t n, float eps) {
+  struct add_rms_args a = {x, h, w, s, y, ldx, ldh, n, eps, 0};
+  bg_parallel_for(m, row_grain(n), add_rms_rows_f32, &a);
 }
 
 struct silu_args {
@@ -355,42 +389,42 @@ static inline void tail_in(const uint16_t *src, int64_t count, uint16_t buf[TAIL
   memcpy(buf, src, (size_t)count * sizeof(uint16_t));
 }
 
-/* HF's RMSNorm on a 16-bit x and weight: the row in float32, t = x * (1 / sqrt(mean(x^2) + eps))
- * rounded to the 16-bit type, then y = w * t rounded again (torch's `weight * t.to(dtype)`). */
+/* HF's RMSNorm on a 16-bit row x of n and weight w: the row in float32,
+ * t = x * (1 / sqrt(mean(x^2) + eps)) rounded to the 16-bit type, then y = w * t rounded again
+ * (torch's `weight * t.to(dtype)`). */
+static void rms_row_16(int dtype, const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t n, float eps) {
+  const int64_t full = n / 8 * 8;
+  uint16_t xt[TAIL_PAD], wt[TAIL_PAD], yt[TAIL_PAD];
+  tail_in(xr + full, n - full, xt);
+  tail_in(w + full, n - full, wt);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    __m256 v = load8(dtype, xr + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  if (full < n) {
+    __m256 v = load8(dtype, xt);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float lanes[8], ss = 0.f;
+  _mm256_storeu_ps(lanes, acc);
+  for (int l = 0; l < 8; ++l) ss += lanes[l];
+  const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + eps));
+  for (int64_t j = 0; j < full; j += 8) {
+    __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xr + j), inv));
+    _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(load8(dtype, w + j), t)));
+  }
+  if (full < n) {
+    __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xt), inv));
+    _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(load8(dtype, wt), t)));
+    memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
+  }
+}
+
 static void rms_rows_16(void *ctx, int64_t begin, int64_t end) {
   const struct rms_args *a = ctx;
-  const int64_t n = a->n, full = n / 8 * 8;
-  const int dtype = a->dtype;
-  const uint16_t *w = a->w;
-  for (int64_t i = begin; i < end; ++i) {
-    const uint16_t *xr = (const uint16_t *)a->x + i * a->ldx;
-    uint16_t *yr = (uint16_t *)a->y + i * a->ldy;
-    uint16_t xt[TAIL_PAD], wt[TAIL_PAD], yt[TAIL_PAD];
-    tail_in(xr + full, n - full, xt);
-    tail_in(w + full, n - full, wt);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < full; j += 8) {
-      __m256 v = load8(dtype, xr + j);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    if (full < n) {
-      __m256 v = load8(dtype, xt);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    float lanes[8], ss = 0.f;
-    _mm256_storeu_ps(lanes, acc);
-    for (int l = 0; l < 8; ++l) ss += lanes[l];
-    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + a->eps));
-    for (int64_t j = 0; j < full; j += 8) {
-      __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xr + j), inv));
-      _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(load8(dtype, w + j), t)));
-    }
-    if (full < n) {
-      __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xt), inv));
-      _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(load8(dtype, wt), t)));
-      memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
-    }
-  }
+  for (int64_t i = begin; i < end; ++i)
+    rms_row_16(a->dtype, (const uint16_t *)a->x + i * a->ldx, a->w, (uint16_t *)a->y + i * a->ldy, a->n, a->eps);
 }
 
 /* As batchgen_rms_norm_f32, for 16-bit x, w and y (dtype 1 = bfloat16, 2 = float16). */
@@ -398,6 +432,38 @@ void batchgen_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *w, uin
                           int64_t ldy, int64_t m, int64_t n, float eps, int dtype) {
   struct rms_args a = {x, w, y, ldx, ldy, n, eps, dtype};
   bg_parallel_for(m, row_grain(n), rms_rows_16, &a);
+}
+
+/* s = x + h over one 16-bit row of n: the sum in float32, rounded to the 16-bit type (torch's
+ * bfloat16 / float16 add). */
+static void add_row_16(int dtype, const uint16_t *x, const uint16_t *h, uint16_t *s, int64_t n) {
+  const int64_t full = n / 8 * 8;
+  for (int64_t j = 0; j < full; j += 8)
+    _mm_storeu_si128((__m128i *)(s + j), narrow8(dtype, _mm256_add_ps(load8(dtype, x + j), load8(dtype, h + j))));
+  if (full < n) {
+    uint16_t xt[TAIL_PAD], ht[TAIL_PAD], st[TAIL_PAD];
+    tail_in(x + full, n - full, xt);
+    tail_in(h + full, n - full, ht);
+    _mm_storeu_si128((__m128i *)st, narrow8(dtype, _mm256_add_ps(load8(dtype, xt), load8(dtype, ht))));
+    memcpy(s + full, st, (size_t)(n - full) * sizeof(uint16_t));
+  }
+}
+
+static void add_rms_rows_16(void *ctx, int64_t begin, int64_t end) {
+  const struct add_rms_args *a = ctx;
+  const int64_t n = a->n;
+  for (int64_t i = begin; i < end; ++i) {
+    uint16_t *sr = (uint16_t *)a->s + i * n;
+    add_row_16(a->dtype, (const uint16_t *)a->x + i * a->ldx, (const uint16_t *)a->h + i * a->ldh, sr, n);
+    rms_row_16(a->dtype, sr, a->w, (uint16_t *)a->y + i * n, n, a->eps);
+  }
+}
+
+/* As batchgen_add_rms_norm_f32, for 16-bit tensors (dtype 1 = bfloat16, 2 = float16). */
+void batchgen_add_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh, const uint16_t *w,
+                              uint16_t *s, uint16_t *y, int64_t m, int64_t n, float eps, int dtype) {
+  struct add_rms_args a = {x, h, w, s, y, ldx, ldh, n, eps, dtype};
+  bg_parallel_for(m, row_grain(n), add_rms_rows_16, &a);
 }
 
 static inline __m256 silu8(__m256 g) {

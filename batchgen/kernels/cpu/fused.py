@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 FUSED_SOURCE = Path(__file__).resolve().parent / "fused.c"
 _unavailable: str | None = None
+_lib: Any = None  # the loaded library: a decode step calls it a few times per layer
 
 
 def load_fused() -> Any:
@@ -63,13 +64,18 @@ def load_fused() -> Any:
     Raises:
         c_build.CpuKernelError: no compiler, or it would not build here.
     """
-    return c_build.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
+    global _lib
+    if _lib is None:
+        _lib = c_build.load_library("the fused CPU ops", FUSED_SOURCE, _declare)
+    return _lib
 
 
 def _declare(lib: Any) -> None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.batchgen_rms_norm_f32.restype = None
-    lib.batchgen_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float]
+    lib.batchgen_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i64, f32]
+    lib.batchgen_add_rms_norm_f32.restype = None
+    lib.batchgen_add_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32]
     lib.batchgen_silu_mul_f32.restype = None
     lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
     lib.batchgen_greedy_f32.restype = None
@@ -81,17 +87,26 @@ def _declare(lib: Any) -> None:
     lib.batchgen_rope_cache.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
     if lib.batchgen_fused_has_16():
         lib.batchgen_rms_norm_16.restype = None
-        lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]
+        lib.batchgen_add_rms_norm_16.restype = None
+        lib.batchgen_add_rms_norm_16.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, ctypes.c_int]
         lib.batchgen_silu_mul_16.restype = None
         lib.batchgen_silu_mul_16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_int]
 
 
-def _check_dtype(dtype: torch.dtype, what: str) -> None:
-    """Raise ValueError unless the library runs ``what`` in ``dtype`` here."""
-    if dtype not in DTYPES:
-        raise ValueError(f"{what} needs float32, bfloat16 or float16 CPU input, got {dtype}")
-    if dtype is not torch.float32 and not load_fused().batchgen_fused_has_16():
-        raise ValueError(f"{what} in {dtype} needs AVX2 and F16C, which this build lacks")
+def _lib_for(dtype: torch.dtype, what: str) -> Any:
+    """The library, once it is known to run ``what`` in ``dtype`` here.
+
+    Raises:
+        ValueError: a dtype the library does not run here.
+    """
+    lib = load_fused()
+    if dtype is not torch.float32:
+        if dtype not in DTYPES:
+            raise ValueError(f"{what} needs float32, bfloat16 or float16 CPU input, got {dtype}")
+        if not lib.batchgen_fused_has_16():
+            raise ValueError(f"{what} in {dtype} needs AVX2 and F16C, which this build lacks")
+    return lib
 
 
 def available() -> bool:
@@ -108,6 +123,28 @@ def available() -> bool:
     return True
 
 
+def _rows(x: torch.Tensor, width: int, what: str, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """``(rows, row stride, row count)`` of ``x`` for a kernel reading ``[rows, width]`` with unit
+    column stride: ``x`` itself where it is contiguous (no view to build), else
+    :func:`~batchgen.kernels.cpu.linear.as_rows` (a copy only when needed).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`~batchgen.kernels.cpu.linear.as_rows`.
+    """
+    if x.is_contiguous() and x.dtype is dtype and x.shape[-1] == width and x.is_cpu and not (
+            x.requires_grad and torch.is_grad_enabled()):
+        return x, width, x.numel() // width if width else 0
+    rows = as_rows(x, width, what, dtype)
+    return rows, rows.stride(0), rows.shape[0]
+
+
+def _check_weight(weight: torch.Tensor, dtype: torch.dtype, what: str) -> int:
+    """The width of a norm's weight: a contiguous 1-D ``dtype`` tensor (else ValueError)."""
+    if weight.dtype is not dtype or weight.dim() != 1 or not weight.is_contiguous():
+        raise ValueError(f"{what} needs a contiguous 1-D {dtype} weight, got {weight.dtype} {tuple(weight.shape)}")
+    return weight.shape[0]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` over the last dim, on the CPU, for float32,
     bfloat16 or float16 ``x`` and ``weight`` of one dtype (16-bit: HF's RMSNorm, which rounds
@@ -116,21 +153,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Raises:
         ValueError: input of another dtype, device or width; a weight that does not fit.
     """
-    n = weight.shape[-1]
     dtype = x.dtype
-    _check_dtype(dtype, "rms_norm")
-    if weight.dtype is not dtype or weight.dim() != 1 or not weight.is_contiguous():
-        raise ValueError(f"rms_norm needs a contiguous 1-D {dtype} weight, got {weight.dtype} {tuple(weight.shape)}")
-    rows = as_rows(x, n, "rms_norm", dtype)
-    out = torch.empty(x.shape, dtype=dtype)
-    if rows.shape[0]:
-        lib = load_fused()
-        args = (rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n, rows.shape[0], n, eps)
+    lib = _lib_for(dtype, "rms_norm")
+    n = _check_weight(weight, dtype, "rms_norm")
+    rows, ld, m = _rows(x, n, "rms_norm", dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    if m:
+        args = (rows.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), n, m, n, eps)
         if dtype is torch.float32:
             lib.batchgen_rms_norm_f32(*args)
         else:
             lib.batchgen_rms_norm_16(*args, DTYPES[dtype])
-    return out
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s, weight, eps))`` with ``s = x + h``: a decoder layer's residual add and the
+    norm after it in one pass. ``s`` is torch's ``x + h`` bit for bit (float32; 16-bit: the sum
+    in float32, rounded once), the norm :func:`rms_norm`'s bits for ``s``.
+
+    Raises:
+        ValueError: ``x`` and ``h`` of different shapes or dtypes, or as :func:`rms_norm`.
+    """
+    dtype = x.dtype
+    lib = _lib_for(dtype, "add_rms_norm")
+    n = _check_weight(weight, dtype, "add_rms_norm")
+    if h.shape != x.shape or h.dtype is not dtype:
+        raise ValueError(f"add_rms_norm needs x and h of one shape and dtype, got {x.dtype} {tuple(x.shape)} "
+                         f"and {h.dtype} {tuple(h.shape)}")
+    xs, ldx, m = _rows(x, n, "add_rms_norm", dtype)
+    hs, ldh, _ = _rows(h, n, "add_rms_norm", dtype)
+    total, out = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+    if m:
+        args = (xs.data_ptr(), ldx, hs.data_ptr(), ldh, weight.data_ptr(), total.data_ptr(), out.data_ptr(), m, n, eps)
+        if dtype is torch.float32:
+            lib.batchgen_add_rms_norm_f32(*args)
+        else:
+            lib.batchgen_add_rms_norm_16(*args, DTYPES[dtype])
+    return total.view(x.shape), out.view(x.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -145,13 +205,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"silu_mul needs an even last dim (gate, then up), got {width}")
     dtype = gate_up.dtype
-    _check_dtype(dtype, "silu_mul")
-    rows = as_rows(gate_up, width, "silu_mul", dtype)
+    lib = _lib_for(dtype, "silu_mul")
+    rows, ld, m = _rows(gate_up, width, "silu_mul", dtype)
     n = width // 2
     out = torch.empty((*gate_up.shape[:-1], n), dtype=dtype)
-    if rows.shape[0]:
-        lib = load_fused()
-        args = (rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n)
+    if m:
+        args = (rows.data_ptr(), ld, out.data_ptr(), n, m, n)
         if dtype is torch.float32:
             lib.batchgen_silu_mul_f32(*args)
         else:
@@ -180,7 +239,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             (then nothing is written).
     """
     dtype = qkv.dtype
-    _check_dtype(dtype, "rope_and_cache")
+    lib = _lib_for(dtype, "rope_and_cache")
     num_blocks, block_size, num_kv_heads, head_size = k_cache.shape
     width = (num_heads + 2 * num_kv_heads) * head_size
     if qkv.shape[-1] != width or qkv.stride(-1) != 1 or not qkv.is_cpu:
@@ -197,17 +256,17 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if slot_mapping.dtype is not torch.int64 or slot_mapping.shape != (m,) or not slot_mapping.is_cpu:
         raise ValueError(f"rope_and_cache: slot_mapping must be a CPU int64 [{m}] tensor, got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    cos_rows = as_rows(cos, head_size, "rope_and_cache (cos)", dtype)
-    sin_rows = as_rows(sin, head_size, "rope_and_cache (sin)", dtype)
-    if cos_rows.shape[0] != m or sin_rows.shape[0] != m:
+    cos_rows, ldc, cos_m = _rows(cos, head_size, "rope_and_cache (cos)", dtype)
+    sin_rows, lds, sin_m = _rows(sin, head_size, "rope_and_cache (sin)", dtype)
+    if cos_m != m or sin_m != m:
         raise ValueError(f"rope_and_cache: cos and sin must hold {m} rows of {head_size}, got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if not m:
         return
-    slots = slot_mapping.contiguous()
-    status = load_fused().batchgen_rope_cache(
-        rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), cos_rows.stride(0), sin_rows.data_ptr(),
-        sin_rows.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+    slots = slot_mapping if slot_mapping.is_contiguous() else slot_mapping.contiguous()
+    status = lib.batchgen_rope_cache(
+        rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), ldc, sin_rows.data_ptr(), lds,
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
         num_blocks * block_size, m, num_heads, num_kv_heads, head_size, DTYPES[dtype])
     if status:
         raise ValueError(f"rope_and_cache: slots must lie in [0, {num_blocks * block_size})")

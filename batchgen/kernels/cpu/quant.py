@@ -105,6 +105,7 @@ def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN00
 # ---- the kernel's weight layout and library ----------------------------------------------
 
 PANEL = 16  # output columns per panel (quant.c's NR)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what forward takes (computed in float32)
 
 @functools.lru_cache(maxsize=None)
 def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -268,6 +269,9 @@ class QuantizedLinear(torch.nn.Module):
         packed = pack_panels(data.view(self.out_features, self.row_bytes), self.qtype)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        # the same tensors, read by forward without nn.Module's attribute lookup (0.5 us each,
+        # a few hundred calls a decode step); they stay the layer's for its life (_apply refuses)
+        self._kernel_tensors = (packed, bias)
         self._what = f"QuantizedLinear({self.in_features} -> {self.out_features}, {self.qtype.name})"
 
     def extra_repr(self) -> str:
@@ -338,30 +342,37 @@ class QuantizedLinear(torch.nn.Module):
         return self._like(raw, index.numel(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.in_features
-        if x.shape[-1] != k or not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        k, n, dtype = self.in_features, self.out_features, x.dtype
+        if x.shape[-1] != k or not x.is_cpu or dtype not in INPUT_DTYPES:
             raise ValueError(f"{self._what} needs float32, bfloat16 or float16 CPU input [..., {k}], "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if self._lib is None:
+        lib = self._lib
+        if lib is None:
             return reference_linear(x, self.dequantized_weight(), self.bias)
-        rows = x.reshape(-1, k)
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-            rows = rows.contiguous()
-        m = rows.shape[0]
-        y = torch.empty(m, self.out_features)
+        if dtype is torch.float32 and x.is_contiguous():  # a decode step's rows: no view to build
+            rows, ld, m = x, k, x.numel() // k
+        else:
+            rows = x.reshape(-1, k)
+            if rows.dtype is not torch.float32:
+                rows = rows.float()
+            if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+                rows = rows.contiguous()
+            m = rows.shape[0]
+            ld = rows.stride(0) if m > 1 else k
+        y = torch.empty(m, n)
         if m:
-            rc = self._lib.batchgen_quant_linear(
-                rows.data_ptr(), rows.stride(0) if m > 1 else k, m, k, self.packed.data_ptr(), self._kernel_id,
-                self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                self.out_features)
+            packed, bias = self._kernel_tensors
+            rc = lib.batchgen_quant_linear(rows.data_ptr(), ld, m, k, packed.data_ptr(), self._kernel_id, n,
+                                           None if bias is None else bias.data_ptr(), y.data_ptr(), n)
             if rc == -1:
                 raise MemoryError(f"{self._what}: no memory for the int8 copy of {m} x {k} inputs")
             if rc != 0:
                 raise RuntimeError(f"{self._what}: the kernel refused its arguments (code {rc})")
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dim() == 3:  # [1, tokens, k], the model's packed row
+            y = y.view(x.shape[0], x.shape[1], n)
+        elif x.dim() != 2:
+            y = y.view(*x.shape[:-1], n)
+        return y if dtype is torch.float32 else y.to(dtype)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
         # The weight must stay uint8 bytes on the CPU, and the kernel reads the buffers by
