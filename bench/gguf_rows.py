@@ -7,7 +7,8 @@ per repeat, both cores each, greedy with EOS ignored (every peer generates exact
 
 * ``batchgen`` (float32, the de-quantized model: ``quantization: none``), ``batchgen_bf16``
   and ``batchgen_gguf`` (the embedded Q4_1 file kept quantized: ``quantization: gguf``,
-  float32 activations and KV cache);
+  float32 activations and KV cache), and ``batchgen_gguf_bf16`` (the same blocks, ``dtype:
+  bfloat16``: bfloat16 activations between the int8 layers and a bfloat16 KV cache);
 * ``vllm_bs<B>`` and ``vllm_bf16_bs<B>``: vLLM's CPU build in float32 and bfloat16 (block size
   the first of ``--vllm-block-sizes``);
 * ``llama_cpp`` and ``llama_cpp_split``: llama.cpp on the same Q4_1 file, all sequences in one
@@ -88,6 +89,8 @@ def all_peers(args: Any, prompts: list[list[int]]) -> dict[str, dict]:
                           "threads": 0},
         "batchgen_gguf": {"as": "batchgen", "kv_cache_memory": GIB, "dtype": "float32", "quantization": "gguf",
                           "threads": 0},
+        "batchgen_gguf_bf16": {"as": "batchgen", "kv_cache_memory": GIB, "dtype": "bfloat16",
+                               "quantization": "gguf", "threads": 0},
         f"vllm_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "float32", "block_size": bs},
         f"vllm_bf16_bs{bs}": {"as": "vllm", "kv_gib": 1, "dtype": "bfloat16", "block_size": bs},
         **llama_cpp_peers(embedded_gguf(), prompts, args.max_tokens),
