@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                          "1b-q8_0, qwen2.5-1.5b-q4_k_m, gemma2-2b-q4_k_m: a random-weight GGUF file of that "
                          "shape (bench/model_shapes.py) at each of --batches")
     ap.add_argument("--batches", default="1,8,64", help="machine, GGUF file workloads: the batch sizes (prompts per row)")
+    ap.add_argument("--prompt-tokens", type=int, default=32,
+                    help="machine, GGUF file workloads: tokens of each random prompt (512 with --max-tokens 1: "
+                         "a prefill row against llama.cpp's prompt processing)")
     ap.add_argument("--vllm-block-sizes", default="32,128",
                     help="machine: one vLLM peer per block size (its CPU default is 128; 'best': the fastest "
                          "of the W32 greedy row of the same dtype)")

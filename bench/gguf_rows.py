@@ -19,7 +19,8 @@ per repeat, both cores each, greedy with EOS ignored (every peer generates exact
 random-weight GGUF file shaped like a model people download (:mod:`bench.model_shapes`: a
 Llama-3.2-1B-shaped Llama in Q4_K or Q8_0, a Qwen2.5-1.5B-shaped ``qwen2`` and a
 Gemma-2-2B-shaped ``gemma2``, both quantized by llama.cpp to ``Q4_K_M``), written once to
-``/tmp/bench-models``. Each batch size is a row: that many random 32-token prompts,
+``/tmp/bench-models``. Each batch size is a row: that many random 32-token prompts (``--prompt-tokens``;
+another length adds ``/p<N>`` to the row's key, and ``--max-tokens 1`` makes it a prefill row),
 ``max_tokens`` each; peers ``batchgen_gguf``, ``llama_cpp`` and ``llama_cpp_split`` (``--peers``
 adds ``batchgen``, the de-quantized float32 model). batchgen's KV cache is sized to the row (all
 sequences at their full length, rounded up), so peak RSS compares with file + KV cache.
@@ -101,13 +102,14 @@ def all_peers(args: Any, prompts: list[list[int]]) -> dict[str, dict]:
 def file_peers(args: Any, path: Path, shape: Shape, batch: int, max_tokens: int) -> tuple[dict[str, dict], int]:
     """The peers of a file row and batchgen's KV cache bytes (all ``batch`` sequences at full
     length, rounded up to whole 16-token blocks, plus one block per sequence)."""
-    blocks = batch * (math.ceil((PROMPT_TOKENS + max_tokens) / 16) + 1)
+    prompt_tokens = getattr(args, "prompt_tokens", PROMPT_TOKENS)
+    blocks = batch * (math.ceil((prompt_tokens + max_tokens) / 16) + 1)
     kv = blocks * 16 * shape.kv_bytes_per_token()
     common = {"as": "batchgen", "model": str(path), "kv_cache_memory": kv, "dtype": "float32", "threads": 0}
     peers = {"batchgen_gguf": {**common, "quantization": "gguf"}}
     if "batchgen" in args.peers:
         peers["batchgen"] = {**common, "quantization": "none"}
-    cpp = llama_cpp_peers(str(path), [[0] * PROMPT_TOKENS] * batch, max_tokens)
+    cpp = llama_cpp_peers(str(path), [[0] * prompt_tokens] * batch, max_tokens)
     peers.update(cpp if batch > 1 else {"llama_cpp": cpp["llama_cpp"]})  # one sequence: the same either way
     return runner.select_peers(peers, args.peers), kv
 
@@ -137,9 +139,10 @@ def part(args: Any, result: dict, prompts_of: Callable[[str], list[list[int]]], 
         file_bytes = path.stat().st_size
         log(f"machine {args.workload}: {path} ({file_bytes / MIB:.0f} MiB), batches {args.batches}")
         for batch in args.batches:
-            prompts = random_prompts(batch, shape.vocab)
+            prompts = random_prompts(batch, shape.vocab, args.prompt_tokens)
             peers, kv = file_peers(args, path, shape, batch, args.max_tokens)
-            key = f"{args.workload}/b{batch}/greedy_ignore_eos{args.tag}"
+            length = "" if args.prompt_tokens == PROMPT_TOKENS else f"/p{args.prompt_tokens}"
+            key = f"{args.workload}/b{batch}{length}/greedy_ignore_eos{args.tag}"
             log(f"machine {key}: {list(peers)} x {args.repeats_greedy} repeats, KV {kv / MIB:.0f} MiB")
             res = runner.interleaved(peers, prompts, MODE, args.max_tokens, args.repeats_greedy, args.log_dir,
                                      threads, run_timeout=args.run_timeout, on_event=log)
