@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from bench.profile_step import TimedOps, _is_linear, linear_weights, time_linears, wrap
-from bench.scoring import ppl_texts
+from bench.scoring_workload import ppl_texts
 
 ATTN_FLOP_NOTE = "attention GFLOP/s: causal QK and PV, 4 x heads x head_size x n(n+1)/2 per layer"
 

@@ -1,6 +1,6 @@
 """The ``scoring`` part: lm-eval's multiple-choice and rolling-perplexity requests, per backend.
 
-Workloads (built here, deterministic, from the chat prompts of W32, ``bench/w32.jsonl``):
+Workloads (``bench/scoring_workload.py``, deterministic, from W32's chat prompts, ``bench/w32.jsonl``):
 
 * **multiple choice** (``mc_requests``): ``--scoring-questions`` questions (200 in the full
   run) of 4 choices each. Every context is one 5-shot prefix (5 solved questions, about 400
@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -47,78 +46,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench import scoring_vllm
+from bench.scoring_workload import CHOICES, mc_requests, ppl_texts
 
 REPO = Path(__file__).resolve().parent.parent
-SHOTS = 5
-CHOICES = 4
 HF_BATCH = 16
 PPL_MAX_LENGTH = 2048
 MC_MAX_LENGTH = 8192
 KV_MEMORY = "512MiB"
 GGUF_MODEL = "smollm2-135m-instruct"  # the built-in alias; with quantization gguf, its Q4_1 file
-
-
-# ---------------------------------------------------------------------------- workloads
-def _user_texts() -> list[str]:
-    texts = []
-    for line in (REPO / "bench" / "w32.jsonl").read_text().splitlines():
-        text = json.loads(line)["text"]
-        user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-        texts.append(user.strip())
-    return texts
-
-
-def _sentences() -> list[str]:
-    out = []
-    for text in _user_texts():
-        for part in text.replace("?", "?|").replace(".", ".|").split("|"):
-            if part.strip():
-                out.append(part.strip())
-    return out
-
-
-def mc_requests(tokenizer, questions: int, seed: int = 0) -> dict[str, Any]:
-    """``{"pairs": [(context, continuation)...], "answers": [...], "choices": 4}``, question by
-    question, choice by choice."""
-    rng = random.Random(seed)
-    sentences = _sentences()
-    words = sorted({w.strip(".,?!") for s in sentences for w in s.split() if w.strip(".,?!")})
-
-    def question() -> str:
-        parts: list[str] = []
-        while len(tokenizer.encode(" ".join(parts))) < 36:
-            parts.append(rng.choice(sentences))
-        return " ".join(parts)
-
-    def choice(lo: int = 5, hi: int = 20) -> str:
-        target = rng.randint(lo, hi)
-        picked: list[str] = []
-        while len(tokenizer.encode(" " + " ".join(picked))) < target:
-            picked.append(rng.choice(words))
-        return " " + " ".join(picked)
-
-    shots = "".join(f"Question: {question()}\nAnswer:{choice(20, 34)}\n\n" for _ in range(SHOTS))
-    pairs, answers = [], []
-    for _ in range(questions):
-        context = shots + f"Question: {question()}\nAnswer:"
-        pairs.extend((context, choice()) for _ in range(CHOICES))
-        answers.append(rng.randrange(CHOICES))
-    return {"pairs": pairs, "answers": answers, "choices": CHOICES,
-            "prefix_tokens": len(tokenizer.encode(shots))}
-
-
-def ppl_texts(tokenizer, tokens: int) -> list[str]:
-    """Texts of W32 user messages (in a fixed shuffled order), about 10K tokens each, ``tokens`` in all."""
-    rng = random.Random(1)
-    base = _user_texts()
-    texts, current, total = [], [], 0
-    while total < tokens:
-        current.append(rng.choice(base))
-        if len(tokenizer.encode(" ".join(current))) >= min(10_000, tokens - total):
-            texts.append(" ".join(current))
-            total += len(tokenizer.encode(texts[-1]))
-            current = []
-    return texts
 
 
 # ---------------------------------------------------------------------------- one peer (child)
