@@ -121,7 +121,4 @@ class FusedAttention(torch.nn.Module):
         if meta.seen is not None:
             meta.seen[layer] = self.options
         out = paged_attention.attend(query, layer, self.options, meta)
-        shape = hidden_states.shape
-        width = heads * head_dim
-        out = out.reshape(shape[0], num_tokens, width) if len(shape) == 3 else out.reshape(*shape[:-1], width)
-        return self.o_proj(out), None
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], heads * head_dim)), None

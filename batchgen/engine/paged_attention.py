@@ -147,12 +147,11 @@ def attend(query: torch.Tensor, layer: int, options: LayerOptions, meta: Attenti
     num_decode = meta.num_decode_tokens
     num_tokens = query.shape[0]
     scale = options.scale
-    if num_decode == num_tokens:
-        return meta.ops.paged_decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-            workspace=meta.workspace, sliding_window=options.sliding_window, logits_soft_cap=options.logits_soft_cap)
     extra = {"workspace": meta.workspace, "sliding_window": options.sliding_window,
              "logits_soft_cap": options.logits_soft_cap}
+    if num_decode == num_tokens:
+        return meta.ops.paged_decode_attention(
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, **extra)
     if num_decode == 0:
         return meta.ops.paged_prefill_attention(
             query, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,

@@ -368,9 +368,7 @@ class QuantizedLinear(torch.nn.Module):
                 raise MemoryError(f"{self._what}: no memory for the int8 copy of {m} x {k} inputs")
             if rc != 0:
                 raise RuntimeError(f"{self._what}: the kernel refused its arguments (code {rc})")
-        if x.dim() == 3:  # [1, tokens, k], the model's packed row
-            y = y.view(x.shape[0], x.shape[1], n)
-        elif x.dim() != 2:
+        if x.dim() != 2:
             y = y.view(*x.shape[:-1], n)
         return y if dtype is torch.float32 else y.to(dtype)
 
