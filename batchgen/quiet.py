@@ -44,26 +44,41 @@ def quiet_libraries() -> None:
 
 
 @contextmanager
-def libraries_quiet() -> Iterator[None]:
-    """:func:`quiet_libraries` for the block only: on the way out transformers' progress bars,
-    its log verbosity and ``HF_HUB_DISABLE_PROGRESS_BARS`` are what they were before, so a
-    library step (reading a GGUF file's metadata) quiets it without turning a Python API
-    user's bars and logs off for the rest of their process."""
-    # deferred: transformers (~4 s) only to switch its logging off for a while
+def progress_bars_off() -> Iterator[None]:
+    """transformers' progress bars off within the block, as they were before afterwards (the
+    model's load: its "Loading weights" bars are no output of ours)."""
+    # deferred: transformers (~4 s) only to switch its bars off for a while
     from transformers.utils import logging as hf_logging
 
-    env = os.environ.get(_HUB_BARS)
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    quiet_libraries()
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if env is None:
-            os.environ.pop(_HUB_BARS, None)
-        else:
-            os.environ[_HUB_BARS] = env
-        hf_logging.set_verbosity(verbosity)
-        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def libraries_quiet() -> Iterator[None]:
+    """:func:`quiet_libraries` for the block only: on the way out transformers' progress bars
+    (:func:`progress_bars_off`), its log verbosity and ``HF_HUB_DISABLE_PROGRESS_BARS`` are what
+    they were before, so a library step (reading a GGUF file's metadata) quiets it without
+    turning a Python API user's bars and logs off for the rest of their process."""
+    # deferred: transformers (~4 s) only to switch its logging off for a while
+    from transformers.utils import logging as hf_logging
+
+    env, verbosity = os.environ.get(_HUB_BARS), hf_logging.get_verbosity()
+    with progress_bars_off():
+        quiet_libraries()
+        try:
+            yield
+        finally:
+            if env is None:
+                os.environ.pop(_HUB_BARS, None)
+            else:
+                os.environ[_HUB_BARS] = env
+            hf_logging.set_verbosity(verbosity)
 
 
 def is_quiet() -> bool:

@@ -18,15 +18,12 @@ backend and runs the steps (:func:`batchgen.engine.llm.load_runner`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.utils import logging as hf_logging
 
 from batchgen.engine import fusion, paged_attention, soft_cap
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
@@ -34,6 +31,7 @@ from batchgen.engine.kv_cache import CacheShape, check_utilization_device
 from batchgen.gguf.hf_model import load_gguf_model
 from batchgen.kernels.cpu import c_build, linear as cpu_linear
 from batchgen.model_resolver import ResolvedModel, resolve_model
+from batchgen.quiet import progress_bars_off
 
 __all__ = ["LAYER_TYPES", "LoadedModel", "UnsupportedModelError", "cache_shape", "check_supported", "context_length", "expected_windows",
            "load_model", "place_linears", "resolve_dtype"]
@@ -182,7 +180,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         ValueError: ``max_model_len`` beyond the model's context, ``gpu_memory_utilization``
             off a GPU.
     """
-    with _no_progress_bars():  # transformers' bars ("Loading weights") are no output of ours
+    with progress_bars_off():  # transformers' bars ("Loading weights") are no output of ours
         return _loaded(config)
 
 
@@ -240,18 +238,6 @@ def place_linears(model: Any, name: str, device: torch.device, dtype: torch.dtyp
         # the C kernels would have carried the step: say plainly why they do not
         logger.warning("linear backend torch (the C kernels cannot run here): %s", why.splitlines()[0])
     return backend
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars off while the model loads, as they were afterwards."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _causal_lm_class(config: Any) -> type | None:
