@@ -102,7 +102,22 @@ static inline float softmax_row(float *restrict sc, int64_t n) {
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)); /* no NaN in mv: any order */
   const __m512 lo = _mm512_set1_ps(-87.0f);
   __m512 lanes = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nf; i += 16) {
+  int64_t i = 0;
+  /* four vectors' exps side by side (independent chains for the out-of-order core), added to
+   * the lanes in order of i as below */
+  for (; i + 64 <= nf; i += 64) {
+    __m512 e[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + i + 16 * u), mx);
+      x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
+      e[u] = exp16(x);
+      _mm512_storeu_ps(sc + i + 16 * u, e[u]);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) lanes = _mm512_add_ps(lanes, e[u]);
+  }
+  for (; i < nf; i += 16) {
     __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + i), mx);
     x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
     const __m512 e = exp16(x);
