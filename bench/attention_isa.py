@@ -71,12 +71,14 @@ def call(fn, case: dict, dtype: torch.dtype, out: torch.Tensor) -> None:
     from batchgen.kernels.cpu import cpu_attention
 
     q, k, v = case[f"q_{dtype}"], case[f"k_{dtype}"], case[f"v_{dtype}"]
-    starts = case["starts"]
+    starts, code = case["starts"], cpu_attention.DTYPES[dtype]
     rc = fn(out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), case["tables"].data_ptr(),
             None if starts is None else starts.data_ptr(), case["lens"].data_ptr(), case["lens"].shape[0],
             q.shape[0], KV_HEADS, case["block"], case["tables"].shape[1], q.stride(0), q.stride(1),
-            HEAD_SIZE ** -0.5, k.shape[0], cpu_attention.DTYPES[dtype], 0, 0.0)  # no window, no cap
-    # (a build of a revision before the window and soft-cap arguments ignores the last two)
+            HEAD_SIZE ** -0.5, k.shape[0], code, code, 0, 0.0)  # the caches' dtype; no window, no cap
+    # (a build of a revision before the window and soft-cap arguments ignores the last ones; one
+    # before the caches' own dtype code, 2026-12-05, reads that code as its window: compare such
+    # a revision in float32 only, where the code is 0)
     assert rc == 0, rc
 
 

@@ -106,6 +106,8 @@ def _positive(name: str, optional: bool = False) -> Callable[[Any], str | None]:
 _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "model": lambda v: None if isinstance(v, str) and v else f"model must be a non-empty string, got {v!r}",
     "dtype": dtype_error,
+    "kv_cache_dtype": lambda v: None if v == "auto" or v in DTYPE_NAMES
+    else f"unknown kv_cache_dtype {v!r}; choose one of auto, {', '.join(sorted(DTYPE_NAMES))}",
     "device": lambda v: None if isinstance(v, str) and _DEVICE.match(v)
     else f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {v!r}",
     "block_size": lambda v: None if _positive_int(v) and v <= MAX_BLOCK_SIZE
@@ -168,6 +170,10 @@ class EngineConfig:
     dtype: str = _setting("auto", "'auto', 'float32', 'float16', 'bfloat16'")
     device: str = _setting("auto", "'auto', 'cpu', 'cuda' or 'cuda:N'")
     block_size: int = _setting(16, "tokens per KV block (1..256)", ge=1, le=MAX_BLOCK_SIZE)
+    kv_cache_dtype: str = _setting(
+        "auto", "'auto' (the model's dtype; float16 for a float32 model in the gguf mode on the CPU, as "
+        "llama.cpp), or 'bfloat16' / 'float16' under a float32 model on the CPU: half the KV memory, and "
+        "half the bytes a decode step's attention reads (docs/kernels.md)")
     kv_cache_memory: int | None = _setting(
         None, "KV budget in bytes (a string like '512MiB' in a job); null = 0.9 of the free GPU memory, "
         "512 MiB on the CPU", gt=0)

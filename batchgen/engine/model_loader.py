@@ -29,7 +29,7 @@ from batchgen.engine import fusion, paged_attention, soft_cap
 from batchgen.engine.config import DTYPE_NAMES, EngineConfig, dtype_error
 from batchgen.engine.kv_cache import CacheShape, check_utilization_device
 from batchgen.gguf.hf_model import load_gguf_model
-from batchgen.kernels.cpu import c_build, linear as cpu_linear
+from batchgen.kernels.cpu import c_build, fused as cpu_fused, linear as cpu_linear
 from batchgen.model_resolver import ResolvedModel, resolve_model
 from batchgen.quiet import progress_bars_off
 
@@ -193,10 +193,41 @@ def _loaded(config: EngineConfig) -> LoadedModel:
     model, dtype = _read_weights(source, config, device)
     text_config = _text_config(model)
     max_model_len = context_length(config.max_model_len, getattr(text_config, "max_position_embeddings", None) or 2048)
-    shape = cache_shape(text_config, config.block_size, dtype)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device, source.quantization)
+    shape = cache_shape(text_config, config.block_size, kv_dtype)
     linear_backend = place_linears(model, config.linear_backend, device, dtype)
     soft_cap.cap_in_place(model, text_config)  # after the packing: it wraps the placed head
     return LoadedModel(source, device, dtype, model, linear_backend, max_model_len, shape)
+
+
+def kv_cache_dtype(setting: str, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """The KV cache's dtype for the ``kv_cache_dtype`` setting. ``auto`` is the model's dtype,
+    but float16 for a float32 model in the ``gguf`` mode on the CPU (llama.cpp's default cache
+    type: half the KV memory and half the bytes a decode step's attention reads). A 16-bit
+    cache is taken under a float32 model on the CPU only: the attention kernel widens its rows
+    exactly and every sum stays float32; writing them needs AVX2 and F16C.
+
+    Raises:
+        ValueError: a cache dtype other than the model's for a 16-bit model, on a GPU, or on a
+            CPU without the 16-bit conversions.
+    """
+    on_cpu_16 = dtype == torch.float32 and device.type == "cpu"
+    if setting == "auto":
+        gguf_default = on_cpu_16 and quantization == "gguf" and cpu_fused.supported(torch.float16)
+        return torch.float16 if gguf_default else dtype
+    kv = _DTYPES[setting]
+    if kv == dtype:
+        return kv
+    if dtype != torch.float32 or kv == torch.float32:
+        raise ValueError(f"kv_cache_dtype {setting!r} under a {str(dtype).removeprefix('torch.')} model: a "
+                         "16-bit model keeps its KV in its own dtype; use kv_cache_dtype: auto")
+    if not on_cpu_16:
+        raise ValueError(f"kv_cache_dtype {setting!r} runs on the CPU only (the CUDA kernels take the model's "
+                         "dtype); use kv_cache_dtype: auto")
+    if not cpu_fused.supported(kv):
+        raise ValueError(f"kv_cache_dtype {setting!r} needs a CPU with AVX2 and F16C (the 16-bit conversions); "
+                         "use kv_cache_dtype: auto")
+    return kv
 
 
 def _read_weights(source: ResolvedModel, config: EngineConfig, device: torch.device) -> tuple[Any, torch.dtype]:

@@ -146,7 +146,7 @@ def paged_decode_attention(
     num_kv_heads = k_cache.shape[2]
     max_len = int(context_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    k, v = gather_kv(k_cache, v_cache, block_tables, num_blocks, workspace)
+    k, v = _as_query(query, *gather_kv(k_cache, v_cache, block_tables, num_blocks, workspace))
     # [S, KVH, L, D]; SDPA maps query head h to KV head h // group itself (enable_gqa), which
     # gives the same numbers as HF's repeat_kv without materialising the repeated K/V.
     k = k.permute(0, 2, 1, 3)
@@ -204,7 +204,7 @@ def paged_prefill_attention(
         if q_len == 0:
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
-        k, v = gather_kv(k_cache, v_cache, block_tables[s : s + 1], num_blocks, workspace)
+        k, v = _as_query(query, *gather_kv(k_cache, v_cache, block_tables[s : s + 1], num_blocks, workspace))
         # 4-D [1, heads, len, D], the shapes HF's own SDPA call uses: CPU SDPA picks its
         # kernel by rank, and only the same kernel gives bit-identical results.
         k = k[:, :ctx_len].permute(0, 2, 1, 3)  # [1, KVH, L, D]
@@ -221,6 +221,13 @@ def paged_prefill_attention(
             o = _attention(q, k, v, mask, scale, gqa, logits_soft_cap)
         out[q0:q1] = o[0].permute(1, 0, 2)
     return out
+
+
+def _as_query(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered K/V in the query's dtype (a 16-bit cache under a float32 query: widened exactly)."""
+    if k.dtype == query.dtype:
+        return k, v
+    return k.to(query.dtype), v.to(query.dtype)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

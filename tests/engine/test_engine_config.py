@@ -14,6 +14,7 @@ from batchgen.engine.config import EngineConfig
     ({"block_size": 0}, "block_size must be between 1 and 256, got 0"),
     ({"block_size": 257}, "block_size must be between 1 and 256, got 257"),
     ({"dtype": "float8"}, "unknown dtype 'float8'"),
+    ({"kv_cache_dtype": "fp8"}, "unknown kv_cache_dtype 'fp8'"),
     ({"device": "cuda 1"}, "device must be"),
     ({"kv_cache_memory": -1}, "kv_cache_memory must be a number of bytes > 0"),
     ({"kv_cache_memory": True}, "kv_cache_memory must be a number of bytes > 0"),
@@ -81,3 +82,26 @@ def test_llm_takes_a_config_or_keywords(tiny_model):
     assert LLM(config=config, block_size=4).config.block_size == 4
     with pytest.raises(TypeError, match="unknown engine setting"):
         LLM(path, blok_size=4)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_under_a_float32_model(tiny_model, kv_cache_dtype):
+    """``kv_cache_dtype``: the cache holds the K/V rows in 16 bits (twice the blocks in the same
+    memory), and the model's log-likelihoods move only by that rounding; a 16-bit model keeps
+    its KV in its own dtype."""
+    import torch
+
+    from batchgen import LLM
+
+    path = tiny_model("llama")
+    full = LLM(path, dtype="float32", kv_cache_memory=4 * 2**20)
+    half = LLM(path, dtype="float32", kv_cache_memory=4 * 2**20, kv_cache_dtype=kv_cache_dtype)
+    assert full.runner.kv_cache.kv_cache.dtype == torch.float32
+    assert half.runner.kv_cache.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert half.runner.kv_cache.num_blocks == 2 * full.runner.kv_cache.num_blocks
+    pairs = [("The quick brown fox", " jumps over the lazy dog and runs far away"),
+             ("One two three", " four five six seven eight nine ten")]
+    for (a, _), (b, _) in zip(full.loglikelihood(pairs), half.loglikelihood(pairs)):
+        assert a != 0.0 and abs(a - b) <= 0.02, (a, b)
+    with pytest.raises(ValueError, match="16-bit model keeps its KV in its own dtype"):
+        LLM(path, dtype="bfloat16", kv_cache_dtype="float16")

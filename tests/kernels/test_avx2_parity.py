@@ -12,6 +12,8 @@ oracle for all three is the torch reference (``torch_attention``), within float3
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import assert_close_to_reference, make_decode_case
@@ -42,15 +44,17 @@ def load(head_size: int, group: int, isa: str):
 
 
 def run(lib, case, query: torch.Tensor, starts: torch.Tensor | None, dtype: torch.dtype,
-        window: int = 0, soft_cap: float = 0.0) -> torch.Tensor:
-    q, k, v = query.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype)
+        window: int = 0, soft_cap: float = 0.0, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The kernel on ``case`` in ``dtype`` (the caches in ``kv_dtype``, by default the same)."""
+    kv_dtype = kv_dtype or dtype
+    q, k, v = query.to(dtype), case.k_cache.to(kv_dtype), case.v_cache.to(kv_dtype)
     out = torch.empty_like(q)
     rc = lib.batchgen_paged_attention(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), case.block_tables.data_ptr(),
         None if starts is None else starts.data_ptr(), case.context_lens.data_ptr(),
         case.context_lens.shape[0], q.shape[0], case.k_cache.shape[2], case.k_cache.shape[1],
         case.block_tables.shape[1], q.stride(0), q.stride(1), case.scale, k.shape[0],
-        cpu_attention.DTYPES[dtype], window, soft_cap)
+        cpu_attention.DTYPES[dtype], cpu_attention.DTYPES[kv_dtype], window, soft_cap)
     assert rc == 0
     return out
 
@@ -100,6 +104,28 @@ def test_the_avx2_build_gives_the_avx512_and_plain_c_bits(head_size: int, group:
                                                         case.v_cache.to(dtype).float(), case.block_tables,
                                                         loc, case.context_lens, case.scale)
             assert_close_to_reference(outs["avx2"], ref, dtype, f"{label} {dtype} h{head_size} g{group}")
+
+
+@pytest.mark.parametrize("head_size,group", [(64, 3), (40, 1), (100, 4)])
+def test_a_16_bit_cache_under_a_float32_query_reads_as_its_widened_values(head_size: int, group: int) -> None:
+    """A bfloat16 or float16 cache under a float32 query (``kv_cache_dtype``) gives, in every
+    build, exactly the bits of a float32 cache holding the same values: its rows are widened
+    exactly and everything after is the float32 arithmetic."""
+    case = make_decode_case(dtype=torch.float32, head_size=head_size, block_size=16,
+                            context_lens=[1, 17, 130, 300], num_kv_heads=2, group=group, seed=head_size)
+    q_lens = [1, 9, 30, 45]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    prefill_q = torch.randn(starts[-1].item(), *case.query.shape[1:], generator=torch.Generator().manual_seed(3))
+    libs = {isa: load(head_size, group, isa) for isa in ("native", *ISAS)}
+    for kv_dtype in (torch.bfloat16, torch.float16):
+        widened = dataclasses.replace(case, k_cache=case.k_cache.to(kv_dtype).float(),
+                                      v_cache=case.v_cache.to(kv_dtype).float())
+        for label, query, loc in (("decode", case.query, None), ("prefill", prefill_q, starts)):
+            want = run(libs["native"], widened, query, loc, torch.float32)
+            for isa, lib in libs.items():
+                got = run(lib, case, query, loc, torch.float32, kv_dtype=kv_dtype)
+                assert got.dtype == torch.float32
+                assert torch.equal(got, want), f"{label}, {kv_dtype} cache: {isa} differs"
 
 
 @pytest.mark.parametrize("head_size,group,block_size,window,soft_cap", [
@@ -182,7 +208,7 @@ def fused_outputs(lib, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
     slots = torch.randperm(m + 2, generator=gen)[:m].to(torch.int64)
     assert lib.batchgen_rope_cache(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), d, sin.data_ptr(), d,
                                    k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), m + 2, m,
-                                   heads, kv_heads, d, code) == 0
+                                   heads, kv_heads, d, code, code) == 0
     outs = [norm, total, added, act, qkv, k_cache, v_cache]
     if dtype is torch.float32:
         logits = torch.randn(m, width * 5, generator=gen) * 4

@@ -212,8 +212,29 @@ def test_prefill_inputs_outside_the_contract_are_refused() -> None:
             prefill(ops, case, query, torch.tensor(bad, dtype=torch.int32))
     with pytest.raises(ValueError, match="does not fit context_lens"):
         prefill(ops, case, query, starts[:2])
-    with pytest.raises(ValueError, match="one dtype"):
-        prefill(ops, case, query.bfloat16(), starts)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have one dtype"):
+        ops.paged_prefill_attention(query, case.k_cache, case.v_cache.bfloat16(), case.block_tables,
+                                    starts, case.context_lens, case.scale)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_cache_under_a_float32_query(kv_dtype: torch.dtype) -> None:
+    """``kv_cache_dtype``: the kernel reads a 16-bit cache under a float32 query and returns
+    float32 rows, the bits of a float32 cache holding the same values; the torch backend (the
+    spec) takes the same cache and agrees within float32 rounding."""
+    case = make_decode_case(dtype=torch.float32, head_size=64, block_size=16, context_lens=[1, 17, 130],
+                            num_kv_heads=2, group=3, seed=8)
+    k16, v16 = case.k_cache.to(kv_dtype), case.v_cache.to(kv_dtype)
+    query, starts = prefill_inputs(case, [1, 9, 130])
+    cpu, spec = get_ops("cpu"), get_ops("torch")
+    for name, call in (("decode", lambda ops, k, v: ops.paged_decode_attention(
+            case.query, k, v, case.block_tables, case.context_lens, case.scale)),
+                       ("prefill", lambda ops, k, v: ops.paged_prefill_attention(
+            query, k, v, case.block_tables, starts, case.context_lens, case.scale))):
+        out = call(cpu, k16, v16)
+        assert out.dtype == torch.float32, name
+        assert torch.equal(out, call(cpu, k16.float(), v16.float())), name
+        assert_close_to_reference(out, call(spec, k16, v16), torch.float32, f"{name}, {kv_dtype} cache")
 
 
 @pytest.mark.parametrize("change,message", [
@@ -354,7 +375,7 @@ def test_the_avx512_avx2_and_plain_c_builds_give_the_same_bits(tmp_path) -> None
                     out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                     case.block_tables.data_ptr(), None if loc is None else loc.data_ptr(),
                     case.context_lens.data_ptr(), 4, q.shape[0], 2, 16, case.block_tables.shape[1],
-                    q.stride(0), q.stride(1), case.scale, k.shape[0], code, 0, 0.0) == 0
+                    q.stride(0), q.stride(1), case.scale, k.shape[0], code, code, 0, 0.0) == 0
                 outs.append(out)
         results.append(outs)
     for other in results[1:]:

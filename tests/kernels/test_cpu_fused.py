@@ -325,6 +325,29 @@ def test_rope_and_cache_rows_are_bit_identical_at_any_thread_count_and_in_a_3d_b
 
 
 @needs_lib
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,head_size", [(7, 64), (3, 20)])
+def test_rope_and_cache_writes_float32_rows_into_a_16_bit_cache_as_to_rounds(kv_dtype, tokens, head_size) -> None:
+    """``kv_cache_dtype``: a float32 model's rotated key heads and its value heads land in a
+    bfloat16 or float16 cache rounded as torch's ``.to()`` rounds them (nearest even; a NaN
+    stays a NaN; a row whose length is not a multiple of the 8-lane vectors too); the rows
+    themselves are rotated in float32 as with a float32 cache."""
+    if not cpu_fused.supported(kv_dtype):
+        pytest.skip(f"this build lacks the {kv_dtype} conversions (AVX2 and F16C)")
+    qkv, cos, sin, cache32, slots = _rope_case(torch.float32, tokens, 3, 1, head_size, seed=tokens)
+    qkv[0, 3 * head_size] = float("nan")  # a key value
+    qkv[1, 4 * head_size + 1] = 1e6  # a value past float16's range: inf, as .to() gives
+    want, want_cache = qkv.clone(), cache32.clone()
+    cpu_fused.rope_and_cache(want, cos, sin, want_cache[0], want_cache[1], slots, 3)
+    got, got_cache = qkv.clone(), cache32.to(kv_dtype)
+    cpu_fused.rope_and_cache(got, cos, sin, got_cache[0], got_cache[1], slots, 3)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: a NaN is no equal of itself
+    # every value's bits as .to() rounds it; a NaN a NaN (its sign and payload are not kept)
+    torch.testing.assert_close(got_cache, want_cache.to(kv_dtype), rtol=0, atol=0, equal_nan=True)
+    assert got_cache.isnan().any() and got_cache.isinf().any() == (kv_dtype is torch.float16)
+
+
+@needs_lib
 def test_rope_and_cache_contract_violations_raise_and_write_nothing() -> None:
     qkv, cos, sin, cache, slots = _rope_case(torch.float32, 4, 4, 2, 16)
     before, before_cache = qkv.clone(), cache.clone()

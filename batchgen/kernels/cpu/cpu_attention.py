@@ -62,8 +62,8 @@ def _declare_attention(lib: Any) -> None:
     fn = lib.batchgen_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64,
-                                                                     ctypes.c_int, ctypes.c_int64,
-                                                                     ctypes.c_float])
+                                                                     ctypes.c_int, ctypes.c_int,
+                                                                     ctypes.c_int64, ctypes.c_float])
 
 
 def load(head_size: int, group: int) -> Any:
@@ -127,14 +127,14 @@ def paged_attention(
     num_tokens, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, cache_head = k_cache.shape
     dtype = query.dtype
-    if dtype not in DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype or not (
+    if dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or not (
             query.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
         for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
             if t.dtype not in DTYPES or t.device.type != "cpu":
                 raise ValueError(f"{op} (cpu): {name} must be a float32, bfloat16 or float16 CPU "
                                  f"tensor, got {t.dtype} on {t.device}")
-        raise ValueError(f"{op} (cpu): query, k_cache and v_cache must have one dtype, got "
-                         f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(f"{op} (cpu): k_cache and v_cache must have one dtype, got "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{op} (cpu): k_cache and v_cache must be contiguous and of one shape")
     if cache_head != head_size or num_heads % num_kv_heads:
@@ -164,7 +164,8 @@ def paged_attention(
     status = fn(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), None if starts is None else starts.data_ptr(), lens.data_ptr(),
                 num_seqs, num_tokens, num_kv_heads, block_size, max_blocks, q_stride_tok,
-                q_stride_head, float(scale), num_blocks, DTYPES[dtype], int(sliding_window or 0),
+                q_stride_head, float(scale), num_blocks, DTYPES[dtype], DTYPES[k_cache.dtype],
+                int(sliding_window or 0),
                 float(logits_soft_cap or 0.0))
     if status:
         message = _ERRORS.get(status, f"kernel error {status}")

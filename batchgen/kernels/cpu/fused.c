@@ -177,7 +177,7 @@ struct rope_args {
   void *k_cache, *v_cache;
   const int64_t *slots;
   int64_t ld, ldc, lds, heads, kv_heads, d;
-  int dtype;
+  int dtype, kv_dtype; /* the rows', the caches' (float32 rows into a 16-bit cache, or the same) */
 };
 
 /* One head x[0, d) in place: x = x * c + rotate_half(x) * s, rotate_half(x) = (-x2, x1) for the
@@ -201,6 +201,15 @@ static void rope_head_f32(float *x, const float *c, const float *s, int64_t h) {
 }
 
 static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h);
+static void narrow_row(int dtype, const float *x, uint16_t *y, int64_t n);
+
+/* n values of a row into a cache row: copied, or float32 narrowed to the cache's 16-bit type. */
+static void cache_row(const struct rope_args *a, void *dst, const char *src, int64_t n) {
+  if (a->kv_dtype == a->dtype)
+    memcpy(dst, src, (size_t)n * (a->dtype ? sizeof(uint16_t) : sizeof(float)));
+  else
+    narrow_row(a->kv_dtype, (const float *)src, dst, n);
+}
 
 static void rope_rows(void *ctx, int64_t begin, int64_t end) {
   const struct rope_args *a = ctx;
@@ -217,9 +226,9 @@ static void rope_rows(void *ctx, int64_t begin, int64_t end) {
       else
         rope_head_f32(x, c, s, d / 2);
     }
-    const size_t slot = (size_t)a->slots[i];
-    memcpy((char *)a->k_cache + slot * kv * size, row + (size_t)(a->heads * d) * size, (size_t)kv * size);
-    memcpy((char *)a->v_cache + slot * kv * size, row + (size_t)(a->heads * d + kv) * size, (size_t)kv * size);
+    const size_t slot = (size_t)a->slots[i], cs = a->kv_dtype ? sizeof(uint16_t) : sizeof(float);
+    cache_row(a, (char *)a->k_cache + slot * kv * cs, row + (size_t)(a->heads * d) * size, kv);
+    cache_row(a, (char *)a->v_cache + slot * kv * cs, row + (size_t)(a->heads * d + kv) * size, kv);
   }
 }
 
@@ -228,17 +237,19 @@ static void rope_rows(void *ctx, int64_t begin, int64_t end) {
  * strides ldc, lds) hold d values each. Rotates the query and key heads in place (see
  * rope_head_f32; bfloat16 / float16: each product and the sum rounded to the 16-bit type, as
  * torch does), then copies the rotated key heads and the value heads into row slots[i] of
- * k_cache and v_cache ([num_slots, kv_heads, d], contiguous). dtype 0 = float32, 1 = bfloat16,
+ * k_cache and v_cache ([num_slots, kv_heads, d], contiguous) of kv_dtype: dtype's own, or a
+ * 16-bit one under float32 rows (rounded to nearest even). dtype 0 = float32, 1 = bfloat16,
  * 2 = float16. Returns 0, -1 when a slot lies outside [0, num_slots) (nothing is written), -2
- * for a 16-bit dtype this build lacks. Slots must be distinct. */
+ * for a 16-bit dtype this build lacks, -3 for another pair of dtypes. Slots must be distinct. */
 int batchgen_rope_cache(void *qkv, int64_t ld, const void *cos, int64_t ldc, const void *sin,
                         int64_t lds, void *k_cache, void *v_cache, const int64_t *slots,
                         int64_t num_slots, int64_t m, int64_t heads, int64_t kv_heads, int64_t d,
-                        int dtype) {
+                        int dtype, int kv_dtype) {
   for (int64_t i = 0; i < m; ++i)
     if (slots[i] < 0 || slots[i] >= num_slots) return -1;
-  if (dtype != 0 && !HAVE_16) return -2;
-  struct rope_args a = {qkv, cos, sin, k_cache, v_cache, slots, ld, ldc, lds, heads, kv_heads, d, dtype};
+  if ((dtype != 0 || kv_dtype != 0) && !HAVE_16) return -2;
+  if (kv_dtype != dtype && dtype != 0) return -3;
+  struct rope_args a = {qkv, cos, sin, k_cache, v_cache, slots, ld, ldc, lds, heads, kv_heads, d, dtype, kv_dtype};
   bg_parallel_for(m, row_grain((heads + 2 * kv_heads) * d), rope_rows, &a);
   return 0;
 }

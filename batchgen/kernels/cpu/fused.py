@@ -84,7 +84,8 @@ def _declare(lib: Any) -> None:
     lib.batchgen_token_logprobs_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.batchgen_fused_has_16.restype = ctypes.c_int
     lib.batchgen_rope_cache.restype = ctypes.c_int
-    lib.batchgen_rope_cache.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int]
+    lib.batchgen_rope_cache.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
+                                        ctypes.c_int]
     if lib.batchgen_fused_has_16():
         lib.batchgen_rms_norm_16.restype = None
         lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]
@@ -231,7 +232,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
             heads, then value heads. The query and key heads are rotated in place.
         cos, sin: ``[..., num_tokens, head_size]`` (HF's ``position_embeddings``), ``qkv``'s dtype.
         k_cache, v_cache: one layer's pools, ``[num_blocks, block_size, num_kv_heads,
-            head_size]``, contiguous, ``qkv``'s dtype.
+            head_size]``, contiguous, ``qkv``'s dtype (or bfloat16 / float16 under float32 rows:
+            the rows rounded to it, as ``.to()`` rounds).
         slot_mapping: ``[num_tokens]`` int64, distinct cache slots.
 
     Raises:
@@ -251,8 +253,13 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     if head_size % 2 or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"rope_and_cache: k_cache and v_cache must be contiguous, of one shape and an even "
                          f"head size, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype is not dtype or v_cache.dtype is not dtype or not k_cache.is_cpu or not v_cache.is_cpu:
-        raise ValueError(f"rope_and_cache: the caches must be {dtype} CPU tensors, got {k_cache.dtype}, {v_cache.dtype}")
+    kv_dtype = k_cache.dtype
+    if not (kv_dtype is dtype or (dtype is torch.float32 and kv_dtype in (torch.bfloat16, torch.float16))) or (
+            v_cache.dtype is not kv_dtype or not k_cache.is_cpu or not v_cache.is_cpu):
+        raise ValueError(f"rope_and_cache: the caches must be CPU tensors of one dtype, {dtype} (or a 16-bit one "
+                         f"under float32 rows), got {k_cache.dtype}, {v_cache.dtype}")
+    if kv_dtype is not dtype:
+        _lib_for(kv_dtype, "rope_and_cache")  # a 16-bit cache needs the build's 16-bit conversions
     if slot_mapping.dtype is not torch.int64 or slot_mapping.shape != (m,) or not slot_mapping.is_cpu:
         raise ValueError(f"rope_and_cache: slot_mapping must be a CPU int64 [{m}] tensor, got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
@@ -267,7 +274,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     status = lib.batchgen_rope_cache(
         rows.data_ptr(), rows.stride(0), cos_rows.data_ptr(), ldc, sin_rows.data_ptr(), lds,
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        num_blocks * block_size, m, num_heads, num_kv_heads, head_size, DTYPES[dtype])
+        num_blocks * block_size, m, num_heads, num_kv_heads, head_size, DTYPES[dtype], DTYPES[kv_dtype])
     if status:
         raise ValueError(f"rope_and_cache: slots must lie in [0, {num_blocks * block_size})")
 

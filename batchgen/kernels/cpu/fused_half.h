@@ -189,8 +189,25 @@ static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16
   }
 }
 
+/* n float32 values rounded to a 16-bit type (torch's `.to()`: nearest even, NaN kept): a
+ * float32 model's K/V rows written into a 16-bit cache. */
+static void narrow_row(int dtype, const float *x, uint16_t *y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(y + i), narrow8(dtype, _mm256_loadu_ps(x + i)));
+  if (i < n) {
+    float t[8] = {0};
+    uint16_t u[8];
+    memcpy(t, x + i, (size_t)(n - i) * sizeof(float));
+    _mm_storeu_si128((__m128i *)u, narrow8(dtype, _mm256_loadu_ps(t)));
+    memcpy(y + i, u, (size_t)(n - i) * sizeof(uint16_t));
+  }
+}
+
 #else
 static void rope_head_16(int dtype, uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t h) {
   (void)dtype, (void)x, (void)c, (void)s, (void)h; /* not reached: batchgen_rope_cache refuses */
+}
+static void narrow_row(int dtype, const float *x, uint16_t *y, int64_t n) {
+  (void)dtype, (void)x, (void)y, (void)n; /* not reached: batchgen_rope_cache refuses */
 }
 #endif

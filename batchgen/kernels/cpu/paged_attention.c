@@ -2,7 +2,8 @@
  * batchgen.kernels.cpu.
  *
  * Contract: batchgen.kernels.reference.paged_decode_attention and paged_prefill_attention, for
- * float32, bfloat16 and float16 tensors (one dtype for query, caches and output; every sum and
+ * float32, bfloat16 and float16 tensors (one dtype for the query and the output, one for the
+ * two caches, which may differ: a 16-bit cache under a float32 query; every sum and
  * product in float32). Each query token attends over its own context, read in place from the
  * paged K/V pools through the block table: nothing is gathered and no position past a query's
  * own context is touched.
@@ -158,7 +159,8 @@ typedef struct {
   const int64_t *item_start; /* [num_seqs + 1]: first work item of each sequence */
   int64_t num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok, q_stride_head;
   float scale;
-  int dtype;
+  int dtype;      /* the query's and the output's */
+  int kv_dtype;   /* the caches' */
   int64_t window; /* 0: none */
   float softcap;  /* 0: none */
   volatile int failed; /* set by an item that could not get scratch memory */
@@ -247,7 +249,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   /* a row of scores, whole key blocks (and one more with a window: a row's softmax starts at
    * its own first key and reads and writes whole vectors from there) */
   const int64_t ss = (nmax + KB - 1) / KB * KB + (win > 0 ? KB : 0);
-  const int64_t es = elem_size(a->dtype);
+  const int64_t es = elem_size(a->kv_dtype), qs = elem_size(a->dtype); /* cache, query / output */
   const int32_t *table = a->block_tables + s * a->max_blocks;
   const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
 
@@ -276,13 +278,13 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
     for (int g = 0; g < GROUP; ++g) {
       const int r = i * GROUP + g;
       const char *src = (const char *)a->query +
-                        ((r0 + i) * a->q_stride_tok + (h * GROUP + g) * a->q_stride_head) * es;
+                        ((r0 + i) * a->q_stride_tok + (h * GROUP + g) * a->q_stride_head) * qs;
       float *qr = q + r * HSP;
       convert_row(src, a->dtype, qr);
       for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * scale;
       lim[r] = base + i;
       first[r] = win > 0 && pos0 + i >= win ? pos0 + i - win + 1 - k0 : 0;
-      dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * es;
+      dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * qs;
     }
 
   /* Scores, key block by key block; a row's scores past its last key are not used. */
@@ -292,7 +294,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
     /* keys two blocks ahead into L1, this block's values into L2 for the second pass */
     PREFETCH_ROWS(a->k_cache, es, off, kb + 2 * KB, nmax < kb + 3 * KB ? nmax : kb + 3 * KB, 3);
     PREFETCH_ROWS(a->v_cache, es, off, kb, kb + n, 2);
-    key_block(a->k_cache, a->dtype, off + kb, n, kbuf, krows);
+    key_block(a->k_cache, a->kv_dtype, off + kb, n, kbuf, krows);
     int r = kb > base ? (int)(kb - base) * GROUP : 0;
 #if defined(BG_AVX512)
     for (; r < rows; ++r) _mm512_storeu_ps(scores + r * ss + kb, scores16(q + r * HSP, krows));
@@ -316,10 +318,10 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
 
   /* acc_r = sum_p e_rp v_p, in order of p. */
 #if defined(BG_AVX512)
-  const PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
+  const PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
   pv(&job, rows);
 #elif defined(BG_AVX2)
-  PvJob job = {a->v_cache, a->dtype, ss, off, scores, lim, inv, dst,
+  PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst,
                scores + (int64_t)ROWS * ss + (int64_t)ROWS * HSP, scores + (int64_t)ROWS * ss, 0, 0, 0, 0};
   pv(&job, rows, nmax);
 #else
@@ -328,7 +330,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
   const float *vrows[KB];
   for (int64_t kb = 0; kb < nmax; kb += KB) {
     const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
-    key_block(a->v_cache, a->dtype, off + kb, n, vbuf, vrows);
+    key_block(a->v_cache, a->kv_dtype, off + kb, n, vbuf, vrows);
     for (int j = 0; j < n; ++j) {
       const int64_t p = kb + j;
       const float *vp = vrows[j];
@@ -376,8 +378,9 @@ int batchgen_paged_attention(
     const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *context_lens,
     int64_t num_seqs, int64_t num_tokens, int64_t num_kv_heads, int64_t block_size,
     int64_t max_blocks, int64_t q_stride_tok, int64_t q_stride_head, float scale,
-    int64_t num_blocks, int dtype, int64_t window, float softcap) {
+    int64_t num_blocks, int dtype, int kv_dtype, int64_t window, float softcap) {
   if (dtype != DT_F32 && dtype != DT_BF16 && dtype != DT_F16) return 5;
+  if (kv_dtype != DT_F32 && kv_dtype != DT_BF16 && kv_dtype != DT_F16) return 5;
   if (window < 0 || !(softcap >= 0.f)) return 6;
   if (query_start_loc ? query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens
                       : num_tokens != num_seqs)
@@ -409,7 +412,7 @@ int batchgen_paged_attention(
   }
   Args a = {out, query, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             item_start, num_seqs, num_kv_heads, block_size, max_blocks, q_stride_tok,
-            q_stride_head, scale, dtype, window, softcap, 0};
+            q_stride_head, scale, dtype, kv_dtype, window, softcap, 0};
   bg_parallel_for(item_start[num_seqs], 1, run_items, &a);
   return a.failed ? 4 : 0;
 }

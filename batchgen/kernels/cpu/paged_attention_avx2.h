@@ -206,7 +206,8 @@ static inline void store8(void *dst, int dtype, int64_t d0, __m256 acc, float in
 
 typedef struct {
   const void *v_cache;
-  int dtype;
+  int dtype;             /* the V cache's */
+  int out_dtype;         /* the output's (the query's) */
   int64_t ss;
   const int64_t *off;    /* element offset of each key's row */
   const float *w;        /* numerators [rows][ss] */
@@ -261,7 +262,7 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
 #pragma GCC unroll 8
     for (int c = 0; c < nc; ++c) {
       if (job->last_seg)
-        store8(job->dst[r + i], job->dtype, 8 * (c0 + c), acc[i][c], job->inv[r + i]);
+        store8(job->dst[r + i], job->out_dtype, 8 * (c0 + c), acc[i][c], job->inv[r + i]);
       else
         _mm256_storeu_ps(job->accbuf + (r + i) * HSP + 8 * (c0 + c), acc[i][c]);
     }

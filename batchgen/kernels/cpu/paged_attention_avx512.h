@@ -173,7 +173,8 @@ static inline void store16(void *dst, int dtype, int64_t d0, __m512 acc, float i
 
 typedef struct {
   const void *v_cache;
-  int dtype;
+  int dtype;             /* the V cache's */
+  int out_dtype;         /* the output's (the query's) */
   int64_t ss;
   const int64_t *off;    /* element offset of each key's row */
   const float *w;        /* numerators [rows][ss] */
@@ -228,7 +229,7 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
   for (int i = 0; i < nr; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < nc; ++c)
-      store16(job->dst[r + i], job->dtype, 16 * (c0 + c), acc[i][c], job->inv[r + i]);
+      store16(job->dst[r + i], job->out_dtype, 16 * (c0 + c), acc[i][c], job->inv[r + i]);
 }
 
 /* Rows r .. r + nr - 1 (nr <= PV_RB), every dimension. */

@@ -29,8 +29,8 @@ int main(void) {
   float qkv[3 * N], kc[2 * N], vc[2 * N];
   const int64_t slot = 1, bad_slot = 2;
   for (int i = 0; i < 3 * N; i++) qkv[i] = special[(i * 7) % N];
-  int rope_ok = batchgen_rope_cache(qkv, 3 * N, special, N, x, N, kc, vc, &slot, 2, 1, 1, 1, N, 0) == 0;
-  rope_ok &= batchgen_rope_cache(qkv, 3 * N, special, N, x, N, kc, vc, &bad_slot, 2, 1, 1, 1, N, 0) == -1;
+  int rope_ok = batchgen_rope_cache(qkv, 3 * N, special, N, x, N, kc, vc, &slot, 2, 1, 1, 1, N, 0, 0) == 0;
+  rope_ok &= batchgen_rope_cache(qkv, 3 * N, special, N, x, N, kc, vc, &bad_slot, 2, 1, 1, 1, N, 0, 0) == -1;
   if (!rope_ok) return 1;
 #if HAVE_16
   uint16_t g16[2 * N], y16[N], w16[N], x16[N];
@@ -50,7 +50,7 @@ int main(void) {
   uint16_t qkv16[30], kc16[20], vc16[20];
   for (int i = 0; i < 30; i++) qkv16[i] = g16[(i * 5) % (2 * N)];
   for (int dtype = BF16; dtype <= F16; dtype++)
-    if (batchgen_rope_cache(qkv16, 30, g16, 10, g16 + N, 10, kc16, vc16, &slot, 2, 1, 1, 1, 10, dtype)) return 1;
+    if (batchgen_rope_cache(qkv16, 30, g16, 10, g16 + N, 10, kc16, vc16, &slot, 2, 1, 1, 1, 10, dtype, dtype)) return 1;
 #endif
   printf("ok %d\n", isnan(sum) ? 1 : 0);
   return 0;
