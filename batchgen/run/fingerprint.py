@@ -58,6 +58,7 @@ FINGERPRINT_KEYS: tuple[str, ...] = (
     "generation",
     "engine.seed",
     "engine.quantization",  # quantized blocks and de-quantized weights give other logits
+    "engine.kv_cache_dtype",  # a 16-bit cache rounds K/V: other logits
     "engine.attention_backend",  # torch's SDPA rounds differently from batchgen's kernels
     "engine.linear_backend",  # MKL's GEMM blocking differs from batchgen's (docs/kernels.md)
     "engine.tokenizer",  # another tokenizer gives other prompt ids
