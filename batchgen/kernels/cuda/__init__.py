@@ -4,9 +4,10 @@ tests is tests/kernels/cuda_harness/).
 * ``paged_attention.cu`` / ``paged_attention.cuh``: paged decode attention (split-K with a
   reduce), ``reshape_and_cache`` and ``copy_blocks``; their torch reference is
   :mod:`batchgen.kernels.torch_attention`.
-* ``cuda_attention.py``: compiles the sources with NVRTC through cupy and launches them on torch
-  tensors (:class:`~batchgen.kernels.cuda.cuda_attention.KernelOps`); with ``toolchain.py`` the only
-  modules that import cupy, and only when a GPU backend is built.
+* ``cuda_attention.py``: launches the kernels on torch tensors
+  (:class:`~batchgen.kernels.cuda.cuda_attention.KernelOps`), through ``kernel_build.py``, which
+  compiles the sources with NVRTC through cupy; it and ``toolchain.py`` are the only modules that
+  import cupy, and only when a GPU backend is built.
 * ``toolchain.py``: where NVRTC's headers are (CUDA toolkit, CUDA 12 and 13 wheels), and why the
   backend cannot build here (for ``auto``'s fallback).
 * ``checks.py``: value checks of context lengths, block ids and slots before a launch.
