@@ -77,7 +77,7 @@ struct panel {
   const uint8_t *src; /* the packed panel itself (the direct dot products read it) */
   uint8_t *u;         /* decoded, where the dot products read a scratch (plain C) */
   float *dw, *mw;     /* [slot][16]: d, and Q4_1's m or the K-quants' dmin */
-  int32_t *sc, *mn;   /* [slot][units][16], [slot][8][16] */
+  int32_t *sc, *mn;   /* [slot][units][16], [slot][4][16] (the K-quants' mins in pairs: scales_k) */
 };
 
 /* ---- each format's scales, decoded per block of the panel (16 columns at once) -------------- */
@@ -87,20 +87,24 @@ static inline void scales_dm(const uint8_t *blk, int64_t b, struct panel *P) {
   vf_store(P->dw + b * NR, vf_half(blk));
   vf_store(P->mw + b * NR, vf_half(blk + 32));
 }
-/* Q4_K / Q5_K: d, dmin, and the 6-bit scales and mins: lane c = column c's bytes */
+/* Q4_K / Q5_K: d, dmin, and the 6-bit scales and mins: lane c = column c's bytes. The mins go
+ * in pairs, sub-blocks 2i and 2i + 1 in the low and high 16 bits of pair i's lane (add_k takes
+ * them with vi_dot16 against the row's sums, paired the same way by pair_sums). */
 static inline void scales_k(const uint8_t *blk, int64_t b, struct panel *P) {
   scales_dm(blk, b, P);
-  int32_t *sc = P->sc + b * 8 * NR, *mn = P->mn + b * 8 * NR;
+  int32_t *sc = P->sc + b * 8 * NR, *mn = P->mn + b * 4 * NR;
   const vi six = vi_set1(63), four = vi_set1(15), top = vi_set1(3);
   const vi d = vi_load((const int32_t *)(const void *)(blk + 64)), m = vi_load((const int32_t *)(const void *)(blk + 128));
   const vi md = vi_load((const int32_t *)(const void *)(blk + 192));
+  vi mins[8];
   for (int j = 0; j < 4; j++) {
     vi dj = vi_srl(d, 8 * j), mj = vi_srl(m, 8 * j), mdj = vi_srl(md, 8 * j);
     vi_store(sc + j * NR, vi_and(dj, six));
-    vi_store(mn + j * NR, vi_and(mj, six));
+    mins[j] = vi_and(mj, six);
     vi_store(sc + (j + 4) * NR, vi_or(vi_and(mdj, four), vi_sll(vi_and(vi_srl(dj, 6), top), 4)));
-    vi_store(mn + (j + 4) * NR, vi_or(vi_and(vi_srl(mdj, 4), four), vi_sll(vi_and(vi_srl(mj, 6), top), 4)));
+    mins[j + 4] = vi_or(vi_and(vi_srl(mdj, 4), four), vi_sll(vi_and(vi_srl(mj, 6), top), 4));
   }
+  for (int i = 0; i < 4; i++) vi_store(mn + i * NR, vi_or(mins[2 * i], vi_sll(mins[2 * i + 1], 16)));
 }
 /* Q6_K: d last, 16 int8 scales per column, 4 per lane in each of 4 chunks */
 static inline void scales_q6_k(const uint8_t *blk, int64_t b, struct panel *P) {

@@ -114,7 +114,9 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_
  *   units 16 (Q6_K): slot j holds -(s16[j] << zsh);
  *   units 1 and 8 (sub-blocks of 32): slot 2j holds sx_j, the sum over the 32 values j
  *     (s16[2j] + s16[2j + 1]); with blocks of 32 (units 1), slot 2j + 1 then holds -(sx_j << zsh)
- *     or, without a zero point (Q4_1), the float bits of d_j * (float)sx_j (its dx sx).
+ *     or, without a zero point (Q4_1), the float bits of d_j * (float)sx_j (its dx sx); with
+ *     blocks of 256 (Q4_K, Q5_K), slot 4i + 1 of a block holds its sums 2i and 2i + 1 as 16-bit
+ *     halves (|sx| <= 32 * 127 fits), the pairs add_k takes with vi_dot16.
  * The same integers and the same float product as the steps computed before. d and s16 in
  * groups of g rows (grp_at). */
 static void pair_sums(int64_t k, int bk, int units, int zsh, int64_t g, int64_t r0, int64_t r1, const float *d,
@@ -128,7 +130,10 @@ static void pair_sums(int64_t k, int bk, int units, int zsh, int64_t g, int64_t 
     for (int64_t j = 0; j < k / 32; j++) {
       const int32_t sx = sr[g * 2 * j] + sr[g * (2 * j + 1)];
       sr[g * 2 * j] = sx;
-      if (bk == 32 && zsh) {
+      if (bk == 256 && j % 2) { /* pair (j - 1, j): slot 2(j - 1) + 1 */
+        const uint32_t lo = (uint32_t)sr[g * 2 * (j - 1)] & 0xffffu, hi = (uint32_t)sx << 16;
+        sr[g * (2 * (j - 1) + 1)] = (int32_t)(lo | hi);
+      } else if (bk == 32 && zsh) {
         sr[g * (2 * j + 1)] = -(sx * (1 << zsh));
       } else if (bk == 32) {
         const float sxd = d[grp_at(g, r, j, k / 32)] * (float)sx;

@@ -74,17 +74,18 @@ static inline AI void step_q4_1(STEP_ARGS) {
   DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, NULL, 0, d), NULL);
   add_q4_1(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
 }
-/* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j;
- * acc += (d_c dx) is - (dmin_c dx) nm */
+/* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j, in 4 pairs of j (one
+ * vi_dot16 each: the mins paired by scales_k, the sums by pair_sums; exact integers, so the
+ * same as 8 products and sums); acc += (d_c dx) is - (dmin_c dx) nm */
 static inline AI void add_k(const vi *is, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
-  const int32_t *mn = P->mn + pb * 8 * NR;
+  const int32_t *mn = P->mn + pb * 4 * NR;
   (void)q, (void)blk, (void)nb;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const int32_t *xr = xs + G * 16 * b + r;
       vi im = vi_zero();
-      for (int j = 0; j < 8; j++) im = vi_add(im, vi_mul(vi_load(mn + j * NR), vi_set1(xr[G * 2 * j])));
+      for (int i = 0; i < 4; i++) im = vi_dot16(im, vi_load(mn + i * NR), vi_set1(xr[G * (4 * i + 1)]));
       const vf dx = vf_set1(xd[G * b + r]);
       vf t1 = vf_mul(vf_mul(dw, dx), vi_float(is[r]));
       vf t2 = vf_mul(vf_mul(mw, dx), vi_float(im));

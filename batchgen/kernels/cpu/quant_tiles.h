@@ -19,7 +19,7 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
   uint8_t P##u_[BG_DIRECT ? 64 : KC_OF(BK) * (BK) * NR] __attribute__((aligned(64)));                         \
   float P##dw_[KC_OF(BK) * NR] __attribute__((aligned(64))), P##mw_[KC_OF(BK) * NR] __attribute__((aligned(64))); \
   int32_t P##sc_[KC_OF(BK) * (UNITS) * NR] __attribute__((aligned(64)));                                      \
-  int32_t P##mn_[8 * NR] __attribute__((aligned(64)));                                                        \
+  int32_t P##mn_[4 * NR] __attribute__((aligned(64)));                                                        \
   P.src = (SRC), P.u = P##u_, P.dw = P##dw_, P.mw = P##mw_, P.sc = P##sc_, P.mn = P##mn_
 #define BLOCK_SCRATCH(BK, UNITS) BLOCK_SCRATCH_OF(BK, UNITS, P, src)
 /* block b (scratch slot pb): its bytes, its scales (and quants) */

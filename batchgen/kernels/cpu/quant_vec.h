@@ -58,6 +58,9 @@ static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 #define vi_srl(a, n) _mm512_srli_epi32((a), (n))
 #define vi_sll(a, n) _mm512_slli_epi32((a), (n))
 #define vi_sra(a, n) _mm512_srai_epi32((a), (n))
+/* acc + a.lo * b.lo + a.hi * b.hi, each lane's two signed 16-bit halves (exact: the callers' products
+ * and sums fit int32) */
+static inline vi vi_dot16(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
 /* 16 fp16 values (32 bytes) -> float32, exact */
 static inline vf vf_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif BG_ISA == 1
@@ -88,6 +91,15 @@ static inline vi vi_or(vi x, vi y) { return (vi){_mm256_or_si256(x.a, y.a), _mm2
 #define vi_srl(x, n) ((vi){_mm256_srli_epi32((x).a, (n)), _mm256_srli_epi32((x).b, (n))})
 #define vi_sll(x, n) ((vi){_mm256_slli_epi32((x).a, (n)), _mm256_slli_epi32((x).b, (n))})
 #define vi_sra(x, n) ((vi){_mm256_srai_epi32((x).a, (n)), _mm256_srai_epi32((x).b, (n))})
+#if BG_AVXVNNI
+static inline vi vi_dot16(vi acc, vi x, vi y) {
+  return (vi){_mm256_dpwssd_avx_epi32(acc.a, x.a, y.a), _mm256_dpwssd_avx_epi32(acc.b, x.b, y.b)};
+}
+#else
+static inline vi vi_dot16(vi acc, vi x, vi y) {
+  return (vi){_mm256_add_epi32(acc.a, _mm256_madd_epi16(x.a, y.a)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(x.b, y.b))};
+}
+#endif
 #if defined(__F16C__)
 static inline vf vf_half(const uint8_t *p) {
   return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
@@ -123,6 +135,13 @@ static inline vi vi_or(vi x, vi y) { vi r; LANES(x.v[c] | y.v[c]); return r; }
 static inline vi vi_srl(vi x, int n) { vi r; LANES((int32_t)((uint32_t)x.v[c] >> n)); return r; }
 static inline vi vi_sll(vi x, int n) { vi r; LANES((int32_t)((uint32_t)x.v[c] << n)); return r; }
 static inline vi vi_sra(vi x, int n) { vi r; LANES(x.v[c] >> n); return r; }
+static inline int32_t lo16(int32_t a) { return (int16_t)(uint16_t)((uint32_t)a & 0xffffu); }
+static inline int32_t hi16(int32_t a) { return (int16_t)(uint16_t)((uint32_t)a >> 16); }
+static inline vi vi_dot16(vi acc, vi x, vi y) {
+  vi r;
+  LANES(acc.v[c] + (lo16(x.v[c]) * lo16(y.v[c]) + hi16(x.v[c]) * hi16(y.v[c])));
+  return r;
+}
 static inline vf vf_half(const uint8_t *p) { vf r; LANES(half_to_float(load_u16(p + 2 * c))); return r; }
 #undef LANES
 #endif
