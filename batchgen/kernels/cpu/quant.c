@@ -173,7 +173,8 @@ struct job {
   const struct format *f;
   int64_t m, k, n, nb, npanels, nrb;
   int pairs; /* items over pairs of panels (pair_<name>) */
-  const int8_t *q;   /* [m][k] */
+  const int8_t *q;   /* [m][ldq] (q_stride) */
+  int64_t ldq;
   const float *xd;   /* k / bk a row, in groups of RG rows (rg_at; of m rows up to GEMV_ROWS) */
   const int32_t *xs; /* k / 16 a row, likewise */
   const uint8_t *packed;
@@ -197,7 +198,7 @@ static void store_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, 
  * odd count alone. Which function an output goes through changes none of its bits. */
 static void run_items(void *ctx, int64_t begin, int64_t end) {
   const struct job *J = (const struct job *)ctx;
-  const int64_t k = J->k, nb = J->nb, pbytes = nb * NR * J->f->bytes;
+  const int64_t k = J->k, ldq = J->ldq, nb = J->nb, pbytes = nb * NR * J->f->bytes;
   const int pairs = J->pairs;
   float out[MC * NR] __attribute__((aligned(64))), out1[MC * NR] __attribute__((aligned(64)));
   for (int64_t item = begin; item < end; item++) {
@@ -206,10 +207,10 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
     const float *xd = J->xd + rg_at(r0, 0, nb);
     const int32_t *xs = J->xs + rg_at(r0, 0, k / 16);
     if (pairs && p + 1 < J->npanels) {
-      J->f->pair(rows, J->packed + p * pbytes, J->packed + (p + 1) * pbytes, nb, J->q + r0 * k, k, xd, xs, out, out1);
+      J->f->pair(rows, J->packed + p * pbytes, J->packed + (p + 1) * pbytes, nb, J->q + r0 * ldq, ldq, xd, xs, out, out1);
       store_out(J, p + 1, r0, rows, out1);
     } else {
-      J->f->rows(rows, J->packed + p * pbytes, nb, J->q + r0 * k, k, xd, xs, out);
+      J->f->rows(rows, J->packed + p * pbytes, nb, J->q + r0 * ldq, ldq, xd, xs, out);
     }
     store_out(J, p, r0, rows, out);
   }
@@ -221,7 +222,7 @@ static void run_gemv(void *ctx, int64_t begin, int64_t end) {
   const int64_t nb = J->nb;
   float out[GEMV_ROWS * NR] __attribute__((aligned(64)));
   for (int64_t p = begin; p < end; p++) {
-    J->f->gemv(J->m, J->packed + p * nb * NR * J->f->bytes, nb, J->q, J->k, J->xd, J->xs, out);
+    J->f->gemv(J->m, J->packed + p * nb * NR * J->f->bytes, nb, J->q, J->ldq, J->xd, J->xs, out);
     store_out(J, p, 0, J->m, out);
   }
 }
@@ -232,6 +233,7 @@ struct qjob {
   int bk, units, zsh;
   int64_t g; /* rows a group of d and s (grp_at) */
   int8_t *q;
+  int64_t ldq;
   float *d;
   int32_t *s;
 };
@@ -239,14 +241,25 @@ struct qjob {
 
 static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
-  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->d, Q->s, Q->g);
+  quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->ldq, Q->d, Q->s, Q->g);
   pair_sums(Q->k, Q->bk, Q->units, Q->zsh, Q->g, begin, end, Q->d, Q->s);
 }
 
 /* For the tests: the activation quantization alone. */
 void batchgen_quant_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int bk, int8_t *q, float *d,
                          int32_t *s16) {
-  quantize_rows(x, ldx, k, bk, 0, m, q, d, s16, 1);
+  quantize_rows(x, ldx, k, bk, 0, m, q, k, d, s16, 1);
+}
+
+/* The row stride of the quantized activations q: k rounded up to whole cache lines, an odd
+ * number of them. A tile's MR rows are read side by side (one 4-byte broadcast per row and
+ * group), and at a stride of a multiple of 2048 bytes (k = 2048, 4096, 8192: the 1B model's
+ * hidden and MLP sizes) they share L1 sets: on the Zen 5, a loop of vpdpbusd with such
+ * broadcasts ran at 4.3 (2048) and 2.0 (8192) a ns against 7.4-7.6 at an odd number of lines
+ * (2112, 8256; 1 thread, bench's microbenchmark). The padding is never read. */
+static int64_t q_stride(int64_t k) {
+  const int64_t lines = (k + 63) / 64;
+  return 64 * (lines % 2 ? lines : lines + 1);
 }
 
 /* y [m][ldy] = x [m][ldx] W^T (+ bias), W [n][k] packed as described at the top (npanels =
@@ -259,7 +272,8 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
   if (m <= 0 || n <= 0) return 0;
   int64_t nb = k / f->bk;
   const int64_t g = m <= GEMV_ROWS ? m : RG, mg = (m + g - 1) / g * g; /* d and s in whole groups */
-  int8_t *q = (int8_t *)malloc((size_t)(m * k));
+  const int64_t ldq = q_stride(k);
+  int8_t *q = (int8_t *)malloc((size_t)(m * ldq));
   float *d = (float *)malloc((size_t)(mg * nb) * sizeof(float));
   int32_t *s = (int32_t *)malloc((size_t)(mg * (k / 16)) * sizeof(int32_t));
   if (!q || !d || !s) {
@@ -268,11 +282,11 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
     free(s);
     return -1;
   }
-  struct qjob qj = {x, ldx, k, f->bk, f->units, f->zsh, g, q, d, s};
+  struct qjob qj = {x, ldx, k, f->bk, f->units, f->zsh, g, q, ldq, d, s};
   int64_t qgrain = (64 * 1024) / k + 1;
   bg_parallel_for(m, qgrain, run_quantize, &qj);
 
-  struct job J = {f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, 0, q, d, s, packed, bias, y, ldy};
+  struct job J = {f, m, k, n, nb, (n + NR - 1) / NR, (m + MC - 1) / MC, 0, q, ldq, d, s, packed, bias, y, ldy};
   /* pairs of panels only past one row block: up to MC rows the panels stream from memory once,
    * and two streams a thread measured slower (Q8_0 at 32 rows, 1 thread: -11 %); past it a
    * panel's later row blocks read it from the caches (+4-11 % at 128-512 rows) */

@@ -4,7 +4,7 @@
 /* The AVX-512 build's pairs of panels (quant_pairs.h): pair_<name>, the tiles of rows_<name> over
  * panels src0 and src1 at once, PAIR_MR rows a tile (then the rest), each block's scales decoded
  * once per panel for all rows. */
-typedef void pair_fn(int64_t rows, const uint8_t *src0, const uint8_t *src1, int64_t nb, const int8_t *q, int64_t k,
+typedef void pair_fn(int64_t rows, const uint8_t *src0, const uint8_t *src1, int64_t nb, const int8_t *q, int64_t ldq,
                      const float *xd, const int32_t *xs, float *out0, float *out1);
 #if BG_ISA == 2
 /* mr_ rows from r0_ over blocks [b0, b1) of both panels, their acc in registers meanwhile */
@@ -16,8 +16,8 @@ typedef void pair_fn(int64_t rows, const uint8_t *src0, const uint8_t *src1, int
     for (int64_t b = b0; b < b1; b++) {                                                                       \
       if ((r0_) == 0) prefetch_ahead(src0 + b * NR * (BYTES), NR * (BYTES));                                  \
       if ((r0_) == 0) prefetch_ahead(src1 + b * NR * (BYTES), NR * (BYTES));                                  \
-      STEP2((mr_), &P0, &P1, src0 + b * NR * (BYTES), src1 + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, \
-            xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, k / 16), a_, c_, RG);                                  \
+      STEP2((mr_), &P0, &P1, src0 + b * NR * (BYTES), src1 + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * ldq, ldq, \
+            xd + rg_at((r0_), 0, nb), xs + rg_at((r0_), 0, ks), a_, c_, RG);                                  \
     }                                                                                                         \
     for (int r = 0; r < (mr_); r++) acc0[(r0_) + r] = a_[r], acc1[(r0_) + r] = c_[r];                         \
   } while (0)
@@ -30,9 +30,10 @@ typedef void pair_fn(int64_t rows, const uint8_t *src0, const uint8_t *src1, int
 #define PAIR_FNS_0(name, BK, BYTES, UNITS, SCALES) /* pair = 0: none */
 #define PAIR_FNS_1(name, BK, BYTES, UNITS, SCALES)                                                            \
   static void pair_##name(int64_t rows, const uint8_t *src0, const uint8_t *src1, int64_t nb, const int8_t *q, \
-                          int64_t k, const float *xd, const int32_t *xs, float *out0, float *out1) {          \
+                          int64_t ldq, const float *xd, const int32_t *xs, float *out0, float *out1) {          \
     BLOCK_SCRATCH_OF(BK, UNITS, P0, src0);                                                                    \
     BLOCK_SCRATCH_OF(BK, UNITS, P1, src1);                                                                    \
+    const int64_t ks = nb * (BK) / 16; /* the sums' slots a row (xs) */                                       \
     vf acc0[MC], acc1[MC];                                                                                    \
     for (int64_t r = 0; r < rows; r++) acc0[r] = acc1[r] = vf_zero();                                         \
     for (int64_t b0 = 0; b0 < nb; b0 += KC_OF(BK)) {                                                          \

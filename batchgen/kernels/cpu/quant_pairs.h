@@ -70,17 +70,17 @@ static inline AI void unit_dot2_direct(const int mr, const uint8_t *s0, const ui
  * and two tiles of acc; the dot products of both, then each panel's epilogue */
 #define STEP2_ARGS                                                                                             \
   const int mr, const struct panel *P0, const struct panel *P1, const uint8_t *blk0, const uint8_t *blk1,     \
-      const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, const int64_t k, const float *xd, \
+      const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, const int64_t ldq, const float *xd, \
       const int32_t *xs, vf *acc0, vf *acc1, const int G
 #define EPI2(EPI, n0, n1)                                       \
-  EPI(n0, mr, P0, blk0, b, pb, nb, q, k, xd, xs, acc0, G);         \
-  EPI(n1, mr, P1, blk1, b, pb, nb, q, k, xd, xs, acc1, G)
+  EPI(n0, mr, P0, blk0, b, pb, nb, q, ldq, xd, xs, acc0, G);         \
+  EPI(n1, mr, P1, blk1, b, pb, nb, q, ldq, xd, xs, acc1, G)
 /* Q4_0, Q8_0: unit_dot2_direct of `kind` at offset `off` of each block, sums from z */
 #define STEP2_DIRECT(name, off, kind, z_, EPI)                         \
   static inline AI void step2_##name(STEP2_ARGS) {                     \
     vi d0[MR], d1[MR];                                                 \
     const int32_t *z = (z_);                                           \
-    unit_dot2_direct(mr, blk0 + (off), blk1 + (off), kind, q + b * 32, k, z, 1, d0, d1); \
+    unit_dot2_direct(mr, blk0 + (off), blk1 + (off), kind, q + b * 32, ldq, z, 1, d0, d1); \
     EPI2(EPI, d0, d1);                                                 \
   }
 STEP2_DIRECT(q4_0, 16 * 2, K_Q4_32, xs + G * (2 * b + 1), add_offset)

@@ -89,15 +89,15 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
 #endif
 }
 
-/* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][k], d (k/bk a row),
+/* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][ldq], d (k/bk a row),
  * s16 (k/16 a row: sums of q over each 16), in groups of g rows (grp_at; 1: row after row).
  * See the top of quant.c for the arithmetic. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t k, int bk, int64_t r0, int64_t r1,
-                          int8_t *q, float *d, int32_t *s16, int64_t g) {
+                          int8_t *q, int64_t ldq, float *d, int32_t *s16, int64_t g) {
   int64_t nb = k / bk;
   for (int64_t r = r0; r < r1; r++) {
     const float *xr = x + r * ldx;
-    int8_t *qr = q + r * k;
+    int8_t *qr = q + r * ldq;
     for (int64_t b = 0; b < nb; b++) quantize_block(xr + b * bk, bk, qr + b * bk, d + grp_at(g, r, b, nb));
     for (int64_t j = 0; j < k / 16; j++) {
       int32_t s = 0;

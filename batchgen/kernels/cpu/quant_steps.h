@@ -13,7 +13,7 @@
  * blk), added to acc. */
 #define STEP_ARGS                                                                                    \
   const int mr, const struct panel *P, const uint8_t *blk, const int64_t b, const int64_t pb, const int64_t nb, const int8_t *q, \
-      const int64_t k, const float *xd, const int32_t *xs, vf *acc, const int G /* xd, xs: rows G apart (grp_at) */
+      const int64_t ldq, const float *xd, const int32_t *xs, vf *acc, const int G /* xd, xs: rows G apart (grp_at) */
 
 /* Q4_0, Q5_0, Q8_0: n = dot - (sx << zsh), the sums started at slot 2b + 1's -(sx << zsh) (see
  * pair_sums and Z_OF); acc += (d_c dx) n */
@@ -32,32 +32,32 @@ static inline AI void add_offset(const vi *n, STEP_ARGS) {
 #define DOT32(direct, z) direct
 #define DOT_UNIT(direct, groups, z) direct
 #else
-#define DOT32(direct, z) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, k, (z), 1, d)
+#define DOT32(direct, z) unit_dot(mr, P->u + pb * 32 * NR, 8, q + b * 32, ldq, (z), 1, d)
 #define DOT_UNIT(direct, groups, z) \
-  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, k, (z), 1, d)
+  unit_dot(mr, P->u + pb * 256 * NR + 64 * (groups) * j, (groups), q + b * 256 + 4 * (groups) * j, ldq, (z), 1, d)
 #endif
 static inline AI void step_q4_0(STEP_ARGS) {
   vi d[MR];
   const int32_t *z = xs + G * (2 * b + 1);
-  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  DOT32(unit_dot_direct(mr, blk + 16 * 2, K_Q4_32, q + b * 32, ldq, z, 1, d), z);
+  add_offset(d, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 static inline AI void step_q5_0(STEP_ARGS) {
   vi d[MR];
   const int32_t *z = xs + G * (2 * b + 1);
-  DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  DOT32(unit_dot_q5(mr, blk + 16 * 6, blk + 16 * 2, -1, q + b * 32, ldq, z, 1, d), z);
+  add_offset(d, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 static inline AI void step_q8_0(STEP_ARGS) {
   vi d[MR];
   const int32_t *z = xs + G * (2 * b + 1);
-  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, k, z, 1, d), z);
-  add_offset(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  DOT32(unit_dot_direct(mr, blk + 32, K_Q8, q + b * 32, ldq, z, 1, d), z);
+  add_offset(d, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 /* Q4_1: acc += (d_c dx) dot + m_c (dx sx) (dx sx: the float in slot 2b + 1, see pair_sums) */
 static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR), mw = vf_load(P->mw + pb * NR);
-  (void)q, (void)blk, (void)nb, (void)k;
+  (void)q, (void)blk, (void)nb, (void)ldq;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       const float dx = xd[G * b + r];
@@ -71,8 +71,8 @@ static inline AI void add_q4_1(const vi *d, STEP_ARGS) {
 }
 static inline AI void step_q4_1(STEP_ARGS) {
   vi d[MR];
-  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, k, NULL, 0, d), NULL);
-  add_q4_1(d, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  DOT32(unit_dot_direct(mr, blk + 16 * 4, K_Q4_32, q + b * 32, ldq, NULL, 0, d), NULL);
+  add_q4_1(d, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 /* Q4_K, Q5_K: is = sum_j sc_cj dot_j (given), nm = sum_j mn_cj sx_j, in 4 pairs of j (one
  * vi_dot16 each: the mins paired by scales_k, the sums by pair_sums; exact integers, so the
@@ -97,29 +97,29 @@ static inline AI void step_q4_k(STEP_ARGS) {
   vi d[MR], is[MR];
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
-    DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, k, NULL, 0, d), 8, NULL);
+    DOT_UNIT(unit_dot_direct(mr, blk + 16 * 16 + 64 * 8 * (j / 2), j % 2 ? K_Q4K_HI : K_Q4K_LO, q + b * 256 + 32 * j, ldq, NULL, 0, d), 8, NULL);
     const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  add_k(is, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 static inline AI void step_q5_k(STEP_ARGS) {
   vi d[MR], is[MR];
   for (int r = 0; r < MR; r++) is[r] = vi_zero();
   for (int j = 0; j < 8; j++) {
-    DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, k, NULL, 0, d), 8, NULL);
+    DOT_UNIT(unit_dot_q5(mr, blk + 16 * 48 + 64 * 8 * (j / 2), blk + 16 * 16, j, q + b * 256 + 32 * j, ldq, NULL, 0, d), 8, NULL);
     const vi scj = vi_load(P->sc + (pb * 8 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  add_k(is, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 /* Q6_K: n = sum_j sc_cj (dot_j - 32 sx_j) over 16 units of 16 (each dot started at slot j's
  * -(sx_j << 5), see pair_sums); acc += (d_c dx) n */
 static inline AI void add_q6_k(const vi *is, STEP_ARGS) {
   const vf dw = vf_load(P->dw + pb * NR);
-  (void)q, (void)blk, (void)nb, (void)k, (void)xs;
+  (void)q, (void)blk, (void)nb, (void)ldq, (void)xs;
   for (int r = 0; r < MR; r++) {
     if (r < mr) {
       vf t = vf_mul(vf_mul(dw, vf_set1(xd[G * b + r])), vi_float(is[r]));
@@ -135,13 +135,13 @@ static inline AI void step_q6_k(STEP_ARGS) {
     const int h = j / 8;
     (void)h;
     DOT_UNIT(unit_dot_q6(mr, blk + 64 * (16 * h + 4 * (j % 4)), blk + 16 * 128 + 64 * (8 * h + 4 * (j % 2)),
-                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, k, xs + G * (16 * b + j), 1, d),
+                         (j % 8) / 4, 2 * ((j % 8) / 2), q + b * 256 + 16 * j, ldq, xs + G * (16 * b + j), 1, d),
              4, xs + G * (16 * b + j));
     const vi scj = vi_load(P->sc + (pb * 16 + j) * NR);
     for (int r = 0; r < MR; r++)
       if (r < mr) is[r] = vi_add(is[r], vi_mul(scj, d[r]));
   }
-  add_q6_k(is, mr, P, blk, b, pb, nb, q, k, xd, xs, acc, G);
+  add_q6_k(is, mr, P, blk, b, pb, nb, q, ldq, xd, xs, acc, G);
 }
 
 #endif /* BATCHGEN_CPU_QUANT_STEPS_H */

@@ -1,7 +1,7 @@
 /* batchgen quant.c: FORMAT_FNS, a format's loops over one panel (gemv_<name>, rows_<name>),
  * included by quant.c after the steps (quant_steps.h); quant.c describes the layout, the table
  * (FORMATS_LIST) and the order of the sums. */
-typedef void rows_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k, const float *xd,
+typedef void rows_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t ldq, const float *xd,
                      const int32_t *xs, float *out);
 
 #define GEMV_ROWS 4
@@ -36,14 +36,14 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     for (int r = 0; r < MR; r++) a_[r] = r < (mr_) ? acc[(r0_) + r] : vf_zero();                              \
     for (int64_t b = b0; b < b1; b++) {                                                                       \
       if ((r0_) == 0) prefetch_ahead(src + b * NR * (BYTES), NR * (BYTES));                                   \
-      STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * k, k, xd + rg_at((r0_), 0, nb),      \
-           xs + rg_at((r0_), 0, k / 16), a_, RG);                                                             \
+      STEP((mr_), &P, src + b * NR * (BYTES), b, b - b0, nb, q + (r0_) * ldq, ldq, xd + rg_at((r0_), 0, nb),      \
+           xs + rg_at((r0_), 0, ks), a_, RG);                                                             \
     }                                                                                                         \
     for (int r = 0; r < (mr_); r++) acc[(r0_) + r] = a_[r];                                                   \
   } while (0)
 /* the GEMV path's step: mr_ rows from r0_ against block b (scratch slot 0) */
 #define ROWS_STEP(STEP, mr_, r0_) \
-  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * k, k, xd + (r0_), xs + (r0_), acc + (r0_), rows) /* groups of `rows` */
+  STEP((mr_), &P, blk, b, 0, nb, q + (r0_) * ldq, ldq, xd + (r0_), xs + (r0_), acc + (r0_), rows) /* groups of `rows` */
 #define ROWS_REST(STEP, BYTES, n) \
   case n:                         \
     if (n < MR) ROWS_TILE(STEP, BYTES, n, r0); \
@@ -51,7 +51,7 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
 
 #define FORMAT_FNS(ID, name, BK, BYTES, UNITS, ZSH, PAIR, DECODE, SCALES, STEP)                                          \
   static inline AI void gemv_rows_##name(const int rows, const uint8_t *src, int64_t nb, const int8_t *q,     \
-                                         int64_t k, const float *xd, const int32_t *xs, float *out) {         \
+                                         int64_t ldq, const float *xd, const int32_t *xs, float *out) {         \
     BLOCK_SCRATCH(BK, UNITS);                                                                                 \
     vf acc[GEMV_ROWS];                                                                                        \
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vf_zero();                                                   \
@@ -62,18 +62,19 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     }                                                                                                         \
     for (int r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                            \
   }                                                                                                           \
-  static void gemv_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k,           \
+  static void gemv_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t ldq,         \
                           const float *xd, const int32_t *xs, float *out) {                                   \
     switch (rows) {                                                                                           \
-      case 1: gemv_rows_##name(1, src, nb, q, k, xd, xs, out); break;                                         \
-      case 2: gemv_rows_##name(2, src, nb, q, k, xd, xs, out); break;                                         \
-      case 3: gemv_rows_##name(3, src, nb, q, k, xd, xs, out); break;                                         \
-      default: gemv_rows_##name(4, src, nb, q, k, xd, xs, out); break;                                        \
+      case 1: gemv_rows_##name(1, src, nb, q, ldq, xd, xs, out); break;                                         \
+      case 2: gemv_rows_##name(2, src, nb, q, ldq, xd, xs, out); break;                                         \
+      case 3: gemv_rows_##name(3, src, nb, q, ldq, xd, xs, out); break;                                         \
+      default: gemv_rows_##name(4, src, nb, q, ldq, xd, xs, out); break;                                        \
     }                                                                                                         \
   }                                                                                                           \
-  static void rows_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t k,           \
+  static void rows_##name(int64_t rows, const uint8_t *src, int64_t nb, const int8_t *q, int64_t ldq,         \
                           const float *xd, const int32_t *xs, float *out) {                                   \
     BLOCK_SCRATCH(BK, UNITS);                                                                                 \
+    const int64_t ks = nb * (BK) / 16; /* the sums' slots a row (xs) */                                       \
     vf acc[MC];                                                                                               \
     for (int64_t r = 0; r < rows; r++) acc[r] = vf_zero();                                                    \
     for (int64_t b0 = 0; b0 < nb; b0 += KC_OF(BK)) {                                                          \
