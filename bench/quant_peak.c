@@ -36,7 +36,9 @@ __attribute__((target("avx2"))) int64_t bench_maddubs(int64_t iters, int seed) {
   CHAINS(INIT)
 #undef INIT
   for (int64_t it = 0; it < iters; it++) {
-#define STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(w, x));
+    /* the barrier after each step makes w a new value to the compiler: without it the 12
+     * chains' vpmaddubsw(w, x), all alike, were folded into one (a vpaddw loop, not a ceiling) */
+#define STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(w, x)); __asm__ volatile("" : "+x"(w));
     CHAINS(STEP)
 #undef STEP
     __asm__ volatile("" : "+x"(w), "+x"(x));
