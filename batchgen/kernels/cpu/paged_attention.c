@@ -291,7 +291,7 @@ static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
 
   /* acc_r = sum_p e_rp v_p, in order of p. */
 #if defined(BG_AVX512)
-  const PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst, vbuf};
+  const PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst};
   pv(&job, rows);
 #elif defined(BG_AVX2)
   PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst,

@@ -181,11 +181,36 @@ typedef struct {
   const int64_t *lim;    /* last key of each row */
   const float *inv;      /* 1 / sum of each row */
   void *const *dst;      /* output row of each row */
-  float *vbuf;           /* [KB][HSP] */
 } PvJob;
 
-static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, const int r, const int nr,
-                                                          const int c0, const int nc) {
+/* Vector c (dimensions 16 c ..) of the V row at element offset o of the cache, as float32,
+ * converted in the register as it is read (exact: float16 and bfloat16 widen without rounding);
+ * `partial`: only the HEAD_SIZE % 16 dimensions of the last vector, the rest 0. */
+static inline __attribute__((always_inline)) __m512 v_vec(const void *cache, const int dtype, const int64_t o,
+                                                          const int c, const int partial) {
+  if (dtype == DT_F32) {
+    const float *p = (const float *)cache + o + 16 * c;
+    return partial ? _mm512_maskz_loadu_ps((__mmask16)((1u << (HEAD_SIZE % 16)) - 1), p) : _mm512_loadu_ps(p);
+  }
+  const uint16_t *p = (const uint16_t *)cache + o + 16 * c;
+  __m256i h;
+  if (partial) {
+    uint16_t tmp[16] = {0};
+    memcpy(tmp, p, (HEAD_SIZE % 16) * sizeof tmp[0]);
+    h = _mm256_loadu_si256((const __m256i *)tmp);
+  } else {
+    h = _mm256_loadu_si256((const __m256i *)p);
+  }
+  if (dtype == DT_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* `dtype` is the V cache's, a constant where pv() calls this (one copy per dtype): a 16-bit
+ * row is widened in the register as it is read, once for the nr rows (converting each key
+ * block into a buffer for every group of rows cost a float16 prefill a quarter of P.V on the
+ * Zen 4). */
+static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, const int dtype, const int r,
+                                                          const int nr, const int c0, const int nc) {
   __m512 acc[PV_RB][PV_DC];
 #pragma GCC unroll 8
   for (int i = 0; i < nr; ++i)
@@ -194,19 +219,15 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
   const int64_t first = job->lim[r], last = job->lim[r + nr - 1], ss = job->ss;
   const float *w = job->w + r * ss;
   const int tail_vec = (HEAD_SIZE % 16) && c0 + nc == NV; /* the last vector is partial */
-  const __mmask16 tail = (__mmask16)((1u << (HEAD_SIZE % 16)) - 1);
-  const float *rows[KB];
   for (int64_t kb = 0; kb <= last; kb += KB) {
     const int n = last + 1 - kb < KB ? (int)(last + 1 - kb) : KB;
     const int all = first + 1 - kb >= n ? n : (int)(first + 1 - kb); /* keys every row sees */
-    key_block(job->v_cache, job->dtype, job->off + kb, n, job->vbuf, rows);
+    const int64_t *off = job->off + kb;
     const float *wk = w + kb;
     for (int j = 0; j < n; ++j) {
       __m512 v[PV_DC];
-      const float *vr = rows[j] + 16 * c0;
 #pragma GCC unroll 8
-      for (int c = 0; c < nc; ++c)
-        v[c] = tail_vec && c == nc - 1 ? _mm512_maskz_loadu_ps(tail, vr + 16 * c) : _mm512_loadu_ps(vr + 16 * c);
+      for (int c = 0; c < nc; ++c) v[c] = v_vec(job->v_cache, dtype, off[j], c0 + c, tail_vec && c == nc - 1);
       if (j < all) {
 #pragma GCC unroll 8
         for (int i = 0; i < nr; ++i) {
@@ -233,19 +254,26 @@ static inline __attribute__((always_inline)) void pv_rows(const PvJob *job, cons
 }
 
 /* Rows r .. r + nr - 1 (nr <= PV_RB), every dimension. */
-static inline __attribute__((always_inline)) void pv_rows_all(const PvJob *job, int r, const int nr) {
+static inline __attribute__((always_inline)) void pv_rows_all(const PvJob *job, const int dtype, int r,
+                                                              const int nr) {
 #pragma GCC unroll 8
-  for (int c0 = 0; c0 < NV; c0 += PV_DC) pv_rows(job, r, nr, c0, NV - c0 < PV_DC ? NV - c0 : PV_DC);
+  for (int c0 = 0; c0 < NV; c0 += PV_DC) pv_rows(job, dtype, r, nr, c0, NV - c0 < PV_DC ? NV - c0 : PV_DC);
 }
 
-static void pv(const PvJob *job, int rows) {
+static inline __attribute__((always_inline)) void pv_of(const PvJob *job, const int dtype, int rows) {
   for (int r = 0; r < rows; r += PV_RB) {
     switch (rows - r < PV_RB ? rows - r : PV_RB) {
-#define PV_CASE(k) case k: if (k <= PV_RB) pv_rows_all(job, r, k <= PV_RB ? k : 1); break;
+#define PV_CASE(k) case k: if (k <= PV_RB) pv_rows_all(job, dtype, r, k <= PV_RB ? k : 1); break;
       PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
 #undef PV_CASE
       default: break;
     }
   }
+}
+
+static void pv(const PvJob *job, int rows) {
+  if (job->dtype == DT_F32) pv_of(job, DT_F32, rows);
+  else if (job->dtype == DT_F16) pv_of(job, DT_F16, rows);
+  else pv_of(job, DT_BF16, rows);
 }
 
