@@ -248,19 +248,23 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
                                                                   int64_t ldz, vi *out) {
   const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16), m4 = _mm256_set1_epi8(15);
   for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
-  if (kind == K_Q8) { /* u up to 255: split in nibbles (see unit_dot) */
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+  if (kind == K_Q8) {
+    /* The sign trick: |w| (unsigned) times q carrying w's sign, so a pair is at most
+     * 2 * 128 * 127 = 32,512 (vpmaddubsw never saturates) and is widened at once. This sums
+     * w q from 0, which is the other builds' -(sx << 7) + sum (w + 128) q: the same integer, so
+     * z is not read. (Splitting u = w + 128 into nibbles took two vpmaddubsw, two vpmaddwd and
+     * an add a row where this takes a vpsignb, a vpmaddubsw and a vpmaddwd.) */
+    (void)sixteen, (void)m4;
+    for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int g = 0; g < 8; g++) {
       for (int h = 0; h < 2; h++) {
-        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * h)), flip);
-        __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * h)), aw = _mm256_abs_epi8(w);
         for (int r = 0; r < MR; r++) {
           if (r < mr) {
             int32_t xv;
             memcpy(&xv, q + r * ldq + 4 * g, 4);
-            __m256i xb = _mm256_set1_epi32(xv);
-            __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones),
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), sixteen));
+            const __m256i xb = _mm256_set1_epi32(xv);
+            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), ones);
             if (h == 0)
               out[r].a = _mm256_add_epi32(out[r].a, t);
             else
