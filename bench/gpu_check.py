@@ -5,7 +5,9 @@
 Stages, each in its own subprocess with its own time budget (a crash, a hung kernel or a dead
 CUDA context in one stage never stops the others), each recorded in the JSON even when it fails
 or runs out of time (a stage writes its partial results as it goes). The kernel stages are in
-:mod:`bench.gpu_kernel_stages`, the engine ones in :mod:`bench.gpu_end_to_end`:
+:mod:`bench.gpu_kernel_stages`, the engine ones in :mod:`bench.gpu_end_to_end`, the environment
+stage in :mod:`bench.gpu_environment`, and the report (the targets, the table) in
+:mod:`bench.gpu_report`:
 
 ``environment``  GPU, its peak HBM bandwidth, torch, cupy, NVRTC version and header directory.
 ``correctness``  ``paged_decode_attention`` against the torch backend (the spec): head sizes 64, 80, 96,
@@ -61,6 +63,8 @@ from bench.gpu_common import (  # noqa: F401 - the stages and the tests use them
     BENCH_NUM_KV_HEADS,
     NoGpu,
     ROOT,
+    STAGE_BUDGETS,
+    STAGES,
     Stage,
     TARGET_FRACTION,
     TARGET_MIN_BATCH,
@@ -72,63 +76,15 @@ from bench.gpu_common import (  # noqa: F401 - the stages and the tests use them
     is_target,
     write_json,
 )
+from bench.gpu_environment import peak_bandwidth, stage_environment  # noqa: F401 - the tests use it from here
+from bench.gpu_report import merge_flashinfer, render_table, status_of, summarize_targets  # noqa: F401 - likewise
 
 
 # --------------------------------------------------------------------------- plan
-# Default budgets in seconds; scaled down together when the deadline is shorter.
-# Time a stage leaves unused goes to the next ones.
-STAGE_BUDGETS: dict[str, float] = {
-    "environment": 30.0,
-    "correctness": 45.0,
-    "kernel_tests": 30.0,
-    "bandwidth": 60.0,
-    "flashinfer": 20.0,
-    "end_to_end": 70.0,
-    "throughput": 90.0,
-}
-STAGES = tuple(STAGE_BUDGETS)
 DRY_RUN_STAGE_S = 90.0  # each stage's budget in a dry run
 GPU_STAGES = tuple(s for s in STAGES if s != "environment")
 # Seconds a stage's process may run past its budget (start-up, writing) before it is killed.
 GRACE_S = 15.0
-
-
-# Peak HBM bandwidth (bytes/s) by device name, from the vendors' data sheets; the first key
-# contained in the name wins, so the more specific names come first.
-PEAK_HBM_BYTES_PER_S: dict[str, float] = {
-    "H200": 4.8e12,
-    "H100 NVL": 3.9e12,
-    "H100 PCIe": 2.0e12,
-    "H100": 3.35e12,
-    "H20": 4.0e12,
-    "GH200": 4.0e12,
-    "B200": 8.0e12,
-    "A100-SXM4-80GB": 2.039e12,
-    "A100 80GB PCIe": 1.935e12,
-    "A100": 1.555e12,
-    "L40S": 0.864e12,
-    "L4": 0.3e12,
-    "A10": 0.6e12,
-    "RTX 4090": 1.008e12,
-}
-
-
-def peak_bandwidth(device_name: str, override_tbps: float | None = None,
-                   memory_clock_khz: int | None = None, bus_width_bits: int | None = None
-                   ) -> tuple[float | None, str]:
-    """Peak memory bandwidth in bytes/s and where the figure comes from.
-
-    ``--peak-tbps`` wins, then the data-sheet table, then the memory clock and bus width the
-    driver reports (double data rate), else unknown.
-    """
-    if override_tbps:
-        return override_tbps * 1e12, "--peak-tbps"
-    for key, value in PEAK_HBM_BYTES_PER_S.items():
-        if key.lower() in device_name.lower():
-            return value, f"data sheet ({key})"
-    if memory_clock_khz and bus_width_bits:
-        return 2 * memory_clock_khz * 1e3 * bus_width_bits / 8, "driver: 2 x memory clock x bus width"
-    return None, "unknown device"
 
 
 def plan_stages(selected: list[str], deadline_s: float,
@@ -180,89 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         args.out = default_out()
     return args
-
-
-# --------------------------------------------------------------------------- report
-
-
-def merge_flashinfer(result: dict[str, Any]) -> None:
-    """Put FlashInfer's times beside the kernel's rows (matched by point) and the ratios."""
-    bw = result.get("bandwidth", {})
-    fi = result.get("flashinfer", {})
-    times = {_key(r): r for r in fi.get("rows", []) if "flashinfer_us" in r}
-    for row in bw.get("rows", []):
-        other = times.get(_key(row))
-        if other and "kernel_us" in row:
-            row["flashinfer_us"] = other["flashinfer_us"]
-            row["kernel_vs_flashinfer"] = row["kernel_us"] / other["flashinfer_us"]
-            row["kernel_vs_flashinfer_range"] = [row["kernel_range_us"][0] / other["flashinfer_range_us"][1],
-                                                 row["kernel_range_us"][1] / other["flashinfer_range_us"][0]]
-
-
-def _key(row: dict[str, Any]) -> tuple:
-    return row["dtype"], row["head_size"], row["batch"], row["context"]
-
-
-def summarize_targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Whether the bandwidth targets hold over the target points that were measured."""
-    rows = [r for r in result.get("bandwidth", {}).get("rows", []) if "kernel_us" in r and is_target(r)]
-    out: dict[str, Any] = {"points_measured": len(rows),
-                           "min_batch": TARGET_MIN_BATCH, "min_context": TARGET_MIN_CONTEXT}
-    fracs = [r["fraction_of_peak"] for r in rows if r.get("fraction_of_peak") is not None]
-    if fracs:
-        out["min_fraction_of_peak"] = min(fracs)
-        out["fraction_target_met"] = min(fracs) >= TARGET_FRACTION
-    ratios = [r["kernel_vs_flashinfer"] for r in rows if "kernel_vs_flashinfer" in r]
-    if ratios:
-        out["max_kernel_vs_flashinfer"] = max(ratios)
-        out["flashinfer_target_met"] = max(ratios) <= TARGET_VS_FLASHINFER
-    return out
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else format(value, spec) + suffix
-
-
-def render_table(result: dict[str, Any]) -> str:
-    """The compact text report: one line per stage, then the bandwidth table."""
-    lines = []
-    env = result.get("environment", {})
-    if env.get("gpu"):
-        peak = env.get("peak_bytes_per_s")
-        lines.append(f"GPU {env['gpu']}, peak {peak / 1e12:.2f} TB/s ({env.get('peak_source')})" if peak
-                     else f"GPU {env['gpu']}, peak bandwidth unknown")
-    for name in STAGES:
-        stage = result.get(name)
-        if stage is None:
-            continue
-        status = status_of(stage)
-        detail = stage.get("no_gpu") or stage.get("skipped") or stage.get("summary") or stage.get("error", "").strip().splitlines()[-1:] or ""
-        if isinstance(detail, list):
-            detail = detail[0] if detail else ""
-        lines.append(f"{name:<13} {status}  {stage.get('wall_s', 0):6.1f} s  {str(detail)[:110]}")
-    rows = [r for r in result.get("bandwidth", {}).get("rows", []) if "kernel_us" in r]
-    if rows:
-        lines.append("")
-        lines.append(f"{'dtype':<8} {'head':>4} {'batch':>5} {'ctx':>6} {'kernel us':>10} {'TB/s':>6} "
-                     f"{'of peak':>7} {'sdpa us':>9} {'flashinf us':>11} {'vs FI':>6}")
-        for r in rows:
-            lines.append(
-                f"{r['dtype']:<8} {r['head_size']:>4} {r['batch']:>5} {r['context']:>6} "
-                f"{r['kernel_us']:>10.1f} {r['kernel_TBps']:>6.2f} {_fmt(r.get('fraction_of_peak'), '.1%'):>7} "
-                f"{_fmt(r.get('sdpa_us'), '.1f'):>9} {_fmt(r.get('flashinfer_us'), '.1f'):>11} "
-                f"{_fmt(r.get('kernel_vs_flashinfer'), '.2f', 'x'):>6}")
-    targets = result.get("targets")
-    if targets:
-        lines.append("")
-        lines.append("targets (batch >= 64, context >= 1K): " + json.dumps(targets))
-    return "\n".join(lines)
-
-
-def status_of(stage: dict[str, Any]) -> str:
-    """PASS, FAIL, SKIP, or NOGPU (a dry run's stage stopped at its first CUDA call)."""
-    if "no_gpu" in stage and not stage.get("error"):
-        return "NOGPU"
-    return "SKIP" if stage.get("skipped") else "PASS" if stage.get("passed") else "FAIL"
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -392,75 +265,6 @@ def stage_main(args: argparse.Namespace) -> int:
         stage.data["error"] = traceback.format_exc()[-4000:]
     stage.save()
     return 0
-
-
-def stage_environment(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
-    import torch
-
-    d = stage.data
-    d.update({"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-              "cuda_available": torch.cuda.is_available()})
-    if not torch.cuda.is_available():
-        d["gpu_unavailable"] = "no CUDA device visible to torch"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        d["gpu"] = props.name
-        d["memory_gib"] = props.total_memory / 2**30
-        d["l2_bytes"] = getattr(props, "L2_cache_size", None)
-        d["sm_count"] = props.multi_processor_count
-    from batchgen.kernels.cuda import toolchain
-
-    try:
-        cupy = toolchain._import_cupy()
-        d["cupy"] = cupy.__version__
-        d["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-        if d.get("gpu"):
-            rt = cupy.cuda.runtime
-            d["memory_clock_khz"] = rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, 0)
-            d["bus_width_bits"] = rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, 0)
-            d["sm_clock_khz"] = rt.deviceGetAttribute(rt.cudaDevAttrClockRate, 0)
-    except Exception as exc:  # noqa: BLE001 - recorded
-        d["cupy_error"] = f"{type(exc).__name__}: {exc}"
-    d["nvrtc"] = toolchain.nvrtc_version()
-    major = d["nvrtc"][0] if d["nvrtc"] else None
-    d["nvrtc_include_dirs"] = [{"path": str(x.path), "origin": x.origin, "cuda_version": x.cuda_version}
-                               for x in toolchain.find_include_dirs(major)]
-    why = toolchain.unavailable_reason()
-    if why and "gpu_unavailable" not in d:
-        d["gpu_unavailable"] = why
-    if d.get("gpu"):
-        peak, source = peak_bandwidth(d["gpu"], args.peak_tbps, d.get("memory_clock_khz"), d.get("bus_width_bits"))
-        d["peak_bytes_per_s"], d["peak_source"] = peak, source
-    try:
-        import flashinfer  # noqa: F401
-
-        d["flashinfer"] = getattr(flashinfer, "__version__", "installed")
-    except Exception as exc:  # noqa: BLE001
-        d["flashinfer"] = f"unavailable ({type(exc).__name__}: {exc})"
-    d["imports"] = {name: import_error(name) or "ok" for name in NEEDED_IMPORTS + CARRIED_IMPORTS}
-    broken = [n for n in NEEDED_IMPORTS if d["imports"][n] != "ok"]
-    d["passed"] = not broken
-    if broken:
-        d["error"] = "cannot import " + "; ".join(f"{n}: {d['imports'][n]}" for n in broken)
-    d["summary"] = d.get("gpu_unavailable") or f"{d.get('gpu')}, cupy {d.get('cupy')}, NVRTC {d['nvrtc']}"
-
-
-# What the stages import (the environment stage fails without them), and what the carried wheels
-# add (bench/gpu_models/wheels.txt: recorded, needed by no stage).
-NEEDED_IMPORTS = ("batchgen.engine.llm", "batchgen.kernels.cuda.cuda_attention", "bench.gpu_models", "transformers",
-                  "pytest")
-CARRIED_IMPORTS = ("batchgen.config", "batchgen.plugins", "gguf")
-
-
-def import_error(name: str) -> str | None:
-    """Why ``import name`` fails here (one line), or None."""
-    import importlib
-
-    try:
-        importlib.import_module(name)
-    except Exception as exc:  # noqa: BLE001 - any import-time failure is the finding
-        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    return None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Default budgets in seconds; scaled down together when the deadline is shorter.
+# Time a stage leaves unused goes to the next ones.
+STAGE_BUDGETS: dict[str, float] = {
+    "environment": 30.0,
+    "correctness": 45.0,
+    "kernel_tests": 30.0,
+    "bandwidth": 60.0,
+    "flashinfer": 20.0,
+    "end_to_end": 70.0,
+    "throughput": 90.0,
+}
+STAGES = tuple(STAGE_BUDGETS)
+
+
 BENCH_BATCHES = (1, 16, 64, 256)
 
 
