@@ -34,7 +34,8 @@
  *
  * How it is computed (the order above is kept exactly by every build; AVX-512, AVX2 and plain
  * C give the same bits, pinned by the tests). Keys are taken 16 at a time (a key block; K/V
- * rows of bfloat16 and float16 converted into float32 once per block):
+ * rows of bfloat16 and float16 converted into float32 once per block; with AVX-512 the V rows
+ * are widened in the register as P.V reads them instead):
  *   - scores: with AVX-512, the 16 dot products of one query row with a key block run as 16
  *     accumulators side by side; their reduction trees run together as a transpose (each add
  *     of the tree above, for 16 keys per instruction), leaving the 16 scores in one register.
