@@ -94,6 +94,9 @@
 #define NR 16  /* columns per panel */
 #define MC 64  /* rows per item at most */
 #define GRAIN_MACS (64 * 1024)
+/* the weight bytes of the units (panels, or pairs) a group of items goes over, row block after
+ * row block: about a quarter of a 1-2 MiB L2 */
+#define GROUP_BYTES (256 * 1024)
 
 #define AI __attribute__((always_inline)) /* the steps (quant_steps.h) and FORMAT_FNS below */
 
@@ -181,6 +184,7 @@ struct job {
   const float *bias;
   float *y;
   int64_t ldy;
+  int64_t group; /* units (panels, or pairs) a group of items (run_items) */
 };
 
 /* rows [r0, r0 + rows) of panel p's outputs (out [rows][NR]) to y, plus the bias */
@@ -201,8 +205,16 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
   const int64_t k = J->k, ldq = J->ldq, nb = J->nb, pbytes = nb * NR * J->f->bytes;
   const int pairs = J->pairs;
   float out[MC * NR] __attribute__((aligned(64))), out1[MC * NR] __attribute__((aligned(64)));
+  const int64_t units = pairs ? (J->npanels + 1) / 2 : J->npanels; /* panels, or pairs of them */
+  const int64_t group = J->group;
   for (int64_t item = begin; item < end; item++) {
-    int64_t p = (item / J->nrb) << pairs, rb = item % J->nrb;
+    /* `group` units a group; in a group, row block after row block, each over the group's
+     * units: their weights stay in L2 while a row block's activations are read once for all
+     * of them from L1 (a panel's row blocks one after the other read every row's activations
+     * again for each panel, from L2 or L3) */
+    const int64_t g = item / (J->nrb * group), in = item % (J->nrb * group);
+    const int64_t gu = units - g * group < group ? units - g * group : group;
+    int64_t p = (g * group + in % gu) << pairs, rb = in / gu;
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
     const float *xd = J->xd + rg_at(r0, 0, nb);
     const int32_t *xs = J->xs + rg_at(r0, 0, k / 16);
@@ -291,6 +303,8 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
    * and two streams a thread measured slower (Q8_0 at 32 rows, 1 thread: -11 %); past it a
    * panel's later row blocks read it from the caches (+4-11 % at 128-512 rows) */
   const int pairs = J.pairs = f->pair != NULL && m > MC;
+  const int64_t unit_bytes = (int64_t)nb * NR * f->bytes << pairs;
+  J.group = GROUP_BYTES / unit_bytes > 1 ? GROUP_BYTES / unit_bytes : 1;
   int64_t items = (pairs ? (J.npanels + 1) / 2 : J.npanels) * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * (pairs ? 2 * NR : NR) * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);
