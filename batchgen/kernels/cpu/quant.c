@@ -197,7 +197,7 @@ static void store_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, 
   }
 }
 
-/* Items (row block of up to MC rows, panel), a panel's row blocks one after the other; where
+/* Items (row block of up to MC rows, panel), in groups of panels (below); where
  * the build has pair_<name>, (row block, pair of panels 2i and 2i + 1), the last panel of an
  * odd count alone. Which function an output goes through changes none of its bits. */
 static void run_items(void *ctx, int64_t begin, int64_t end) {
