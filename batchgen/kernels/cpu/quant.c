@@ -184,7 +184,8 @@ struct job {
   const float *bias;
   float *y;
   int64_t ldy;
-  int64_t group; /* units (panels, or pairs) a group of items (run_items) */
+  int64_t panel_units; /* what an item takes of the weight: panels, or pairs of them */
+  int64_t group; /* panel units a group of items (run_items) */
 };
 
 /* rows [r0, r0 + rows) of panel p's outputs (out [rows][NR]) to y, plus the bias */
@@ -205,8 +206,7 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
   const int64_t k = J->k, ldq = J->ldq, nb = J->nb, pbytes = nb * NR * J->f->bytes;
   const int pairs = J->pairs;
   float out[MC * NR] __attribute__((aligned(64))), out1[MC * NR] __attribute__((aligned(64)));
-  const int64_t units = pairs ? (J->npanels + 1) / 2 : J->npanels; /* panels, or pairs of them */
-  const int64_t group = J->group;
+  const int64_t units = J->panel_units, group = J->group;
   for (int64_t item = begin; item < end; item++) {
     /* `group` units a group; in a group, row block after row block, each over the group's
      * units: their weights stay in L2 while a row block's activations are read once for all
@@ -304,8 +304,9 @@ int batchgen_quant_linear(const float *x, int64_t ldx, int64_t m, int64_t k, con
    * panel's later row blocks read it from the caches (+4-11 % at 128-512 rows) */
   const int pairs = J.pairs = f->pair != NULL && m > MC;
   const int64_t unit_bytes = (int64_t)nb * NR * f->bytes << pairs;
+  J.panel_units = pairs ? (J.npanels + 1) / 2 : J.npanels;
   J.group = GROUP_BYTES / unit_bytes > 1 ? GROUP_BYTES / unit_bytes : 1;
-  int64_t items = (pairs ? (J.npanels + 1) / 2 : J.npanels) * J.nrb;
+  int64_t items = J.panel_units * J.nrb;
   int64_t macs_per_item = (m < MC ? m : MC) * (pairs ? 2 * NR : NR) * k;
   int64_t grain = GRAIN_MACS / (macs_per_item > 0 ? macs_per_item : 1);
   bg_parallel_for(items, grain < 1 ? 1 : grain, m <= GEMV_ROWS ? run_gemv : run_items, &J);

@@ -247,7 +247,7 @@ static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, cons
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
                                                                   const int8_t *q, int64_t ldq, const int32_t *z,
                                                                   int64_t ldz, vi *out) {
-  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16), m4 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
   for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
   if (kind == K_Q8) {
     /* The sign trick: |w| (unsigned) times q carrying w's sign, so a pair is at most
@@ -255,7 +255,6 @@ static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, 
      * w q from 0, which is the other builds' -(sx << 7) + sum (w + 128) q: the same integer, so
      * z is not read. (Splitting u = w + 128 into nibbles took two vpmaddubsw, two vpmaddwd and
      * an add a row where this takes a vpsignb, a vpmaddubsw and a vpmaddwd.) */
-    (void)sixteen, (void)m4;
     for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int g = 0; g < 8; g++) {
       for (int h = 0; h < 2; h++) {
