@@ -109,6 +109,9 @@ class LeanDecoderForward:
     def __init__(self, decoder: torch.nn.Module) -> None:
         self.decoder = decoder
         self.original = decoder.forward
+        #: a :class:`~batchgen.engine.decoder_program.DecoderProgram` that runs the layers of the
+        #: decode steps it takes in one C call (set by its ``install``), or None
+        self.program = None
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: Any = None,
                  position_ids: torch.Tensor | None = None, cache: Any = None, inputs_embeds: Any = None,
@@ -121,6 +124,10 @@ class LeanDecoderForward:
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)
         position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+        program = self.program
+        if program is not None and program.runs(hidden, *position_embeddings, batchgen_metadata):
+            program.run(hidden, *position_embeddings, batchgen_metadata)
+            return BaseModelOutputWithPast(last_hidden_state=decoder.norm(hidden))
         for layer in decoder.layers:
             hidden = layer(hidden, position_embeddings=position_embeddings, batchgen_metadata=batchgen_metadata)
         return BaseModelOutputWithPast(last_hidden_state=decoder.norm(hidden))

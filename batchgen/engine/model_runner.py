@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from batchgen import kernels, threads
-from batchgen.engine import paged_attention, prompt_logprobs
+from batchgen.engine import decoder_program, paged_attention, prompt_logprobs
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.model_loader import LoadedModel, UnsupportedModelError, expected_windows
@@ -70,6 +70,8 @@ class ModelRunner:
         self.lora = None  # a batchgen.lora.manager.LoRAManager with enable_lora
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+        elif self.attention_backend == "cpu" and self.dtype is torch.float32:
+            logger.info(decoder_program.install(self.model))  # after the layers are final (LoRA wraps them)
         self.num_threads = threads.resolve_num_threads(config.num_threads)
         self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
         if self.device.type == "cpu":

@@ -93,7 +93,7 @@ def _entry_point(head_size: int, group: int) -> Any:
     return fn
 
 
-_ERRORS = {
+ERRORS = {
     1: "context_lens must be in [1, {width}] (the block tables' width)",
     # Only entries a sequence reads must be valid; padding past them is never read.
     2: "block table entries must be in [0, {num_blocks})",
@@ -141,11 +141,11 @@ def paged_attention(
         raise ValueError(f"{op} (cpu): query {tuple(query.shape)} does not fit the cache "
                          f"{tuple(k_cache.shape)}")
     out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype)
-    tables, lens = _int32(block_tables), _int32(context_lens)  # no copies for the engine's own
+    tables, lens = as_int32(block_tables), as_int32(context_lens)  # no copies for the engine's own
     num_seqs = lens.shape[0] if lens.dim() == 1 else -1
     starts = None
     if query_start_loc is not None:
-        starts = _int32(query_start_loc)
+        starts = as_int32(query_start_loc)
         if starts.shape != (num_seqs + 1,):
             raise ValueError(f"{op} (cpu): query_start_loc {tuple(starts.shape)} does not fit "
                              f"context_lens {tuple(lens.shape)}")
@@ -168,13 +168,13 @@ def paged_attention(
                 int(sliding_window or 0),
                 float(logits_soft_cap or 0.0))
     if status:
-        message = _ERRORS.get(status, f"kernel error {status}")
+        message = ERRORS.get(status, f"kernel error {status}")
         raise ValueError(f"{op} (cpu): " + message.format(width=max_blocks * block_size,
                                                             num_blocks=num_blocks))
     return out
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
+def as_int32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous int32 tensor (itself when it already is one)."""
     if t.dtype == torch.int32 and t.is_contiguous():
         return t

@@ -1,0 +1,179 @@
+"""DecoderProgram: a decode step's decoder layers run by one C call (``kernels/cpu/decoder.c``)
+instead of nine Python calls a layer.
+
+Why: at batch 1 a decode step is the weights streaming once through the linear kernels; on
+the 1B Llama-shaped Q4_K file (2 threads, Zen 4) the kernels of a layer took about 1.2 ms and
+the Python between them (the fused layers' calls through ctypes, their checks and
+temporaries) 0.25 ms more, a fifth of the step, because the streaming weights evict the
+interpreter's lines between two calls. The program calls the same kernels with the same
+arguments in the same order, so a step's logits and K/V are the Python layers' bits
+(``tests/engine/test_decoder_program.py`` checks greedy tokens and logprobs with and without it).
+
+Which models: a decoder whose layers all are
+:class:`~batchgen.engine.fused_decoder.FusedDecoderLayer` (so its forward is a
+:class:`~batchgen.engine.fused_decoder.LeanDecoderForward`), float32, attending with the
+``cpu`` backend, each layer's projections :class:`~batchgen.kernels.cpu.quant.QuantizedLinear`
+or float32 :class:`~batchgen.kernels.cpu.linear.PackedLinear` (or a ConcatLinear of them: a
+Q4_K_M file's mixed q/k/v), no per-head q/k norms, and no LoRA (whose layers read the step's
+rows by position). :func:`install` builds it once, after the model's layers are final (the
+runner calls it after LoRA's wrapping); anything else keeps the Python layers.
+
+Which steps: steps whose every row is a decode (one query per sequence), at most
+:attr:`DecoderProgram.max_rows` rows (the MLP's slice: the Python MLP would split more rows),
+with no probe watching (``metadata.seen``). Prefill chunks keep the Python layers: their
+kernels run for milliseconds, and the calls between cost nothing next to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
+from batchgen.engine.fused_layers import ConcatLinear, FusedGatedMLP
+from batchgen.engine.paged_attention import AttentionMetadata
+from batchgen.kernels.cpu import c_build, cpu_attention
+from batchgen.kernels.cpu import decoder as cdecoder
+from batchgen.kernels.cpu import fused as cpu_fused
+from batchgen.kernels.cpu.linear import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(module.parts) if type(module) is ConcatLinear else [module]
+
+
+def _norm(norm: torch.nn.Module, width: int) -> tuple[int, float] | None:
+    w = norm.weight
+    if w.dtype is not torch.float32 or w.shape != (width,) or not w.is_contiguous():
+        return None
+    return w.data_ptr(), norm.variance_epsilon
+
+
+def _layer(layer: FusedDecoderLayer, kernels: dict) -> cdecoder.Layer | None:
+    """The C layer of ``layer``, or None where the program cannot run it as the Python layer runs."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.qk_norms or type(mlp) is not FusedGatedMLP:
+        return None
+    d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    linears = [cdecoder.linear(_parts(m), kernels) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                            mlp.down_proj)]
+    if any(lin is None for lin in linears):
+        return None
+    qkv, o, gate_up, down = linears
+    hidden = qkv.k
+    norms = (_norm(layer.input_layernorm, hidden), _norm(layer.post_attention_layernorm, hidden))
+    shapes_fit = (qkv.n == (heads + 2 * kv) * d and o.k == heads * d and o.n == hidden and gate_up.k == hidden
+                  and gate_up.n % 2 == 0 and down.k == gate_up.n // 2 and down.n == hidden)
+    if None in norms or not shapes_fit:
+        return None
+    options = attn.options
+    return cdecoder.Layer(norms[0][0], norms[1][0], norms[0][1], norms[1][1], qkv, o, gate_up, down, heads, kv, d,
+                          options.scale, options.logits_soft_cap or 0.0, options.sliding_window or 0)
+
+
+class DecoderProgram:
+    """The C layers of one decoder, and the step's call (:meth:`run`)."""
+
+    def __init__(self, lib: Any, entry: cdecoder.Entry, layers: list[cdecoder.Layer], indices: list[int],
+                 max_rows: int) -> None:
+        self.lib, self.entry = lib, entry
+        self.layers = (cdecoder.Layer * len(layers))(*layers)
+        self.indices = indices
+        self.max_rows = max_rows
+        self._cache_ptr = None
+        self._step = cdecoder.Step()
+        self._has_16 = bool(cpu_fused.load_fused().batchgen_fused_has_16())  # a 16-bit cache's conversions
+
+    @classmethod
+    def build(cls, decoder: torch.nn.Module) -> tuple[DecoderProgram | None, str]:
+        """The program of ``decoder`` (``model.model``), or None and why not."""
+        layers = list(decoder.layers)
+        if not layers or not all(type(layer) is FusedDecoderLayer for layer in layers):
+            return None, "not every decoder layer is fused"
+        kernels: dict = {}
+        built = [_layer(layer, kernels) for layer in layers]
+        if any(c is None for c in built):
+            return None, "a layer the program does not run (per-head q/k norms, LoRA, or a linear of another kind)"
+        first = layers[0].self_attn
+        if any(layer.self_attn.head_dim != first.head_dim or layer.self_attn.num_heads // layer.self_attn.num_kv_heads
+               != first.num_heads // first.num_kv_heads for layer in layers):
+            return None, "layers of several attention shapes"
+        try:
+            lib = cdecoder.load()
+            entry = cdecoder.entry(kernels, first.head_dim, first.num_heads // first.num_kv_heads)
+        except (c_build.CpuKernelError, RuntimeError) as exc:
+            return None, str(exc).splitlines()[0]
+        max_rows = min(layer.mlp.slice_rows() for layer in layers)
+        return cls(lib, entry, built, [layer.self_attn.layer_idx for layer in layers], max_rows), ""
+
+    def _bind_cache(self, meta: AttentionMetadata) -> None:
+        """Each layer's K/V pools, whenever the cache is another tensor than the last step's."""
+        ptr = meta.kv_cache.data_ptr()
+        if ptr == self._cache_ptr:
+            return
+        for layer, index in zip(self.layers, self.indices):
+            k, v = meta.layer_pools(index)
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+            layer.num_blocks, layer.block_size = k.shape[0], k.shape[1]
+            layer.kv_dtype = DTYPES[k.dtype]
+        self._cache_ptr = ptr
+
+    def runs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether :meth:`run` takes this step (see the module docstring)."""
+        m = hidden.shape[-2]
+        return (meta.num_decode_tokens == m and 0 < m <= self.max_rows and meta.seen is None
+                and hidden.dtype is torch.float32 and hidden.is_contiguous() and cos.dtype is torch.float32
+                and cos.is_contiguous() and sin.is_contiguous() and meta.kv_cache.is_contiguous()
+                and (meta.kv_cache.dtype is torch.float32 or self._has_16)
+                and meta.slot_mapping.dtype is torch.int64 and meta.slot_mapping.is_contiguous())
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Every layer over ``hidden`` (``[1, m, H]``, updated in place) for a step :meth:`runs`
+        takes.
+
+        Raises:
+            ValueError: a kernel refused its arguments (as the Python layer's would).
+            MemoryError: no memory for a scratch buffer.
+        """
+        self._bind_cache(meta)
+        tables = cpu_attention.as_int32(meta.decode_block_tables)
+        lens = cpu_attention.as_int32(meta.decode_context_lens)
+        step = self._step
+        step.m, step.cos, step.sin = hidden.shape[-2], cos.data_ptr(), sin.data_ptr()
+        step.ldc = step.lds = cos.shape[-1]
+        step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr()
+        step.max_blocks = tables.shape[1]
+        status, where, layer = cdecoder.run(self.lib, self.entry, self.layers, step, hidden)
+        if status:
+            raise self._error(status, where, layer)
+
+    def _error(self, status: int, where: int, index: int) -> Exception:
+        """The error of a kernel's refusal, worded as the Python layer's call would word it."""
+        layer = self.layers[index]
+        what = f"decoder layer {self.indices[index]}: {cdecoder.WHERE.get(where, 'a kernel')}"
+        if where == 7 or (where <= 4 and status == -1):
+            return MemoryError(f"{what} found no memory")
+        detail = f"code {status}"
+        if where == 5:
+            detail = f"slots must lie in [0, {layer.num_blocks * layer.block_size})"
+        elif where == 6 and status in cpu_attention.ERRORS:
+            detail = cpu_attention.ERRORS[status].format(width=self._step.max_blocks * layer.block_size,
+                                                         num_blocks=layer.num_blocks)
+        return ValueError(f"{what} refused its arguments: {detail}")
+
+
+def install(model: torch.nn.Module) -> str:
+    """Hands ``model``'s decoder a :class:`DecoderProgram` where it can run one (its
+    :class:`~batchgen.engine.fused_decoder.LeanDecoderForward` then runs decode steps through
+    it); returns what was done, for the load log."""
+    decoder = getattr(model, "model", None)
+    forward = getattr(decoder, "forward", None)
+    if not isinstance(forward, LeanDecoderForward):
+        return "decoder program: no (the decoder's layers are not all fused)"
+    program, why = DecoderProgram.build(decoder)
+    forward.program = program
+    return f"decoder program: {len(program.layers)} layers" if program else f"decoder program: no ({why})"

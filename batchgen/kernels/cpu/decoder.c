@@ -1,0 +1,169 @@
+/* batchgen: a decode step's decoder layers in one C call (float32 rows).
+ *
+ * Why: at batch 1 the C kernels of a decoder layer take about 1.2 ms on a 1B model, and the
+ * Python between them (nine calls through ctypes, their checks, torch's temporaries) took
+ * 0.25 ms more a layer, a fifth of the step; the weights streaming through the caches between
+ * two calls evict the interpreter's own lines, so each call costs several times what it costs
+ * alone. This file holds no arithmetic of its own but the residual add: it calls the same
+ * kernels, with the same arguments, in the order the Python layers call them
+ * (engine/fused_decoder.py's FusedDecoderLayer over FusedRMSNorm, FusedAttention and
+ * FusedGatedMLP), so every bit is theirs. The kernels live in other libraries (quant.c,
+ * linear.c, fused.c, paged_attention.c), each built for its own ISA; kernels/cpu/decoder.py
+ * hands their addresses over in `struct bg_entry` and checks, once, that every layer is of the
+ * shape this program runs.
+ *
+ * A layer, for m rows of hidden states h (the residual stream, updated in place):
+ *   a = rms_norm(h, norm1)            [m, H]
+ *   q = qkv(a)                        [m, W]   (W = (heads + 2 kv_heads) d, one or more parts)
+ *   rope_cache(q, cos, sin, cache)             (the query and key heads rotated in place, K/V
+ *                                               written to the paged cache)
+ *   t = attention(q's query heads)    [m, heads d]  (decode rows: one query per sequence)
+ *   o = o_proj(t)                     [m, H]
+ *   s = h + o, a = rms_norm(s, norm2)          (one pass: add_rms_norm)
+ *   g = gate_up(a)                    [m, 2 I]
+ *   u = silu(g[:, :I]) * g[:, I:]     [m, I]
+ *   h = s + down(u)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The entry points of the other kernel libraries (their signatures, as exported). */
+struct bg_entry {
+  int (*quant_linear)(const float *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *packed,
+                      int qtype, int64_t n, const float *bias, float *y, int64_t ldy);
+  void (*linear_f32)(const float *x, int64_t ldx, const float *packed, const float *bias, float *y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k);
+  void (*rms_norm)(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t m,
+                   int64_t n, float eps);
+  void (*add_rms_norm)(const float *x, int64_t ldx, const float *h, int64_t ldh, const float *w,
+                       float *s, float *y, int64_t m, int64_t n, float eps);
+  void (*silu_mul)(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m, int64_t n);
+  int (*rope_cache)(void *qkv, int64_t ld, const void *cos, int64_t ldc, const void *sin,
+                    int64_t lds, void *k_cache, void *v_cache, const int64_t *slots,
+                    int64_t num_slots, int64_t m, int64_t heads, int64_t kv_heads, int64_t d,
+                    int dtype, int kv_dtype);
+  int (*attention)(void *out, const void *query, const void *k_cache, const void *v_cache,
+                   const int32_t *block_tables, const int32_t *query_start_loc,
+                   const int32_t *context_lens, int64_t num_seqs, int64_t num_tokens,
+                   int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
+                   int64_t q_stride_tok, int64_t q_stride_head, float scale, int64_t num_blocks,
+                   int dtype, int kv_dtype, int64_t sliding_window, float logits_soft_cap);
+};
+
+/* One part of a linear layer: `n` output columns at column `offset` of the layer's output.
+ * kind 0: a float32 PackedLinear (linear.c's panels, bias padded); 1: GGUF blocks (quant.c's
+ * panels, `qtype` its kernel id). A layer of several parts is a ConcatLinear. */
+#define BG_MAX_PARTS 4
+struct bg_part {
+  const void *weight;
+  const float *bias;
+  int64_t n, offset;
+  int32_t kind, qtype;
+};
+struct bg_linear {
+  int64_t k, n, parts;
+  struct bg_part part[BG_MAX_PARTS];
+};
+
+struct bg_layer {
+  const float *norm1, *norm2;
+  float eps1, eps2;
+  struct bg_linear qkv, o, gate_up, down;
+  int64_t heads, kv_heads, head_dim;
+  float scale, soft_cap;
+  int64_t window;
+  void *k_cache, *v_cache; /* this layer's pools [num_blocks, block_size, kv_heads, d] */
+  int64_t num_blocks, block_size;
+  int32_t kv_dtype; /* kernels' dtype code of the cache (0 float32) */
+};
+
+/* The step: m decode rows, one per sequence. */
+struct bg_step {
+  int64_t m;
+  const float *cos, *sin; /* [m, d] */
+  int64_t ldc, lds;
+  const int64_t *slots;   /* [m] */
+  const int32_t *tables;  /* [m, max_blocks] */
+  const int32_t *lens;    /* [m] */
+  int64_t max_blocks;
+};
+
+/* Where a failure came from (`*where` on a non-zero return). */
+enum { AT_QKV = 1, AT_O, AT_GATE_UP, AT_DOWN, AT_ROPE, AT_ATTENTION, AT_MEMORY };
+
+/* y = x Wᵀ (+ b) for every part; 0, or the first part's non-zero status. */
+static int run_linear(const struct bg_entry *e, const struct bg_linear *l, const float *x,
+                      int64_t m, float *y) {
+  for (int64_t p = 0; p < l->parts; ++p) {
+    const struct bg_part *q = &l->part[p];
+    if (q->kind == 1) {
+      int rc = e->quant_linear(x, l->k, m, l->k, q->weight, q->qtype, q->n, q->bias, y + q->offset, l->n);
+      if (rc) return rc;
+    } else {
+      e->linear_f32(x, l->k, q->weight, q->bias, y + q->offset, l->n, m, q->n, l->k);
+    }
+  }
+  return 0;
+}
+
+/* The attention half: h's norm, q/k/v, RoPE and the cache write, attention, o_proj into `o`.
+ * Returns 0, or a status with *where set. */
+static int attention_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *s,
+                          const float *h, float *a, float *q, float *t, float *o, int *where) {
+  const int64_t m = s->m, H = L->qkv.k, W = L->qkv.n, d = L->head_dim;
+  int rc;
+  e->rms_norm(h, H, L->norm1, a, H, m, H, L->eps1);
+  if ((rc = run_linear(e, &L->qkv, a, m, q))) return *where = AT_QKV, rc;
+  rc = e->rope_cache(q, W, s->cos, s->ldc, s->sin, s->lds, L->k_cache, L->v_cache, s->slots,
+                     L->num_blocks * L->block_size, m, L->heads, L->kv_heads, d, 0, L->kv_dtype);
+  if (rc) return *where = AT_ROPE, rc;
+  rc = e->attention(t, q, L->k_cache, L->v_cache, s->tables, NULL, s->lens, m, m, L->kv_heads,
+                    L->block_size, s->max_blocks, W, d, L->scale, L->num_blocks, 0, L->kv_dtype,
+                    L->window, L->soft_cap);
+  if (rc) return *where = AT_ATTENTION, rc;
+  if ((rc = run_linear(e, &L->o, t, m, o))) return *where = AT_O, rc;
+  return 0;
+}
+
+/* Runs layers [0, n_layers) over h ([m, H] contiguous, updated in place). Returns 0; or the
+ * failing kernel's status, with *where (AT_*) and *layer set: h is then partly updated and the
+ * step must not be used. The scratch is malloc'd per call (about 10 rows of the widest layer). */
+int batchgen_decoder_run(const struct bg_entry *e, const struct bg_layer *layers, int64_t n_layers,
+                         const struct bg_step *s, float *h, int *where, int64_t *layer) {
+  if (n_layers <= 0 || s->m <= 0) return 0;
+  const int64_t m = s->m, H = layers[0].qkv.k;
+  int64_t W = 0, T = 0, G = 0;
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const struct bg_layer *L = &layers[i];
+    if (L->qkv.n > W) W = L->qkv.n;
+    if (L->heads * L->head_dim > T) T = L->heads * L->head_dim;
+    if (L->gate_up.n > G) G = L->gate_up.n;
+  }
+  float *buf = malloc(sizeof(float) * m * (4 * H + W + T + G + G / 2));
+  if (!buf) return *where = AT_MEMORY, *layer = 0, -1;
+  float *a = buf, *o = a + m * H, *sum = o + m * H, *dn = sum + m * H, *q = dn + m * H;
+  float *t = q + m * W, *g = t + m * T, *u = g + m * G;
+  int rc = 0;
+  for (int64_t i = 0; i < n_layers && !rc; ++i) {
+    const struct bg_layer *L = &layers[i];
+    *layer = i;
+    if ((rc = attention_half(e, L, s, h, a, q, t, o, where))) break;
+    e->add_rms_norm(h, H, o, H, L->norm2, sum, a, m, H, L->eps2);
+    if ((rc = run_linear(e, &L->gate_up, a, m, g))) { *where = AT_GATE_UP; break; }
+    e->silu_mul(g, L->gate_up.n, u, L->gate_up.n / 2, m, L->gate_up.n / 2);
+    if ((rc = run_linear(e, &L->down, u, m, dn))) { *where = AT_DOWN; break; }
+    for (int64_t j = 0; j < m * H; ++j) h[j] = sum[j] + dn[j]; /* torch's residual.add_(mlp) */
+  }
+  free(buf);
+  return rc;
+}
+
+/* The struct sizes, so that decoder.py can check its ctypes mirrors against this build. */
+int64_t batchgen_decoder_sizes(int which) {
+  switch (which) {
+    case 0: return (int64_t)sizeof(struct bg_entry);
+    case 1: return (int64_t)sizeof(struct bg_layer);
+    case 2: return (int64_t)sizeof(struct bg_step);
+    default: return -1;
+  }
+}
