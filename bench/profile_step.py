@@ -1,6 +1,7 @@
 """Where a batchgen decode step spends its time: ``python -m bench.profile_step --out FILE``.
 
-``--mode greedy`` (default) or ``--mode beam4`` (beam width 4: 4 sequences per prompt, so a
+The decoder program (a decode step's layers in one C call) is set aside unless
+``--decoder-program`` keeps it, timed whole. ``--mode greedy`` (default) or ``--mode beam4`` (beam width 4: 4 sequences per prompt, so a
 decode step runs 4× the rows). Two passes over W32, both observing the engine from outside (instance attributes are
 wrapped; no engine code changes):
 
@@ -111,6 +112,9 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["auto", "gguf", "none"],
                     help="the engine's quantization (default: its own, auto); gguf: the weights kept in their "
                          "GGUF blocks, linear layers then counted in int8 GOP/s")
+    ap.add_argument("--decoder-program", action="store_true",
+                    help="keep the decoder program (a decode step's layers in one C call), timed whole as "
+                         "decoder_program; by default it is set aside, so that the layers' parts can be timed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = dict(dtype=args.dtype, block_size=16, kv_cache_memory=2**30, max_num_seqs=256,
@@ -130,6 +134,12 @@ def main() -> None:
     # another model's vocabulary may be smaller than SmolLM2's: W32's ids wrap into it
     prompts = [[t % llm.runner.vocab_size for t in p] for p in prompts]
     clock: dict[str, float] = defaultdict(float)
+    lean = llm.runner.model.model.forward
+    program = getattr(lean, "program", None)
+    if program is not None and not args.decoder_program:
+        lean.program = None
+    elif program is not None:
+        wrap(program, "run", clock, "decoder_program")
     llm.runner.ops = TimedOps(llm.runner.ops, clock)
     time_linears(llm.runner.model, clock)
     wrap(llm.scheduler, "schedule", clock, "schedule")
@@ -179,17 +189,18 @@ def main() -> None:
                          ("prefill_steps", [s for s in steps if not s["decode"]])):
         whole[kind] = {"steps": len(chosen), **{k: sum(s.get(k, 0.0) for s in chosen)
                                                 for k in ("total", "forward", "linear", "attention", "sampling")}}
-    keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "model_other", "sampling",
-            "python_other"]
+    keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "decoder_program", "model_other",
+            "sampling", "python_other"]
     per_step: dict[str, list[float]] = {k: [] for k in keys}
     totals = []
     for s in decode:
         fwd = s.get("forward", 0.0)
         att = s.get("attention", 0.0)
         lin = s.get("linear", 0.0)
+        prog = s.get("decoder_program", 0.0)
         parts = {"schedule": s.get("schedule", 0.0), "prepare": s.get("prepare", 0.0),
                  "copy_blocks": s.get("copy_blocks", 0.0), "attention": att, "linear": lin,
-                 "model_other": fwd - att - lin, "sampling": s.get("sampling", 0.0)}
+                 "decoder_program": prog, "model_other": fwd - att - lin - prog, "sampling": s.get("sampling", 0.0)}
         parts["python_other"] = s["total"] - sum(parts.values())
         for k in keys:
             per_step[k].append(parts[k])
@@ -198,7 +209,8 @@ def main() -> None:
     # The linear layers' rate in a decode step: 2 x rows x (in x out) summed over the layers
     # (every row reaches lm_head in a decode step), over the layers' measured time.
     weights = linear_weights(llm.runner.model)
-    gflops = [2 * s["seqs"] * weights / s["linear"] / 1e9 for s in decode if s.get("linear")]
+    gflops = [2 * s["seqs"] * weights / s["linear"] / 1e9 for s in decode
+              if s.get("linear") and not s.get("decoder_program")]  # the program's layers are not timed apart
     total_med = statistics.median(totals) if totals else 0.0
 
     # Pass 2: torch.profiler over a few decode steps of a fresh, identical run.
@@ -263,8 +275,12 @@ def main() -> None:
         "profiler_steps": args.profiled_steps,
         "profiler_self_cpu_share": {k: v / prof_total for k, v in by_cat.items()} if prof_total else {},
         "profiler_top_ops_ms": dict(sorted(((k, v / 1000) for k, v in top.items()), key=lambda kv: -kv[1])[:15]),
+        "decoder_program": "kept, timed whole" if program is not None and args.decoder_program
+        else ("set aside" if program is not None else "none for this model"),
         "notes": "timers: medians over decode steps with at least half the prompts running; "
-                 "linear = the model's linear layers incl. lm_head; model_other = forward minus attention ops and linear layers; python_other = step minus all timed parts. "
+                 "linear = the model's linear layers incl. lm_head (only lm_head with the decoder program kept); "
+                 "decoder_program = the C call that runs every decoder layer of a decode step; "
+                 "model_other = forward minus attention ops, linear layers and the program; python_other = step minus all timed parts. "
                  "Profiler shares are self CPU time of aten ops and of the linear-layer ranges (profiler overhead included).",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
