@@ -7,14 +7,15 @@ the Python between them (the fused layers' calls through ctypes, their checks an
 temporaries) 0.25 ms more, a fifth of the step, because the streaming weights evict the
 interpreter's lines between two calls. The program calls the same kernels with the same
 arguments in the same order, so a step's logits and K/V are the Python layers' bits
-(``tests/engine/test_decoder_program.py`` checks greedy tokens and logprobs with and without it).
+(``tests/gguf/test_decoder_program.py`` checks greedy tokens and logprobs with and without it).
 
 Which models: a decoder whose layers all are
 :class:`~batchgen.engine.fused_decoder.FusedDecoderLayer` (so its forward is a
-:class:`~batchgen.engine.fused_decoder.LeanDecoderForward`), float32, attending with the
-``cpu`` backend, each layer's projections :class:`~batchgen.kernels.cpu.quant.QuantizedLinear`
-or float32 :class:`~batchgen.kernels.cpu.linear.PackedLinear` (or a ConcatLinear of them: a
-Q4_K_M file's mixed q/k/v), no per-head q/k norms, and no LoRA (whose layers read the step's
+:class:`~batchgen.engine.fused_decoder.LeanDecoderForward`), attending with the ``cpu``
+backend, each layer's projections :class:`~batchgen.kernels.cpu.linear.PackedLinear` of the
+model's dtype (float32, or bfloat16 / float16 where the build has the fused ops' 16-bit entry
+points) or, in float32, :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (or a
+ConcatLinear of them: a Q4_K_M file's mixed q/k/v), no per-head q/k norms, and no LoRA (whose layers read the step's
 rows by position). :func:`install` builds it once, after the model's layers are final (the
 runner calls it after LoRA's wrapping); anything else keeps the Python layers.
 
@@ -46,26 +47,26 @@ def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     return list(module.parts) if type(module) is ConcatLinear else [module]
 
 
-def _norm(norm: torch.nn.Module, width: int) -> tuple[int, float] | None:
+def _norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> tuple[int, float] | None:
     w = norm.weight
-    if w.dtype is not torch.float32 or w.shape != (width,) or not w.is_contiguous():
+    if w.dtype is not dtype or w.shape != (width,) or not w.is_contiguous():
         return None
     return w.data_ptr(), norm.variance_epsilon
 
 
-def _layer(layer: FusedDecoderLayer, kernels: dict) -> cdecoder.Layer | None:
+def _layer(layer: FusedDecoderLayer, kernels: dict, dtype: torch.dtype) -> cdecoder.Layer | None:
     """The C layer of ``layer``, or None where the program cannot run it as the Python layer runs."""
     attn, mlp = layer.self_attn, layer.mlp
     if attn.qk_norms or type(mlp) is not FusedGatedMLP:
         return None
     d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-    linears = [cdecoder.linear(_parts(m), kernels) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+    linears = [cdecoder.linear(_parts(m), kernels, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                             mlp.down_proj)]
     if any(lin is None for lin in linears):
         return None
     qkv, o, gate_up, down = linears
     hidden = qkv.k
-    norms = (_norm(layer.input_layernorm, hidden), _norm(layer.post_attention_layernorm, hidden))
+    norms = (_norm(layer.input_layernorm, hidden, dtype), _norm(layer.post_attention_layernorm, hidden, dtype))
     shapes_fit = (qkv.n == (heads + 2 * kv) * d and o.k == heads * d and o.n == hidden and gate_up.k == hidden
                   and gate_up.n % 2 == 0 and down.k == gate_up.n // 2 and down.n == hidden)
     if None in norms or not shapes_fit:
@@ -79,23 +80,25 @@ class DecoderProgram:
     """The C layers of one decoder, and the step's call (:meth:`run`)."""
 
     def __init__(self, lib: Any, entry: cdecoder.Entry, layers: list[cdecoder.Layer], indices: list[int],
-                 max_rows: int) -> None:
-        self.lib, self.entry = lib, entry
+                 max_rows: int, dtype: torch.dtype = torch.float32) -> None:
+        self.lib, self.entry, self.dtype = lib, entry, dtype
         self.layers = (cdecoder.Layer * len(layers))(*layers)
         self.indices = indices
         self.max_rows = max_rows
         self._cache_ptr = None
-        self._step = cdecoder.Step()
+        self._step = cdecoder.Step(dtype=DTYPES[dtype])
         self._has_16 = bool(cpu_fused.load_fused().batchgen_fused_has_16())  # a 16-bit cache's conversions
 
     @classmethod
-    def build(cls, decoder: torch.nn.Module) -> tuple[DecoderProgram | None, str]:
-        """The program of ``decoder`` (``model.model``), or None and why not."""
+    def build(cls, decoder: torch.nn.Module, dtype: torch.dtype) -> tuple[DecoderProgram | None, str]:
+        """The program of ``decoder`` (``model.model``) computing in ``dtype``, or None and why not."""
         layers = list(decoder.layers)
         if not layers or not all(type(layer) is FusedDecoderLayer for layer in layers):
             return None, "not every decoder layer is fused"
+        if dtype not in DTYPES or (dtype is not torch.float32 and not cpu_fused.load_fused().batchgen_fused_has_16()):
+            return None, f"{dtype} rows, which this build's fused ops do not run"
         kernels: dict = {}
-        built = [_layer(layer, kernels) for layer in layers]
+        built = [_layer(layer, kernels, dtype) for layer in layers]
         if any(c is None for c in built):
             return None, "a layer the program does not run (per-head q/k norms, LoRA, or a linear of another kind)"
         first = layers[0].self_attn
@@ -107,8 +110,8 @@ class DecoderProgram:
             entry = cdecoder.entry(kernels, first.head_dim, first.num_heads // first.num_kv_heads)
         except (c_build.CpuKernelError, RuntimeError) as exc:
             return None, str(exc).splitlines()[0]
-        max_rows = min(layer.mlp.slice_rows() for layer in layers)
-        return cls(lib, entry, built, [layer.self_attn.layer_idx for layer in layers], max_rows), ""
+        max_rows = min(layer.mlp.slice_rows(torch.empty(0, dtype=dtype).element_size()) for layer in layers)
+        return cls(lib, entry, built, [layer.self_attn.layer_idx for layer in layers], max_rows, dtype), ""
 
     def _bind_cache(self, meta: AttentionMetadata) -> None:
         """Each layer's K/V pools, whenever the cache is another tensor than the last step's."""
@@ -126,7 +129,7 @@ class DecoderProgram:
         """Whether :meth:`run` takes this step (see the module docstring)."""
         m = hidden.shape[-2]
         return (meta.num_decode_tokens == m and 0 < m <= self.max_rows and meta.seen is None
-                and hidden.dtype is torch.float32 and hidden.is_contiguous() and cos.dtype is torch.float32
+                and hidden.dtype is self.dtype and hidden.is_contiguous() and cos.dtype is self.dtype
                 and cos.is_contiguous() and sin.is_contiguous() and meta.kv_cache.is_contiguous()
                 and (meta.kv_cache.dtype is torch.float32 or self._has_16)
                 and meta.slot_mapping.dtype is torch.int64 and meta.slot_mapping.is_contiguous())
@@ -166,7 +169,7 @@ class DecoderProgram:
         return ValueError(f"{what} refused its arguments: {detail}")
 
 
-def install(model: torch.nn.Module) -> str:
+def install(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """Hands ``model``'s decoder a :class:`DecoderProgram` where it can run one (its
     :class:`~batchgen.engine.fused_decoder.LeanDecoderForward` then runs decode steps through
     it); returns what was done, for the load log."""
@@ -174,6 +177,6 @@ def install(model: torch.nn.Module) -> str:
     forward = getattr(decoder, "forward", None)
     if not isinstance(forward, LeanDecoderForward):
         return "decoder program: no (the decoder's layers are not all fused)"
-    program, why = DecoderProgram.build(decoder)
+    program, why = DecoderProgram.build(decoder, dtype)
     forward.program = program
     return f"decoder program: {len(program.layers)} layers" if program else f"decoder program: no ({why})"

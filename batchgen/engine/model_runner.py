@@ -70,8 +70,8 @@ class ModelRunner:
         self.lora = None  # a batchgen.lora.manager.LoRAManager with enable_lora
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
-        elif self.attention_backend == "cpu" and self.dtype is torch.float32:
-            logger.info(decoder_program.install(self.model))  # after the layers are final (LoRA wraps them)
+        elif self.attention_backend == "cpu":
+            logger.info(decoder_program.install(self.model, self.dtype))  # after the layers are final (LoRA wraps them)
         self.num_threads = threads.resolve_num_threads(config.num_threads)
         self.threads = threads.plan(self.num_threads, c_kernels=self.linear_backend == "cpu")
         if self.device.type == "cpu":

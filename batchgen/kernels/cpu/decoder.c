@@ -1,4 +1,4 @@
-/* batchgen: a decode step's decoder layers in one C call (float32 rows).
+/* batchgen: a decode step's decoder layers in one C call (float32, bfloat16 or float16 rows).
  *
  * Why: at batch 1 the C kernels of a decoder layer take about 1.2 ms on a 1B model, and the
  * Python between them (nine calls through ctypes, their checks, torch's temporaries) took
@@ -48,11 +48,23 @@ struct bg_entry {
                    int64_t num_kv_heads, int64_t block_size, int64_t max_blocks,
                    int64_t q_stride_tok, int64_t q_stride_head, float scale, int64_t num_blocks,
                    int dtype, int kv_dtype, int64_t sliding_window, float logits_soft_cap);
+  /* bfloat16 / float16 rows (dtype 1 / 2): the same ops' 16-bit entry points, and torch's add */
+  int (*linear_16)(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias,
+                   uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int dtype);
+  void (*rms_norm_16)(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
+                      int64_t m, int64_t n, float eps, int dtype);
+  void (*add_rms_norm_16)(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh,
+                          const uint16_t *w, uint16_t *s, uint16_t *y, int64_t m, int64_t n,
+                          float eps, int dtype);
+  void (*silu_mul_16)(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
+                      int64_t n, int dtype);
+  void (*add_16)(const uint16_t *x, const uint16_t *h, uint16_t *s, int64_t m, int64_t n, int dtype);
 };
 
 /* One part of a linear layer: `n` output columns at column `offset` of the layer's output.
  * kind 0: a float32 PackedLinear (linear.c's panels, bias padded); 1: GGUF blocks (quant.c's
- * panels, `qtype` its kernel id). A layer of several parts is a ConcatLinear. */
+ * panels, `qtype` its kernel id; float32 rows only); 2: a 16-bit PackedLinear of the rows'
+ * dtype. A layer of several parts is a ConcatLinear. */
 #define BG_MAX_PARTS 4
 struct bg_part {
   const void *weight;
@@ -66,7 +78,7 @@ struct bg_linear {
 };
 
 struct bg_layer {
-  const float *norm1, *norm2;
+  const void *norm1, *norm2; /* the rows' dtype */
   float eps1, eps2;
   struct bg_linear qkv, o, gate_up, down;
   int64_t heads, kv_heads, head_dim;
@@ -77,9 +89,11 @@ struct bg_layer {
   int32_t kv_dtype; /* kernels' dtype code of the cache (0 float32) */
 };
 
-/* The step: m decode rows, one per sequence. */
+/* The step: m decode rows, one per sequence, of `dtype` (0 float32, 1 bfloat16, 2 float16:
+ * the hidden states, the norms' weights, cos / sin and every intermediate). */
 struct bg_step {
   int64_t m;
+  int64_t dtype;
   const float *cos, *sin; /* [m, d] */
   int64_t ldc, lds;
   const int64_t *slots;   /* [m] */
@@ -91,47 +105,79 @@ struct bg_step {
 /* Where a failure came from (`*where` on a non-zero return). */
 enum { AT_QKV = 1, AT_O, AT_GATE_UP, AT_DOWN, AT_ROPE, AT_ATTENTION, AT_MEMORY };
 
-/* y = x Wᵀ (+ b) for every part; 0, or the first part's non-zero status. */
-static int run_linear(const struct bg_entry *e, const struct bg_linear *l, const float *x,
-                      int64_t m, float *y) {
+/* y = x Wᵀ (+ b) for every part, rows of dtype; 0, or the first part's non-zero status. */
+static int run_linear(const struct bg_entry *e, const struct bg_linear *l, const void *x, int64_t m,
+                      void *y, int dtype) {
   for (int64_t p = 0; p < l->parts; ++p) {
     const struct bg_part *q = &l->part[p];
-    if (q->kind == 1) {
-      int rc = e->quant_linear(x, l->k, m, l->k, q->weight, q->qtype, q->n, q->bias, y + q->offset, l->n);
-      if (rc) return rc;
-    } else {
-      e->linear_f32(x, l->k, q->weight, q->bias, y + q->offset, l->n, m, q->n, l->k);
-    }
+    int rc = 0;
+    if (q->kind == 1)
+      rc = e->quant_linear(x, l->k, m, l->k, q->weight, q->qtype, q->n, q->bias, (float *)y + q->offset, l->n);
+    else if (q->kind == 2)
+      rc = e->linear_16(x, l->k, q->weight, q->bias, (uint16_t *)y + q->offset, l->n, m, q->n, l->k, dtype);
+    else
+      e->linear_f32(x, l->k, q->weight, q->bias, (float *)y + q->offset, l->n, m, q->n, l->k);
+    if (rc) return rc;
   }
   return 0;
+}
+
+static void rms_norm(const struct bg_entry *e, const void *x, const void *w, void *y, int64_t m, int64_t n,
+                     float eps, int dtype) {
+  if (dtype) e->rms_norm_16(x, n, w, y, n, m, n, eps, dtype);
+  else e->rms_norm(x, n, w, y, n, m, n, eps);
 }
 
 /* The attention half: h's norm, q/k/v, RoPE and the cache write, attention, o_proj into `o`.
  * Returns 0, or a status with *where set. */
 static int attention_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *s,
-                          const float *h, float *a, float *q, float *t, float *o, int *where) {
+                          const void *h, void *a, void *q, void *t, void *o, int *where) {
   const int64_t m = s->m, H = L->qkv.k, W = L->qkv.n, d = L->head_dim;
+  const int dt = (int)s->dtype;
   int rc;
-  e->rms_norm(h, H, L->norm1, a, H, m, H, L->eps1);
-  if ((rc = run_linear(e, &L->qkv, a, m, q))) return *where = AT_QKV, rc;
+  rms_norm(e, h, L->norm1, a, m, H, L->eps1, dt);
+  if ((rc = run_linear(e, &L->qkv, a, m, q, dt))) return *where = AT_QKV, rc;
   rc = e->rope_cache(q, W, s->cos, s->ldc, s->sin, s->lds, L->k_cache, L->v_cache, s->slots,
-                     L->num_blocks * L->block_size, m, L->heads, L->kv_heads, d, 0, L->kv_dtype);
+                     L->num_blocks * L->block_size, m, L->heads, L->kv_heads, d, dt, L->kv_dtype);
   if (rc) return *where = AT_ROPE, rc;
   rc = e->attention(t, q, L->k_cache, L->v_cache, s->tables, NULL, s->lens, m, m, L->kv_heads,
-                    L->block_size, s->max_blocks, W, d, L->scale, L->num_blocks, 0, L->kv_dtype,
+                    L->block_size, s->max_blocks, W, d, L->scale, L->num_blocks, dt, L->kv_dtype,
                     L->window, L->soft_cap);
   if (rc) return *where = AT_ATTENTION, rc;
-  if ((rc = run_linear(e, &L->o, t, m, o))) return *where = AT_O, rc;
+  if ((rc = run_linear(e, &L->o, t, m, o, dt))) return *where = AT_O, rc;
   return 0;
 }
 
-/* Runs layers [0, n_layers) over h ([m, H] contiguous, updated in place). Returns 0; or the
- * failing kernel's status, with *where (AT_*) and *layer set: h is then partly updated and the
- * step must not be used. The scratch is malloc'd per call (about 10 rows of the widest layer). */
+/* The MLP half: s = h + o, a = rms_norm(s), then h = s + down(silu(gate) * up). */
+static int mlp_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *st, void *h,
+                    const void *o, void *a, void *sum, void *g, void *u, void *dn, int *where) {
+  const int64_t m = st->m, H = L->qkv.k, G = L->gate_up.n, I = G / 2;
+  const int dt = (int)st->dtype;
+  int rc;
+  if (dt) e->add_rms_norm_16(h, H, o, H, L->norm2, sum, a, m, H, L->eps2, dt);
+  else e->add_rms_norm(h, H, o, H, L->norm2, sum, a, m, H, L->eps2);
+  if ((rc = run_linear(e, &L->gate_up, a, m, g, dt))) return *where = AT_GATE_UP, rc;
+  if (dt) e->silu_mul_16(g, G, u, I, m, I, dt);
+  else e->silu_mul(g, G, u, I, m, I);
+  if ((rc = run_linear(e, &L->down, u, m, dn, dt))) return *where = AT_DOWN, rc;
+  if (dt) {
+    e->add_16(sum, dn, h, m, H, dt); /* torch's residual.add_(mlp) in the 16-bit type */
+  } else {
+    float *hf = h;
+    const float *sf = sum, *df = dn;
+    for (int64_t j = 0; j < m * H; ++j) hf[j] = sf[j] + df[j]; /* torch's residual.add_(mlp) */
+  }
+  return 0;
+}
+
+/* Runs layers [0, n_layers) over h ([m, H] contiguous rows of the step's dtype, updated in
+ * place). Returns 0; or the failing kernel's status, with *where (AT_*) and *layer set: h is
+ * then partly updated and the step must not be used. The scratch is malloc'd per call (about
+ * 10 rows of the widest layer). */
 int batchgen_decoder_run(const struct bg_entry *e, const struct bg_layer *layers, int64_t n_layers,
-                         const struct bg_step *s, float *h, int *where, int64_t *layer) {
+                         const struct bg_step *s, void *h, int *where, int64_t *layer) {
   if (n_layers <= 0 || s->m <= 0) return 0;
-  const int64_t m = s->m, H = layers[0].qkv.k;
+  const int64_t m = s->m, H = layers[0].qkv.k, es = s->dtype ? 2 : 4;
   int64_t W = 0, T = 0, G = 0;
   for (int64_t i = 0; i < n_layers; ++i) {
     const struct bg_layer *L = &layers[i];
@@ -139,20 +185,15 @@ int batchgen_decoder_run(const struct bg_entry *e, const struct bg_layer *layers
     if (L->heads * L->head_dim > T) T = L->heads * L->head_dim;
     if (L->gate_up.n > G) G = L->gate_up.n;
   }
-  float *buf = malloc(sizeof(float) * m * (4 * H + W + T + G + G / 2));
+  char *buf = malloc((size_t)(es * m * (4 * H + W + T + G + G / 2)));
   if (!buf) return *where = AT_MEMORY, *layer = 0, -1;
-  float *a = buf, *o = a + m * H, *sum = o + m * H, *dn = sum + m * H, *q = dn + m * H;
-  float *t = q + m * W, *g = t + m * T, *u = g + m * G;
+  char *a = buf, *o = a + es * m * H, *sum = o + es * m * H, *dn = sum + es * m * H, *q = dn + es * m * H;
+  char *t = q + es * m * W, *g = t + es * m * T, *u = g + es * m * G;
   int rc = 0;
   for (int64_t i = 0; i < n_layers && !rc; ++i) {
-    const struct bg_layer *L = &layers[i];
     *layer = i;
-    if ((rc = attention_half(e, L, s, h, a, q, t, o, where))) break;
-    e->add_rms_norm(h, H, o, H, L->norm2, sum, a, m, H, L->eps2);
-    if ((rc = run_linear(e, &L->gate_up, a, m, g))) { *where = AT_GATE_UP; break; }
-    e->silu_mul(g, L->gate_up.n, u, L->gate_up.n / 2, m, L->gate_up.n / 2);
-    if ((rc = run_linear(e, &L->down, u, m, dn))) { *where = AT_DOWN; break; }
-    for (int64_t j = 0; j < m * H; ++j) h[j] = sum[j] + dn[j]; /* torch's residual.add_(mlp) */
+    rc = attention_half(e, &layers[i], s, h, a, q, t, o, where);
+    if (!rc) rc = mlp_half(e, &layers[i], s, h, o, a, sum, g, u, dn, where);
   }
   free(buf);
   return rc;

@@ -1,4 +1,5 @@
-"""The ctypes side of ``decoder.c``: a decode step's decoder layers in one C call.
+"""The ctypes side of ``decoder.c``: a decode step's decoder layers in one C call (float32,
+bfloat16 or float16 rows).
 
 ``decoder.c`` calls the other kernel libraries' entry points (the quantized and float32 linear
 layers, the RMSNorms, SiLU·up, RoPE with the cache write, the paged attention) in the order
@@ -33,7 +34,8 @@ WHERE = {1: "q/k/v projection", 2: "o_proj", 3: "gate/up projection", 4: "down_p
 class Entry(ctypes.Structure):
     """``struct bg_entry``: the other libraries' entry points, as addresses."""
     _fields_ = [(name, P) for name in ("quant_linear", "linear_f32", "rms_norm", "add_rms_norm", "silu_mul",
-                                       "rope_cache", "attention")]
+                                       "rope_cache", "attention", "linear_16", "rms_norm_16", "add_rms_norm_16",
+                                       "silu_mul_16", "add_16")]
 
 
 class Part(ctypes.Structure):
@@ -57,7 +59,7 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """``struct bg_step``: ``m`` decode rows, one per sequence."""
-    _fields_ = [("m", I64), ("cos", P), ("sin", P), ("ldc", I64), ("lds", I64), ("slots", P), ("tables", P),
+    _fields_ = [("m", I64), ("dtype", I64), ("cos", P), ("sin", P), ("ldc", I64), ("lds", I64), ("slots", P), ("tables", P),
                 ("lens", P), ("max_blocks", I64)]
 
 
@@ -88,26 +90,28 @@ def _address(fn: Any) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def linear(parts: Sequence[torch.nn.Module], kernels: dict) -> Linear | None:
-    """A :class:`Linear` over ``parts`` (one layer, or a ConcatLinear's parts side by side): each a
-    :class:`QuantizedLinear` with its C kernel or a float32 :class:`PackedLinear`; None for
-    anything else. ``kernels`` collects the parts' entry points (``quant_linear``,
-    ``linear_f32``): one of each for the whole program, else None."""
+def linear(parts: Sequence[torch.nn.Module], kernels: dict, dtype: torch.dtype) -> Linear | None:
+    """A :class:`Linear` over ``parts`` (one layer, or a ConcatLinear's parts side by side) for rows
+    of ``dtype``: each a :class:`PackedLinear` of that dtype, or (float32 rows) a
+    :class:`QuantizedLinear` with its C kernel; None for anything else. ``kernels`` collects the
+    parts' entry points (``quant_linear``, ``linear_f32``, ``linear_16``): one of each for the
+    whole program, else None."""
     if not parts or len(parts) > MAX_PARTS:
         return None
     out = Linear(k=parts[0].in_features, n=sum(p.out_features for p in parts), parts=len(parts))
     offset = 0
     for i, part in enumerate(parts):
-        if type(part) is QuantizedLinear and part._lib is not None:
+        if type(part) is QuantizedLinear and part._lib is not None and dtype is torch.float32:
             if kernels.setdefault("quant_linear", part._lib) is not part._lib:
                 return None
             packed, bias = part._kernel_tensors
             out.part[i] = Part(packed.data_ptr(), None if bias is None else bias.data_ptr(), part.out_features,
                                offset, 1, part._kernel_id)
-        elif type(part) is PackedLinear and part.dtype is torch.float32:
-            if kernels.setdefault("linear_f32", part._fn) is not part._fn:
+        elif type(part) is PackedLinear and part.dtype is dtype:
+            kind = 0 if dtype is torch.float32 else 2
+            if kernels.setdefault(("linear_f32", "", "linear_16")[kind], part._fn) is not part._fn:
                 return None
-            out.part[i] = Part(part._packed_ptr, part._bias_ptr, part.out_features, offset, 0, 0)
+            out.part[i] = Part(part._packed_ptr, part._bias_ptr, part.out_features, offset, kind, 0)
         else:
             return None
         if part.in_features != out.k:
@@ -118,14 +122,20 @@ def linear(parts: Sequence[torch.nn.Module], kernels: dict) -> Linear | None:
 
 def entry(kernels: dict, head_size: int, group: int) -> Entry:
     """The entry points: the linear layers' (``kernels``, as :func:`linear` collected them),
-    fused.c's ops and the attention kernel of this head size and group."""
+    fused.c's ops (its 16-bit ones where the build has them) and the attention kernel of this
+    head size and group."""
     ops = cpu_fused.load_fused()
     quant = kernels.get("quant_linear")
-    return Entry(_address(quant.batchgen_quant_linear) if quant is not None else None,
-                 _address(kernels["linear_f32"]) if "linear_f32" in kernels else None,
-                 _address(ops.batchgen_rms_norm_f32),
-                 _address(ops.batchgen_add_rms_norm_f32), _address(ops.batchgen_silu_mul_f32),
-                 _address(ops.batchgen_rope_cache), _address(cpu_attention.load(head_size, group).batchgen_paged_attention))
+    got = Entry(_address(quant.batchgen_quant_linear) if quant is not None else None,
+                _address(kernels["linear_f32"]) if "linear_f32" in kernels else None,
+                _address(ops.batchgen_rms_norm_f32), _address(ops.batchgen_add_rms_norm_f32),
+                _address(ops.batchgen_silu_mul_f32), _address(ops.batchgen_rope_cache),
+                _address(cpu_attention.load(head_size, group).batchgen_paged_attention),
+                _address(kernels["linear_16"]) if "linear_16" in kernels else None)
+    if ops.batchgen_fused_has_16():
+        got.rms_norm_16, got.add_rms_norm_16 = _address(ops.batchgen_rms_norm_16), _address(ops.batchgen_add_rms_norm_16)
+        got.silu_mul_16, got.add_16 = _address(ops.batchgen_silu_mul_16), _address(ops.batchgen_add_16)
+    return got
 
 
 def run(lib: Any, ops: Entry, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> tuple[int, int, int]:

@@ -98,6 +98,24 @@ static void add_row_16(int dtype, const uint16_t *x, const uint16_t *h, uint16_t
   }
 }
 
+struct add_args {
+  const uint16_t *x, *h;
+  uint16_t *s;
+  int64_t n;
+  int dtype;
+};
+
+static void add_rows_16(void *ctx, int64_t begin, int64_t end) {
+  const struct add_args *a = ctx;
+  for (int64_t i = begin; i < end; ++i) add_row_16(a->dtype, a->x + i * a->n, a->h + i * a->n, a->s + i * a->n, a->n);
+}
+
+/* s = x + h over m contiguous 16-bit rows of n (torch's bfloat16 / float16 add; s may be x). */
+void batchgen_add_16(const uint16_t *x, const uint16_t *h, uint16_t *s, int64_t m, int64_t n, int dtype) {
+  struct add_args a = {x, h, s, n, dtype};
+  bg_parallel_for(m, row_grain(n), add_rows_16, &a);
+}
+
 static void add_rms_rows_16(void *ctx, int64_t begin, int64_t end) {
   const struct add_rms_args *a = ctx;
   const int64_t n = a->n;
