@@ -15,8 +15,8 @@ Which models: a decoder whose layers all are
 backend, each layer's projections :class:`~batchgen.kernels.cpu.linear.PackedLinear` of the
 model's dtype (float32, or bfloat16 / float16 where the build has the fused ops' 16-bit entry
 points) or, in float32, :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (or a
-ConcatLinear of them: a Q4_K_M file's mixed q/k/v), no per-head q/k norms, and no LoRA (whose layers read the step's
-rows by position). :func:`install` builds it once, after the model's layers are final (the
+ConcatLinear of them: a Q4_K_M file's mixed q/k/v), per-head q/k norms (Qwen3) only as fused
+RMSNorms, and no LoRA (whose layers read the step's rows by position). :func:`install` builds it once, after the model's layers are final (the
 runner calls it after LoRA's wrapping); anything else keeps the Python layers.
 
 Which steps: steps whose every row is a decode (one query per sequence), at most
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
-from batchgen.engine.fused_layers import ConcatLinear, FusedGatedMLP
+from batchgen.engine.fused_layers import ConcatLinear, FusedGatedMLP, FusedRMSNorm
 from batchgen.engine.paged_attention import AttentionMetadata
 from batchgen.kernels.cpu import c_build, cpu_attention
 from batchgen.kernels.cpu import decoder as cdecoder
@@ -57,23 +57,29 @@ def _norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> tuple[int, f
 def _layer(layer: FusedDecoderLayer, kernels: dict, dtype: torch.dtype) -> cdecoder.Layer | None:
     """The C layer of ``layer``, or None where the program cannot run it as the Python layer runs."""
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.qk_norms or type(mlp) is not FusedGatedMLP:
+    if type(mlp) is not FusedGatedMLP:
         return None
     d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
     linears = [cdecoder.linear(_parts(m), kernels, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                            mlp.down_proj)]
+                                                                   mlp.down_proj)]
     if any(lin is None for lin in linears):
         return None
     qkv, o, gate_up, down = linears
     hidden = qkv.k
     norms = (_norm(layer.input_layernorm, hidden, dtype), _norm(layer.post_attention_layernorm, hidden, dtype))
+    head_norms = (None, 0.0), (None, 0.0)
+    if attn.qk_norms:
+        head_norms = tuple(_norm(n, d, dtype) if type(n) is FusedRMSNorm else None for n in (attn.q_norm, attn.k_norm))
     shapes_fit = (qkv.n == (heads + 2 * kv) * d and o.k == heads * d and o.n == hidden and gate_up.k == hidden
                   and gate_up.n % 2 == 0 and down.k == gate_up.n // 2 and down.n == hidden)
-    if None in norms or not shapes_fit:
+    if None in norms or None in head_norms or not shapes_fit:
         return None
     options = attn.options
-    return cdecoder.Layer(norms[0][0], norms[1][0], norms[0][1], norms[1][1], qkv, o, gate_up, down, heads, kv, d,
-                          options.scale, options.logits_soft_cap or 0.0, options.sliding_window or 0)
+    return cdecoder.Layer(norm1=norms[0][0], norm2=norms[1][0], eps1=norms[0][1], eps2=norms[1][1],
+                          q_norm=head_norms[0][0], k_norm=head_norms[1][0], q_eps=head_norms[0][1],
+                          k_eps=head_norms[1][1], qkv=qkv, o=o, gate_up=gate_up, down=down, heads=heads, kv_heads=kv,
+                          head_dim=d, scale=options.scale, soft_cap=options.logits_soft_cap or 0.0,
+                          window=options.sliding_window or 0)
 
 
 class DecoderProgram:
@@ -100,7 +106,7 @@ class DecoderProgram:
         kernels: dict = {}
         built = [_layer(layer, kernels, dtype) for layer in layers]
         if any(c is None for c in built):
-            return None, "a layer the program does not run (per-head q/k norms, LoRA, or a linear of another kind)"
+            return None, "a layer the program does not run (LoRA, or a linear or norm of another kind)"
         first = layers[0].self_attn
         if any(layer.self_attn.head_dim != first.head_dim or layer.self_attn.num_heads // layer.self_attn.num_kv_heads
                != first.num_heads // first.num_kv_heads for layer in layers):

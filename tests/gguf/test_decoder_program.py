@@ -5,9 +5,10 @@ Pinned: with the program and without it (the same engine, its ``program`` set as
 tokens, logprobs and cumulative logprobs are equal bit for bit, on tiny random Llamas in GGUF
 blocks (Q8_0 throughout; Q4_K with Q6_K attn_v and ffn_up, so that q/k/v and gate/up are
 ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases) and Mistral (a sliding window) in
-float32, and Llama in bfloat16 and Qwen2 in float16; the program really ran the decode
-steps; it is not installed where it cannot run a layer as Python does (per-head q/k norms,
-LoRA, the torch attention backend); a kernel's refusal reaches the caller as the Python layer's error would.
+float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16 and Qwen2 in
+float16; the program really ran the decode
+steps; it is not installed where it cannot run a layer as Python does (LoRA, the torch
+attention backend); a kernel's refusal reaches the caller as the Python layer's error would.
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ def test_the_program_gives_the_python_layers_bits_on_gguf_blocks(name, tmp_path,
 
 @pytest.mark.parametrize("model_type, overrides, dtype", [
     ("llama", {}, "float32"), ("qwen2", {}, "float32"), ("mistral", {"sliding_window": 8}, "float32"),
-    ("llama", {}, "bfloat16"), ("qwen2", {}, "float16")])
+    ("qwen3", {}, "float32"), ("llama", {}, "bfloat16"), ("qwen2", {}, "float16"), ("qwen3", {}, "bfloat16")])
 def test_the_program_gives_the_python_layers_bits_on_a_float_model(tiny_model, model_type, overrides, dtype,
                                                                    monkeypatch) -> None:
-    """Llama; Qwen2 (q/k/v biases); Mistral with a window shorter than the prompts; 16-bit rows
-    (their norms, SiLU·up and residual adds rounded as torch rounds them)."""
+    """Llama; Qwen2 (q/k/v biases); Mistral with a window shorter than the prompts; Qwen3 (per-head
+    q/k norms); 16-bit rows (their norms, SiLU·up and residual adds rounded as torch rounds them)."""
     if dtype != "float32" and not cpu_fused.load_fused().batchgen_fused_has_16():
         pytest.skip("this build of the fused ops has no 16-bit entry points (no AVX2 and F16C)")
     llm = LLM(tiny_model(model_type, head_dim=16, **overrides), linear_backend="cpu", block_size=16,
@@ -83,7 +84,7 @@ def test_the_program_gives_the_python_layers_bits_on_a_float_model(tiny_model, m
     _with_and_without(llm, monkeypatch)
 
 
-@pytest.mark.parametrize("model_type, settings", [("qwen3", {}), ("llama", {"enable_lora": True}),
+@pytest.mark.parametrize("model_type, settings", [("llama", {"enable_lora": True}),
                                                   ("llama", {"attention_backend": "torch"})])
 def test_no_program_where_it_cannot_run_a_layer_as_python_does(tiny_model, model_type, settings) -> None:
     llm = LLM(tiny_model(model_type, head_dim=16), linear_backend="cpu", kv_cache_memory=8 * 2**20, **settings)

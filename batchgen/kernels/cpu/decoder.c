@@ -15,6 +15,7 @@
  * A layer, for m rows of hidden states h (the residual stream, updated in place):
  *   a = rms_norm(h, norm1)            [m, H]
  *   q = qkv(a)                        [m, W]   (W = (heads + 2 kv_heads) d, one or more parts)
+ *   (Qwen3: each query and key head through its RMSNorm, in place)
  *   rope_cache(q, cos, sin, cache)             (the query and key heads rotated in place, K/V
  *                                               written to the paged cache)
  *   t = attention(q's query heads)    [m, heads d]  (decode rows: one query per sequence)
@@ -26,6 +27,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The entry points of the other kernel libraries (their signatures, as exported). */
 struct bg_entry {
@@ -80,6 +82,8 @@ struct bg_linear {
 struct bg_layer {
   const void *norm1, *norm2; /* the rows' dtype */
   float eps1, eps2;
+  const void *q_norm, *k_norm; /* per-head RMSNorms of the query and key heads (Qwen3), or NULL */
+  float q_eps, k_eps;
   struct bg_linear qkv, o, gate_up, down;
   int64_t heads, kv_heads, head_dim;
   float scale, soft_cap;
@@ -128,6 +132,21 @@ static void rms_norm(const struct bg_entry *e, const void *x, const void *w, voi
   else e->rms_norm(x, n, w, y, n, m, n, eps);
 }
 
+/* The per-head q and k norms of token rows q ([m, W]), in place through tmp ([h d] per token):
+ * the Python layer's `q.copy_(q_norm(q.contiguous()))`, each head a row of d. */
+static void norm_heads(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *s, char *q,
+                       char *tmp) {
+  const int64_t d = L->head_dim, W = L->qkv.n, es = s->dtype ? 2 : 4;
+  for (int64_t i = 0; i < s->m; ++i) {
+    char *row = q + es * i * W;
+    rms_norm(e, row, L->q_norm, tmp, L->heads, d, L->q_eps, (int)s->dtype);
+    memcpy(row, tmp, (size_t)(es * L->heads * d));
+    row += es * L->heads * d;
+    rms_norm(e, row, L->k_norm, tmp, L->kv_heads, d, L->k_eps, (int)s->dtype);
+    memcpy(row, tmp, (size_t)(es * L->kv_heads * d));
+  }
+}
+
 /* The attention half: h's norm, q/k/v, RoPE and the cache write, attention, o_proj into `o`.
  * Returns 0, or a status with *where set. */
 static int attention_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *s,
@@ -137,6 +156,7 @@ static int attention_half(const struct bg_entry *e, const struct bg_layer *L, co
   int rc;
   rms_norm(e, h, L->norm1, a, m, H, L->eps1, dt);
   if ((rc = run_linear(e, &L->qkv, a, m, q, dt))) return *where = AT_QKV, rc;
+  if (L->q_norm) norm_heads(e, L, s, q, t); /* t: the attention's output, not written yet */
   rc = e->rope_cache(q, W, s->cos, s->ldc, s->sin, s->lds, L->k_cache, L->v_cache, s->slots,
                      L->num_blocks * L->block_size, m, L->heads, L->kv_heads, d, dt, L->kv_dtype);
   if (rc) return *where = AT_ROPE, rc;

@@ -50,7 +50,8 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     """``struct bg_layer``: one pre-norm decoder layer."""
-    _fields_ = [("norm1", P), ("norm2", P), ("eps1", F32), ("eps2", F32),
+    _fields_ = [("norm1", P), ("norm2", P), ("eps1", F32), ("eps2", F32), ("q_norm", P), ("k_norm", P),
+                ("q_eps", F32), ("k_eps", F32),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("scale", F32), ("soft_cap", F32),
                 ("window", I64), ("k_cache", P), ("v_cache", P), ("num_blocks", I64), ("block_size", I64),
