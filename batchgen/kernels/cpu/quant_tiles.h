@@ -10,7 +10,11 @@ typedef void rows_fn(int64_t rows, const uint8_t *src, int64_t nb, const int8_t 
  * lines asked for into L1 at once held the L1 miss buffers that the loads need, and on the
  * Zen 4 the K-quants streamed from memory at 6-10 GB/s a thread at 4-8 rows where the same
  * panels from L3 ran at 10-20 (2 threads, quant_gemv against prefetcht0: Q4_K 1.4x at 1 row,
- * 1.6x at 8, 1.3x at 32; Q6_K 1.9x at 1 row; Q8_0 1.4x at 8 rows; Q4_1 and 300 rows the same) */
+ * 1.6x at 8, 1.3x at 32; Q6_K 1.9x at 1 row; Q8_0 1.4x at 8 rows; Q4_1 and 300 rows the same).
+ * The GEMV path asks for half a block's lines before its step and the rest after it: one burst
+ * before the step delayed the step's own loads (Zen 4, 2 threads, against the burst: Q6_K 1.25x
+ * at 1 row and 1.08x at 4, Q5_K 1.07-1.09x, Q4_K 1.02-1.07x, Q8_0 1.02-1.04x, Q4_1 0.97-0.99x;
+ * the whole burst after the step: Q6_K 1.18x but Q4_K 0.89-0.97x) */
 static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
   for (int o = 0; o < bytes; o += 64) __builtin_prefetch(blk + PREFETCH_AHEAD + o, 0, 2);
 }
@@ -62,8 +66,9 @@ static inline AI void prefetch_ahead(const uint8_t *blk, const int bytes) {
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = vf_zero();                                                   \
     for (int64_t b = 0; b < nb; b++) {                                                                        \
       BLOCK_START(BK, BYTES, DECODE, SCALES, 0);                                                              \
-      prefetch_ahead(blk, NR * (BYTES));                                                                      \
+      prefetch_ahead(blk, NR * (BYTES) / 128 * 64);                                                           \
       for (int r0 = 0; r0 < rows; r0 += MR) ROWS_STEP(STEP, rows - r0 < MR ? rows - r0 : MR, r0);             \
+      prefetch_ahead(blk + NR * (BYTES) / 128 * 64, NR * (BYTES) - NR * (BYTES) / 128 * 64);                  \
     }                                                                                                         \
     for (int r = 0; r < rows; r++) vf_store(out + r * NR, acc[r]);                                            \
   }                                                                                                           \
