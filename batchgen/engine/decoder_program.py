@@ -27,7 +27,6 @@ kernels run for milliseconds, and the calls between cost nothing next to them.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -39,9 +38,6 @@ from batchgen.kernels.cpu import c_build, cpu_attention
 from batchgen.kernels.cpu import decoder as cdecoder
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu.linear import DTYPES
-
-logger = logging.getLogger(__name__)
-
 
 def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     return list(module.parts) if type(module) is ConcatLinear else [module]
