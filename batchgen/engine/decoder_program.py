@@ -39,6 +39,7 @@ from batchgen.kernels.cpu import decoder as cdecoder
 from batchgen.kernels.cpu import fused as cpu_fused
 from batchgen.kernels.cpu.linear import DTYPES
 
+
 def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     return list(module.parts) if type(module) is ConcatLinear else [module]
 
@@ -89,7 +90,7 @@ class DecoderProgram:
         self.max_rows = max_rows
         self._cache_ptr = None
         self._step = cdecoder.Step(dtype=DTYPES[dtype])
-        self._has_16 = bool(cpu_fused.load_fused().batchgen_fused_has_16())  # a 16-bit cache's conversions
+        self._has_16 = bool(entry.rms_norm_16)  # the fused ops' 16-bit build: a 16-bit cache's conversions too
 
     @classmethod
     def build(cls, decoder: torch.nn.Module, dtype: torch.dtype) -> tuple[DecoderProgram | None, str]:
@@ -112,7 +113,7 @@ class DecoderProgram:
             entry = cdecoder.entry(kernels, first.head_dim, first.num_heads // first.num_kv_heads)
         except (c_build.CpuKernelError, RuntimeError) as exc:
             return None, str(exc).splitlines()[0]
-        max_rows = min(layer.mlp.slice_rows(torch.empty(0, dtype=dtype).element_size()) for layer in layers)
+        max_rows = min(layer.mlp.slice_rows(dtype.itemsize) for layer in layers)
         return cls(lib, entry, built, [layer.self_attn.layer_idx for layer in layers], max_rows, dtype), ""
 
     def _bind_cache(self, meta: AttentionMetadata) -> None:
@@ -160,12 +161,12 @@ class DecoderProgram:
         """The error of a kernel's refusal, worded as the Python layer's call would word it."""
         layer = self.layers[index]
         what = f"decoder layer {self.indices[index]}: {cdecoder.WHERE.get(where, 'a kernel')}"
-        if where == 7 or (where <= 4 and status == -1):
+        if where == cdecoder.AT_MEMORY or (where < cdecoder.AT_ROPE and status == -1):  # a linear layer's
             return MemoryError(f"{what} found no memory")
         detail = f"code {status}"
-        if where == 5:
+        if where == cdecoder.AT_ROPE:
             detail = f"slots must lie in [0, {layer.num_blocks * layer.block_size})"
-        elif where == 6 and status in cpu_attention.ERRORS:
+        elif where == cdecoder.AT_ATTENTION and status in cpu_attention.ERRORS:
             detail = cpu_attention.ERRORS[status].format(width=self._step.max_blocks * layer.block_size,
                                                          num_blocks=layer.num_blocks)
         return ValueError(f"{what} refused its arguments: {detail}")

@@ -127,7 +127,7 @@ class LeanDecoderForward:
         program = self.program
         if program is not None and program.runs(hidden, *position_embeddings, batchgen_metadata):
             program.run(hidden, *position_embeddings, batchgen_metadata)
-            return BaseModelOutputWithPast(last_hidden_state=decoder.norm(hidden))
-        for layer in decoder.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, batchgen_metadata=batchgen_metadata)
+        else:
+            for layer in decoder.layers:
+                hidden = layer(hidden, position_embeddings=position_embeddings, batchgen_metadata=batchgen_metadata)
         return BaseModelOutputWithPast(last_hidden_state=decoder.norm(hidden))

@@ -98,7 +98,7 @@ struct bg_layer {
 struct bg_step {
   int64_t m;
   int64_t dtype;
-  const float *cos, *sin; /* [m, d] */
+  const void *cos, *sin; /* [m, d] */
   int64_t ldc, lds;
   const int64_t *slots;   /* [m] */
   const int32_t *tables;  /* [m, max_blocks] */

@@ -26,9 +26,12 @@ SOURCE = Path(__file__).resolve().parent / "decoder.c"
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 MAX_PARTS = 4  # BG_MAX_PARTS
 
-#: decoder.c's AT_* codes: the kernel a failure came from.
+#: ``struct bg_part``'s kinds: a float32 PackedLinear, GGUF blocks, a 16-bit PackedLinear.
+KIND_F32, KIND_QUANT, KIND_16 = 0, 1, 2
+#: decoder.c's AT_* codes (the kernel a failure came from): the four linear layers', then these.
+AT_ROPE, AT_ATTENTION, AT_MEMORY = 5, 6, 7
 WHERE = {1: "q/k/v projection", 2: "o_proj", 3: "gate/up projection", 4: "down_proj",
-         5: "RoPE and the cache write", 6: "paged attention", 7: "the program's scratch"}
+         AT_ROPE: "RoPE and the cache write", AT_ATTENTION: "paged attention", AT_MEMORY: "the program's scratch"}
 
 
 class Entry(ctypes.Structure):
@@ -60,8 +63,8 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """``struct bg_step``: ``m`` decode rows, one per sequence."""
-    _fields_ = [("m", I64), ("dtype", I64), ("cos", P), ("sin", P), ("ldc", I64), ("lds", I64), ("slots", P), ("tables", P),
-                ("lens", P), ("max_blocks", I64)]
+    _fields_ = [("m", I64), ("dtype", I64), ("cos", P), ("sin", P), ("ldc", I64), ("lds", I64), ("slots", P),
+                ("tables", P), ("lens", P), ("max_blocks", I64)]
 
 
 def _declare(lib: Any) -> None:
@@ -95,22 +98,23 @@ def linear(parts: Sequence[torch.nn.Module], kernels: dict, dtype: torch.dtype) 
     """A :class:`Linear` over ``parts`` (one layer, or a ConcatLinear's parts side by side) for rows
     of ``dtype``: each a :class:`PackedLinear` of that dtype, or (float32 rows) a
     :class:`QuantizedLinear` with its C kernel; None for anything else. ``kernels`` collects the
-    parts' entry points (``quant_linear``, ``linear_f32``, ``linear_16``): one of each for the
-    whole program, else None."""
+    parts' entry points by :class:`Entry` field (``quant_linear``, ``linear_f32``,
+    ``linear_16``): one of each for the whole program, else None."""
     if not parts or len(parts) > MAX_PARTS:
         return None
     out = Linear(k=parts[0].in_features, n=sum(p.out_features for p in parts), parts=len(parts))
     offset = 0
     for i, part in enumerate(parts):
         if type(part) is QuantizedLinear and part._lib is not None and dtype is torch.float32:
-            if kernels.setdefault("quant_linear", part._lib) is not part._lib:
+            fn = part._lib.batchgen_quant_linear
+            if kernels.setdefault("quant_linear", fn) is not fn:
                 return None
             packed, bias = part._kernel_tensors
             out.part[i] = Part(packed.data_ptr(), None if bias is None else bias.data_ptr(), part.out_features,
-                               offset, 1, part._kernel_id)
+                               offset, KIND_QUANT, part._kernel_id)
         elif type(part) is PackedLinear and part.dtype is dtype:
-            kind = 0 if dtype is torch.float32 else 2
-            if kernels.setdefault(("linear_f32", "", "linear_16")[kind], part._fn) is not part._fn:
+            kind, field = (KIND_F32, "linear_f32") if dtype is torch.float32 else (KIND_16, "linear_16")
+            if kernels.setdefault(field, part._fn) is not part._fn:
                 return None
             out.part[i] = Part(part._packed_ptr, part._bias_ptr, part.out_features, offset, kind, 0)
         else:
@@ -126,13 +130,10 @@ def entry(kernels: dict, head_size: int, group: int) -> Entry:
     fused.c's ops (its 16-bit ones where the build has them) and the attention kernel of this
     head size and group."""
     ops = cpu_fused.load_fused()
-    quant = kernels.get("quant_linear")
-    got = Entry(_address(quant.batchgen_quant_linear) if quant is not None else None,
-                _address(kernels["linear_f32"]) if "linear_f32" in kernels else None,
-                _address(ops.batchgen_rms_norm_f32), _address(ops.batchgen_add_rms_norm_f32),
-                _address(ops.batchgen_silu_mul_f32), _address(ops.batchgen_rope_cache),
-                _address(cpu_attention.load(head_size, group).batchgen_paged_attention),
-                _address(kernels["linear_16"]) if "linear_16" in kernels else None)
+    got = Entry(rms_norm=_address(ops.batchgen_rms_norm_f32), add_rms_norm=_address(ops.batchgen_add_rms_norm_f32),
+                silu_mul=_address(ops.batchgen_silu_mul_f32), rope_cache=_address(ops.batchgen_rope_cache),
+                attention=_address(cpu_attention.load(head_size, group).batchgen_paged_attention),
+                **{field: _address(fn) for field, fn in kernels.items()})
     if ops.batchgen_fused_has_16():
         got.rms_norm_16, got.add_rms_norm_16 = _address(ops.batchgen_rms_norm_16), _address(ops.batchgen_add_rms_norm_16)
         got.silu_mul_16, got.add_16 = _address(ops.batchgen_silu_mul_16), _address(ops.batchgen_add_16)
@@ -140,7 +141,8 @@ def entry(kernels: dict, head_size: int, group: int) -> Entry:
 
 
 def run(lib: Any, ops: Entry, layers: ctypes.Array, step: Step, hidden: torch.Tensor) -> tuple[int, int, int]:
-    """Runs ``layers`` over ``hidden`` (``[m, H]`` float32, contiguous, updated in place);
+    """Runs ``layers`` over ``hidden`` (``[m, H]`` rows of the step's dtype, contiguous, updated
+    in place);
     ``(status, where, layer)``: status 0, or the failing kernel's with :data:`WHERE`'s code and
     the layer's index."""
     where, layer = ctypes.c_int(0), I64(0)
