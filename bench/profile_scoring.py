@@ -9,7 +9,7 @@ from outside (as ``bench.profile_step`` does; no engine code changes), timing:
   ``gguf`` mode's int8 kernels), with the rate in GFLOP/s (2 x rows x in x out);
 * ``attention``: the paged attention ops (the CPU kernel's prefill path over the 2048 context);
 * ``lm_head``: the output layer over the 2048 scored positions (chunks of
-  ``chunk_rows_for(vocab)`` rows, 85 for SmolLM2's 49,152);
+  ``chunk_rows_for(vocab)`` rows, 64 for SmolLM2's 49,152);
 * ``reduction``: :func:`batchgen.sampling.logprobs.reduce_logprobs` without the lm-head inside
   it (log-softmax, gather, rank, the lists);
 * ``model_other``: the forward but attention and linear layers (norms, RoPE, activations);

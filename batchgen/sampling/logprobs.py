@@ -38,9 +38,21 @@ __all__ = ["TokenLogprobs", "reduce_logprobs", "chunk_rows_for"]
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
+#: The quantized GEMM's row block (``MC`` in ``kernels/cpu/quant.c``): a chunk of logits rows
+#: that fills whole blocks leaves no short block to stream the lm-head's panels again for.
+ROW_BLOCK = 64
+
+
 def chunk_rows_for(vocab_size: int, max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    """Positions per chunk so that one chunk of logits holds at most ``max_elements`` floats."""
-    return max(1, max_elements // max(1, vocab_size))
+    """Positions per chunk so that one chunk of logits holds at most ``max_elements`` floats,
+    rounded down to whole :data:`ROW_BLOCK` rows where it holds more than one.
+
+    SmolLM2's 49,152-token vocabulary gets 64 rows instead of 85: the Q8_0 lm-head ran 85 rows as
+    a block of 64 and one of 21 (on two panels at once past 64 rows), 495 GOP/s against 575 for
+    64 rows in the same process (Zen 4, 2 threads). The rows' numbers do not depend on the chunk.
+    """
+    rows = max(1, max_elements // max(1, vocab_size))
+    return rows // ROW_BLOCK * ROW_BLOCK if rows >= ROW_BLOCK else rows
 
 
 @dataclass

@@ -63,6 +63,13 @@ def test_reduction_equals_a_full_log_softmax(chunk_rows):
     assert chunk_rows_for(49152) * 49152 <= 1 << 22
 
 
+def test_chunk_rows_fill_whole_row_blocks_of_the_quantized_gemm():
+    assert chunk_rows_for(49152) == 64  # 85 fit: one block of 64, none of 21
+    assert chunk_rows_for(32000) == 128  # 131 fit
+    assert chunk_rows_for(151936) == 27  # fewer than a block: as many as fit
+    assert chunk_rows_for(10**9) == 1
+
+
 def test_fused_reduction_is_torch_s_within_rounding_and_row_invariant():
     torch.manual_seed(1)
     weight, hidden = torch.randn(3000, 32), torch.randn(50, 32) * 2

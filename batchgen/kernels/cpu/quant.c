@@ -92,7 +92,7 @@
 #endif
 
 #define NR 16  /* columns per panel */
-#define MC 64  /* rows per item at most */
+#define MC 64  /* rows per item at most (sampling/logprobs.py ROW_BLOCK: the logits chunks) */
 #define GRAIN_MACS (64 * 1024)
 /* the weight bytes of the units (panels, or pairs) a group of items goes over, row block after
  * row block: about a quarter of a 1-2 MiB L2 */
