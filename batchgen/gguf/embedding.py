@@ -4,9 +4,9 @@ de-quantized.
 A GGUF token embedding (``token_embd.weight``) is a ``[vocab, hidden]`` matrix stored row by
 row in blocks along ``hidden``, so one token's row is a run of whole blocks. The embedding
 holds it as a :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (``vocab`` outputs over
-``hidden`` inputs): a lookup gathers the requested rows' bytes from it
-(``QuantizedLinear.gather_rows``) and de-quantizes them alone
-(:func:`batchgen.kernels.cpu.quant.dequantize`, bit for bit the ``gguf`` package's values).
+``hidden`` inputs): a lookup de-quantizes the requested rows alone from it
+(``QuantizedLinear.dequantized_rows``: the kernel library's lookup, or the rows' bytes gathered
+and de-quantized in torch; bit for bit the ``gguf`` package's values either way).
 So the resident embedding is the file's bytes, not ``vocab x hidden`` floats, and when the
 model ties ``lm_head`` to the embedding, ``lm_head`` *is* that same layer: one copy serves both.
 """
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.cpu.quant import dequantize
-
 __all__ = ["QuantizedEmbedding"]
 
-#: Token ids looked up at once: the de-quantization holds several float copies of its rows
-#: (52 MiB at peak for 2,048 rows of Qwen2.5-1.5B's 1,536-wide Q6_K embedding, which returns
-#: 12 MiB), so a prefill chunk's ids go through a slice at a time. Each row is de-quantized
-#: from its own blocks alone: the same values either way.
+#: Token ids looked up at once: torch's de-quantization (where the kernel library cannot run)
+#: holds several float copies of its rows (52 MiB at peak for 2,048 rows of Qwen2.5-1.5B's
+#: 1,536-wide Q6_K embedding, which returns 12 MiB), so a prefill chunk's ids go through a slice
+#: at a time. Each row is de-quantized from its own blocks alone: the same values either way.
 LOOKUP_ROWS = 256
 
 
@@ -61,6 +59,5 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def _lookup(self, flat: torch.Tensor) -> torch.Tensor:
         """The rows of the token ids ``flat``, de-quantized, in ``dtype``, scaled."""
-        raw = self.rows.gather_rows(flat)
-        values = dequantize(raw, self.rows.qtype, (flat.numel(), self.embedding_dim)).to(self.dtype)
+        values = self.rows.dequantized_rows(flat).to(self.dtype)
         return values if self.scale is None else values * self.scale

@@ -283,3 +283,25 @@ def test_the_kernel_refuses_a_type_outside_its_table(isa: str) -> None:
         assert int(other) not in {int(t) for t in QUANT_FORMATS}
         y.zero_()
         assert run(int(other)) == -2 and bool((y == 0).all())
+
+
+@pytest.mark.parametrize("isa", (*ISAS, "torch"))
+@pytest.mark.parametrize("qtype", QUANT_FORMATS, ids=lambda t: t.name)
+def test_a_lookup_of_rows_equals_gguf_s_de_quantization_bit_for_bit(qtype: Q, isa: str) -> None:
+    """``dequantized_rows`` (the token embedding's lookups: quant_lookup.h in every build, torch
+    for ``torch``) gives ``gguf``'s values of the rows asked for, in their order, repeats
+    included, on 37 rows (three panels, the last one short); an index out of range is an
+    IndexError, nothing read."""
+    if isa != "torch":
+        _isa_or_skip(isa)
+    n, k = 37, 2 * quant.block_size(qtype)
+    raw = quantized(qtype, n, k, seed=int(qtype) + 7)
+    layer = QuantizedLinear(raw, qtype, n, k, isa=isa)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).view(n, k)
+    index = torch.tensor([36, 0, 15, 16, 31, 32, 5, 5])
+    got = layer.dequantized_rows(index)
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want[index].view(torch.int32))
+    assert layer.dequantized_rows(torch.tensor([], dtype=torch.long)).shape == (0, k)
+    for bad in ([0, 37], [-1]):
+        with pytest.raises(IndexError, match=r"row index out of range \[0, 37\)"):
+            layer.dequantized_rows(torch.tensor(bad))

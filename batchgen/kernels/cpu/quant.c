@@ -119,6 +119,7 @@ int batchgen_quant_cpu_ok(void) {
 #include "quant_vec.h"    /* vf, vi: 16 lanes in each build; fp16 -> float32 */
 #include "quant_rows.h"   /* the activations: quantize_rows, pair_sums */
 #include "quant_blocks.h" /* a block decoded: the plain C decoders, struct panel, the scales */
+#include "quant_lookup.h" /* a row's raw blocks de-quantized: dequant_<name> */
 #include "quant_dots.h"   /* the integer dot products of each build; MR, BG_DIRECT */
 #include "quant_steps.h"  /* each format's step: its dot products and epilogue */
 #include "quant_pairs.h"  /* the AVX-512 build's steps over two panels at once */
@@ -129,7 +130,7 @@ int batchgen_quant_cpu_ok(void) {
  * 8 or 16), zsh (its quants' zero point is 1 << zsh: u = w + (1 << zsh); 0 for none, the formats
  * with a min), pair (1: the AVX-512 build tiles two panels at once, quant_pairs.h's step2_<name>;
  * chosen by measurement, see there), and its decode, scales (quant_blocks.h) and step
- * (quant_steps.h) functions.
+ * (quant_steps.h) functions; dequant_<name> (quant_lookup.h) is found by the row's name.
  * FORMAT_FNS makes of a row two functions over one panel (src: its packed bytes) and `rows`
  * rows of x (q, xd, xs at the first), each in ONE pass over the panel, block by block: the block's bytes PREFETCH_AHEAD
  * further on are asked for (the rest of this panel, then the next: panels lie one after the
@@ -158,9 +159,10 @@ struct format {
   rows_fn *gemv;               /* this build's panel against at most GEMV_ROWS rows */
   rows_fn *rows;               /* ... against at most MC rows */
   pair_fn *pair;               /* ... on two panels at once, or NULL (the builds without AVX-512) */
+  dequant_fn *dequant;         /* a raw block to float32 (quant_lookup.h) */
 };
 #define FORMAT_ROW(ID, name, BK, BYTES, UNITS, ZSH, PAIR, ...) \
-  {ID, BK, BYTES, UNITS, ZSH, gemv_##name, rows_##name, PAIR_OF(name, PAIR)},
+  {ID, BK, BYTES, UNITS, ZSH, gemv_##name, rows_##name, PAIR_OF(name, PAIR), dequant_##name},
 static const struct format FORMATS[] = {FORMATS_LIST(FORMAT_ROW)};
 
 /* The row of `qtype`, or NULL: an unknown type is refused, never read as another. */
@@ -255,6 +257,47 @@ static void run_quantize(void *ctx, int64_t begin, int64_t end) {
   const struct qjob *Q = (const struct qjob *)ctx;
   quantize_rows(Q->x, Q->ldx, Q->k, Q->bk, begin, end, Q->q, Q->ldq, Q->d, Q->s, Q->g);
   pair_sums(Q->k, Q->bk, Q->units, Q->zsh, Q->g, begin, end, Q->d, Q->s);
+}
+
+struct lookup {
+  const struct format *f;
+  const uint8_t *packed;
+  const int32_t *inverse;
+  const int64_t *idx;
+  int64_t nb, k;
+  float *y;
+};
+
+static void run_lookup(void *ctx, int64_t begin, int64_t end) {
+  const struct lookup *L = (const struct lookup *)ctx;
+  const int bytes = L->f->bytes;
+  uint8_t raw[256];
+  for (int64_t i = begin; i < end; i++) {
+    const int64_t r = L->idx[i];
+    const int32_t *at = L->inverse + (r % NR) * bytes;
+    const uint8_t *panel = L->packed + (r / NR) * L->nb * NR * bytes;
+    for (int64_t b = 0; b < L->nb; b++) {
+      const uint8_t *blk = panel + b * NR * bytes;
+      for (int t = 0; t < bytes; t++) raw[t] = blk[at[t]];
+      L->f->dequant(raw, L->y + i * L->k + b * L->f->bk);
+    }
+  }
+}
+
+/* y [n][k] = rows idx[0 .. n) of a packed weight of `qtype` (n_rows rows of k values),
+ * de-quantized (quant_lookup.h). inverse [NR][bytes]: where byte t of column c's raw block sits
+ * in a panel's block (quant.py's _inverse_permutation). Returns 0, -2 (unknown type), -3 (k not
+ * whole blocks), -4 (an index outside [0, n_rows); nothing written). */
+int batchgen_quant_lookup(const uint8_t *packed, int qtype, int64_t n_rows, int64_t k, const int32_t *inverse,
+                          const int64_t *idx, int64_t n, float *y) {
+  const struct format *f = format_of(qtype);
+  if (!f) return -2;
+  if (k <= 0 || k % f->bk) return -3;
+  for (int64_t i = 0; i < n; i++)
+    if (idx[i] < 0 || idx[i] >= n_rows) return -4;
+  struct lookup L = {f, packed, inverse, idx, k / f->bk, k, y};
+  bg_parallel_for(n, 16384 / k + 1, run_lookup, &L);
+  return 0;
 }
 
 /* For the tests: the activation quantization alone. */

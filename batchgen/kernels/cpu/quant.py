@@ -130,6 +130,12 @@ def _inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
     return inverse
 
 
+@functools.lru_cache(maxsize=None)
+def _inverse_int32(qtype: GGMLQuantizationType) -> torch.Tensor:
+    """:func:`_inverse_permutation` as the kernel's lookup reads it: int32, contiguous."""
+    return _inverse_permutation(qtype).to(torch.int32).contiguous()
+
+
 def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """The kernel's layout of ``raw_rows`` ([N, row_bytes] uint8): a byte permutation, padded
     with zero rows to whole panels; 1-D uint8, ``ceil(N / 16) * 16 * row_bytes`` bytes."""
@@ -186,6 +192,8 @@ def _declare(lib: Any) -> None:
     lib.batchgen_quant_isa.argtypes = []
     lib.batchgen_quant_linear.restype = i32
     lib.batchgen_quant_linear.argtypes = [p, i64, i64, i64, p, i32, i64, p, p, i64]
+    lib.batchgen_quant_lookup.restype = i32
+    lib.batchgen_quant_lookup.argtypes = [p, i32, i64, i64, p, p, i64, p]
     lib.batchgen_quant_rows.restype = None
     lib.batchgen_quant_rows.argtypes = [p, i64, i64, i64, i32, p, p, p]
 
@@ -294,6 +302,28 @@ class QuantizedLinear(torch.nn.Module):
         got = self.packed.view(-1, nb, PANEL * ts)[
             (index // PANEL).view(-1, 1, 1), torch.arange(nb).view(1, -1, 1), cols.view(-1, 1, ts)]
         return got.reshape(index.numel(), nb * ts)
+
+    def dequantized_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight rows ``index`` de-quantized to float32 ``[len(index), in_features]``, bit
+        for bit :func:`dequantize` of :meth:`gather_rows` (the kernel's lookup where it runs).
+
+        Raises:
+            IndexError: an index outside ``[0, out_features)``.
+        """
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1).contiguous()
+        if self._lib is None:
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.out_features):
+                raise IndexError(f"{self._what}: row index out of range [0, {self.out_features})")
+            return dequantize(self.gather_rows(index), self.qtype, (index.numel(), self.in_features))
+        y = torch.empty(index.numel(), self.in_features)
+        rc = self._lib.batchgen_quant_lookup(self.packed.data_ptr(), self._kernel_id, self.out_features,
+                                             self.in_features, _inverse_int32(self.qtype).data_ptr(),
+                                             index.data_ptr(), index.numel(), y.data_ptr())
+        if rc == -4:
+            raise IndexError(f"{self._what}: row index out of range [0, {self.out_features})")
+        if rc != 0:
+            raise RuntimeError(f"{self._what}: the lookup refused its arguments (code {rc})")
+        return y
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight de-quantized to float32 ``[out_features, in_features]`` (a new tensor)."""
