@@ -14,9 +14,10 @@ heads before the C pass. The layer's softmax scale, sliding window and soft cap 
 :class:`~batchgen.engine.paged_attention.LayerOptions` the original layer passed to the attention
 interface on the fusion probe.
 
-Which layers become a :class:`FusedAttention` (HF's Llama-like attention whose q/k/v/o are CPU
-``nn.Linear`` or GGUF ``QuantizedLinear``, and only after a probe shows the fused layer
-reproduces the original) is decided by :func:`batchgen.engine.fusion.fuse_model`.
+Which layers become a :class:`FusedAttention` (HF's Llama-like attention whose q/k/v/o, or
+Phi-3's one q/k/v, are CPU ``nn.Linear`` or GGUF ``QuantizedLinear``: :func:`attention_candidate`;
+and only after a probe shows the fused layer reproduces the original) is decided by
+:func:`batchgen.engine.fusion.fuse_model`.
 
 Numerics: the q/k/v layer (:func:`~batchgen.engine.fused_layers.merge_linears`) gives each
 output column exactly what the separate packed or quantized q, k and v layers give, RoPE
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from batchgen.engine import paged_attention
-from batchgen.engine.fused_layers import merge_linears
+from batchgen.engine.fused_layers import merge_linears, mergeable
 from batchgen.kernels.cpu import fused as cpu_fused
 
 
@@ -50,13 +51,13 @@ class FusedAttention(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, options: paged_attention.LayerOptions | None = None) -> None:
         super().__init__()
-        q, k, v = module.q_proj, module.k_proj, module.v_proj
         self.head_dim = int(module.head_dim)
-        self.num_heads = q.out_features // self.head_dim
-        self.num_kv_heads = k.out_features // self.head_dim
+        self.num_heads, self.num_kv_heads = attention_heads(module)
         self.layer_idx = module.layer_idx
         self.options = options or paged_attention.LayerOptions(float(module.scaling))
-        self.qkv_proj = merge_linears([q, k, v])
+        fused = getattr(module, "qkv_proj", None)  # Phi-3: q, k and v in one linear, in that order
+        self.qkv_proj = merge_linears([fused] if fused is not None else [module.q_proj, module.k_proj, module.v_proj])
+        self._one_qkv = fused is not None
         self.o_proj = merge_linears([module.o_proj])
         norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
         self.qk_norms = all(isinstance(n, torch.nn.Module) for n in norms)
@@ -67,6 +68,8 @@ class FusedAttention(torch.nn.Module):
         """The merged linear's name and the projections it holds, in order, with their output
         widths: what a LoRA adapter of q/k/v targets in it (:mod:`batchgen.lora.layers`)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self._one_qkv:
+            return "qkv_proj", (("qkv_proj", q + 2 * kv),)
         return "qkv_proj", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
 
     def extra_repr(self) -> str:
@@ -122,3 +125,39 @@ class FusedAttention(torch.nn.Module):
             meta.seen[layer] = self.options
         out = paged_attention.attend(query, layer, self.options, meta)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], heads * head_dim)), None
+
+
+def attention_heads(module: torch.nn.Module) -> tuple[int, int]:
+    """(query heads, KV heads) of an attention layer :func:`attention_candidate` takes."""
+    d = int(module.head_dim)
+    if hasattr(module, "qkv_proj"):
+        kv = int(module.num_key_value_heads)
+        return kv * int(module.num_key_value_groups), kv
+    return module.q_proj.out_features // d, module.k_proj.out_features // d
+
+
+def attention_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``module`` has the attributes of an HF rotate-half attention layer whose linears
+    merge, with shapes that fit: ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (Llama), or one
+    ``qkv_proj`` and ``num_key_value_heads``/``num_key_value_groups`` (Phi-3); ``head_dim``,
+    ``layer_idx`` and ``scaling`` (whether it *is* one is left to the fusion probe)."""
+    head_dim, layer, scaling = (getattr(module, name, None) for name in ("head_dim", "layer_idx", "scaling"))
+    if not isinstance(head_dim, int) or not isinstance(layer, int) or not isinstance(scaling, (int, float)):
+        return False
+    if head_dim <= 0 or head_dim % 2 or not mergeable([getattr(module, "o_proj", None)], dtype):
+        return False
+    o = module.o_proj
+    if hasattr(module, "qkv_proj"):
+        kv, groups = getattr(module, "num_key_value_heads", None), getattr(module, "num_key_value_groups", None)
+        if not isinstance(kv, int) or not isinstance(groups, int) or kv <= 0 or groups <= 0:
+            return False
+        qkv = module.qkv_proj
+        return (mergeable([qkv], dtype) and qkv.out_features == (groups + 2) * kv * head_dim
+                and o.in_features == groups * kv * head_dim)
+    q, k, v = (getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+    if not all(mergeable([p], dtype) for p in (q, k, v)) or not mergeable([q, k, v], dtype):
+        return False
+    return (k.out_features == v.out_features
+            and q.out_features % head_dim == 0 and k.out_features % head_dim == 0
+            and (q.out_features // head_dim) % (k.out_features // head_dim) == 0
+            and o.in_features == q.out_features)

@@ -54,10 +54,14 @@ PARTS = {"input_layernorm": FusedRMSNorm, "self_attn": FusedAttention,
 
 
 def candidate(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s children are exactly :data:`PARTS`, each of its fused kind (whether
-    it composes them as a pre-norm layer is left to the probe)."""
+    """Whether ``module``'s children are :data:`PARTS`, each of its fused kind, and besides them
+    only dropouts (Phi-3's ``resid_attn_dropout`` and ``resid_mlp_dropout`` around its residual
+    adds: the identity at inference); whether it composes them as a pre-norm layer is left to
+    the probe, which also rejects a dropout that acts."""
     children = dict(module.named_children())
-    return (not isinstance(module, FusedDecoderLayer) and children.keys() == PARTS.keys()
+    others = [child for name, child in children.items() if name not in PARTS]
+    return (not isinstance(module, FusedDecoderLayer) and PARTS.keys() <= children.keys()
+            and all(type(child) is torch.nn.Dropout for child in others)
             and all(isinstance(children[name], kind) for name, kind in PARTS.items()))
 
 

@@ -142,21 +142,36 @@ SLICE_BYTES = 16 * 2**20
 
 
 class FusedGatedMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))``: gate and up merged into one layer
-    (:func:`merge_linears`), the fused SiLU·up (:func:`~batchgen.kernels.cpu.fused.silu_mul`),
-    then the down projection (packed, or kept quantized). The layers given are not kept.
+    """``down(silu(gate(x)) * up(x))``: gate and up as one layer (:func:`merge_linears`; Phi-3's
+    ``gate_up_proj`` already is one, the gate first), the fused SiLU·up
+    (:func:`~batchgen.kernels.cpu.fused.silu_mul`), then the down projection (packed, or kept
+    quantized). The layers given are not kept.
 
     Many rows (a prefill chunk) go through in slices of :attr:`slice_rows` rows (whole panels
     of 16, :data:`SLICE_BYTES` of gate/up output): each row's result is the same bits either
     way (every kernel computes a row from that row alone), with a fraction of the memory. A
     projection that reads the step's rows by position (``reads_step_rows``: a LoRA layer,
     whose adapter slots index the step's rows) gets them whole.
+
+    Args:
+        gate_up: the gate and up layers, or the one layer holding both (gate first).
+        down: the down projection.
+        names: the projections ``gate_up`` holds, for :meth:`merged_projections`.
     """
 
-    def __init__(self, gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module) -> None:
+    def __init__(self, gate_up: Sequence[torch.nn.Module], down: torch.nn.Module,
+                 names: tuple[str, ...] = ("gate_proj", "up_proj")) -> None:
         super().__init__()
-        self.gate_up_proj = merge_linears([gate, up])
+        self.gate_up_proj = merge_linears(gate_up)
         self.down_proj = merge_linears([down])
+        self._names = names
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "FusedGatedMLP":
+        """The fused MLP of a module :func:`mlp_candidate` takes."""
+        if hasattr(module, "gate_up_proj"):
+            return cls([module.gate_up_proj], module.down_proj, ("gate_up_proj",))
+        return cls([module.gate_proj, module.up_proj], module.down_proj)
 
     def slice_rows(self, element_size: int = 4) -> int:
         """Rows per slice: :data:`SLICE_BYTES` of gate/up output in elements of
@@ -167,8 +182,8 @@ class FusedGatedMLP(torch.nn.Module):
     def merged_projections(self) -> tuple[str, tuple[tuple[str, int], ...]]:
         """The merged linear's name and the projections it holds, in order, with their output
         widths: what a LoRA adapter of gate/up targets in it (:mod:`batchgen.lora.layers`)."""
-        half = self.gate_up_proj.out_features // 2
-        return "gate_up_proj", (("gate_proj", half), ("up_proj", half))
+        width = self.gate_up_proj.out_features // len(self._names)
+        return "gate_up_proj", tuple((name, width) for name in self._names)
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
@@ -186,3 +201,20 @@ class FusedGatedMLP(torch.nn.Module):
         for start in range(step, rows.shape[0], step):
             out[start:start + step] = self._whole(rows[start:start + step])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def mlp_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether :meth:`FusedGatedMLP.of` takes ``module``: ``gate_proj``/``up_proj``/``down_proj``
+    and an ``act_fn`` (Llama), or ``gate_up_proj``/``down_proj`` and an ``activation_fn``
+    (Phi-3: gate then up in one linear); linears that merge and widths that fit (whether the
+    activation is SiLU, and the order of gate and up, are left to the fusion probe)."""
+    down = getattr(module, "down_proj", None)
+    if hasattr(module, "gate_up_proj"):
+        gate_up = module.gate_up_proj
+        return (hasattr(module, "activation_fn") and mergeable([gate_up], dtype) and mergeable([down], dtype)
+                and gate_up.out_features == 2 * down.in_features)
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj")]
+    if not hasattr(module, "act_fn") or not all(mergeable([p], dtype) for p in (*parts, down)):
+        return False
+    gate, up = parts
+    return mergeable([gate, up], dtype) and gate.out_features == up.out_features == down.in_features

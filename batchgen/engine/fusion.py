@@ -7,12 +7,13 @@ float32, bfloat16 or float16 CPU model it replaces
 - each RMSNorm (a module named ``*RMSNorm`` with a 1-D ``weight`` and ``variance_epsilon`` or
   ``eps``) by a :class:`~batchgen.engine.fused_layers.FusedRMSNorm` (one C pass instead of six
   torch ops);
-- each gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``) by a
+- each gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``, or Phi-3's
+  ``gate_up_proj``, ``down_proj`` and ``activation_fn``) by a
   :class:`~batchgen.engine.fused_layers.FusedGatedMLP`: gate and up as one GEMM, then the fused
   SiLU·up;
-- each HF Llama-like attention layer (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
-  ``head_dim``, ``layer_idx``, ``scaling``; a model with one rotary embedding over the whole
-  head) by a :class:`~batchgen.engine.fused_attention.FusedAttention`: q/k/v as one GEMM, RoPE
+- each HF Llama-like attention layer (``q_proj``/``k_proj``/``v_proj``/``o_proj``, or Phi-3's
+  one ``qkv_proj``; ``head_dim``, ``layer_idx``, ``scaling``; a model with one rotary embedding
+  over the whole head) by a :class:`~batchgen.engine.fused_attention.FusedAttention`: q/k/v as one GEMM, RoPE
   and the KV-cache write in one C pass, then the paged attention;
 - then each decoder layer whose four parts (two norms, attention, MLP) all fused by a
   :class:`~batchgen.engine.fused_decoder.FusedDecoderLayer`: one lean forward instead of HF's,
@@ -53,9 +54,9 @@ from typing import Any, Iterable
 import torch
 
 from batchgen.engine import fused_decoder, paged_attention
-from batchgen.engine.fused_attention import FusedAttention
+from batchgen.engine.fused_attention import FusedAttention, attention_candidate, attention_heads
 from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
-from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable
+from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable, mlp_candidate
 from batchgen.gguf.hf_model import release_freed_memory
 from batchgen.kernels import torch_attention
 from batchgen.kernels.cpu import fused as cpu_fused
@@ -100,35 +101,6 @@ def _norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float]
             or not weight.is_contiguous() or not isinstance(eps, float)):
         return None
     return weight, eps
-
-
-def _mlp_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether ``module`` has ``gate_proj``/``up_proj``/``down_proj`` linears that merge (see
-    :func:`~batchgen.engine.fused_layers.mergeable`) and fit together, and an ``act_fn``
-    (whether it is SiLU is left to the probe)."""
-    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not hasattr(module, "act_fn") or not all(mergeable([p], dtype) for p in parts):
-        return False
-    gate, up, down = parts
-    return mergeable([gate, up], dtype) and gate.out_features == up.out_features == down.in_features
-
-
-def _attention_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether ``module`` has the attributes of an HF rotate-half attention layer whose linears
-    merge, with shapes that fit (whether it *is* one is left to the probe)."""
-    parts = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(mergeable([p], dtype) for p in parts):
-        return False
-    head_dim, layer, scaling = (getattr(module, name, None) for name in ("head_dim", "layer_idx", "scaling"))
-    if not isinstance(head_dim, int) or not isinstance(layer, int) or not isinstance(scaling, (int, float)):
-        return False
-    q, k, v, o = parts
-    if head_dim <= 0 or head_dim % 2 or not mergeable([q, k, v], dtype):
-        return False
-    return (k.out_features == v.out_features
-            and q.out_features % head_dim == 0 and k.out_features % head_dim == 0
-            and (q.out_features // head_dim) % (k.out_features // head_dim) == 0
-            and o.in_features == q.out_features)
 
 
 def _reproduces(original: torch.nn.Module, fused: torch.nn.Module, width: int, dtype: torch.dtype) -> bool:
@@ -269,7 +241,7 @@ def _modules(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
 def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str, int]) -> dict[int, _Probe]:
     """Fuse the attention layers that pass the probe; the probe of each candidate's layer index
     (the decoder layers' probe, :func:`_fuse_decoder_layers`)."""
-    candidates = [name for name, m in model.named_modules() if _attention_candidate(m, dtype)]
+    candidates = [name for name, m in model.named_modules() if attention_candidate(m, dtype)]
     if not candidates:
         return {}
     rotary = _rotary_embedding(model)
@@ -285,7 +257,7 @@ def _fuse_attention(model: torch.nn.Module, dtype: torch.dtype, counts: dict[str
         module = model.get_submodule(name)
         head_dim = int(module.head_dim)
         layer_type = getattr(module, "layer_type", None)
-        key = (module.q_proj.in_features, module.k_proj.out_features // head_dim, head_dim, layer_type)
+        key = (module.o_proj.out_features, attention_heads(module)[1], head_dim, layer_type)
         if key not in probes:
             probes[key] = _Probe(rotary, key[0], num_layers, key[1], head_dim, dtype, layer_type)
         by_layer[module.layer_idx] = probes[key]
@@ -386,9 +358,9 @@ def fuse_model(model: torch.nn.Module, kinds: Iterable[str] = KINDS) -> dict[str
             fused: torch.nn.Module = FusedRMSNorm(*norm)
             _replace(model, name, module, fused, _reproduces(module, fused, norm[0].shape[0], norm[0].dtype),
                      "rms_norm", counts)
-        elif "gated_mlp" in kinds and _mlp_candidate(module, dtype):
-            fused = FusedGatedMLP(module.gate_proj, module.up_proj, module.down_proj)
-            _replace(model, name, module, fused, _reproduces(module, fused, module.gate_proj.in_features, dtype),
+        elif "gated_mlp" in kinds and mlp_candidate(module, dtype):
+            fused = FusedGatedMLP.of(module)
+            _replace(model, name, module, fused, _reproduces(module, fused, fused.gate_up_proj.in_features, dtype),
                      "gated_mlp", counts)
     probes = _fuse_attention(model, dtype, counts) if "attention" in kinds else {}
     if "decoder_layer" in kinds:

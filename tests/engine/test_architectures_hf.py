@@ -151,17 +151,20 @@ def test_windows_change_the_tokens_the_reference_would_give_without_them(arch) -
 
 
 def test_the_cpu_path_fuses_every_attention_layer_it_can(arch) -> None:
-    # the runs above went through the fused attention wherever the probe allowed: every layer
-    # but Phi-3's (one fused qkv_proj, not q/k/v: not a candidate), with each layer's window
-    # and soft cap as HF passes them
+    # the runs above went through the fused attention: every layer (Phi-3's one qkv_proj
+    # too), with each layer's window and soft cap as HF passes them; and Llama-like layers
+    # (Phi-3's with its dropouts around the residual adds) by the lean decoder-layer forward
     from batchgen.engine.fused_attention import FusedAttention
+    from batchgen.engine.fused_decoder import FusedDecoderLayer
 
     model_type, path, *_ = arch
     llm = LLM(path, dtype="float32", block_size=16)
     config = llm.runner.model.config
     layers = [layer.self_attn for layer in llm.runner.model.model.layers]
     fused = [isinstance(layer, FusedAttention) for layer in layers]
-    assert fused == [model_type != "phi3"] * len(layers), model_type
+    assert fused == [True] * len(layers), model_type
+    if model_type in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
+        assert all(type(layer) is FusedDecoderLayer for layer in llm.runner.model.model.layers), model_type
     for i, layer in enumerate(layers):
         if isinstance(layer, FusedAttention):
             kinds = getattr(config, "layer_types", None)

@@ -122,7 +122,7 @@ class _RowsSeen(torch.nn.Module):
 
 
 def _mlp() -> FusedGatedMLP:
-    return FusedGatedMLP(_linear(96, 40, 0), _linear(96, 40, 1), _linear(40, 96, 2))
+    return FusedGatedMLP([_linear(96, 40, 0), _linear(96, 40, 1)], _linear(40, 96, 2))
 
 
 def test_the_mlp_takes_many_rows_a_slice_at_a_time_with_the_same_bits(monkeypatch) -> None:

@@ -4,8 +4,8 @@ step's layers in one C call, calling the kernels the fused Python layers call, i
 Pinned: with the program and without it (the same engine, its ``program`` set aside), greedy
 tokens, logprobs and cumulative logprobs are equal bit for bit, on tiny random Llamas in GGUF
 blocks (Q8_0 throughout; Q4_K with Q6_K attn_v and ffn_up, so that q/k/v and gate/up are
-ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases) and Mistral (a sliding window) in
-float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16 and Qwen2 in
+ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases), Mistral (a sliding window) and Phi-3
+(fused q/k/v and gate/up) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16 and Qwen2 in
 float16; the program really ran the decode
 steps; it is not installed where it cannot run a layer as Python does (LoRA, the torch
 attention backend); a kernel's refusal reaches the caller as the Python layer's error would.
@@ -72,11 +72,12 @@ def test_the_program_gives_the_python_layers_bits_on_gguf_blocks(name, tmp_path,
 
 @pytest.mark.parametrize("model_type, overrides, dtype", [
     ("llama", {}, "float32"), ("qwen2", {}, "float32"), ("mistral", {"sliding_window": 8}, "float32"),
-    ("qwen3", {}, "float32"), ("llama", {}, "bfloat16"), ("qwen2", {}, "float16"), ("qwen3", {}, "bfloat16")])
+    ("qwen3", {}, "float32"), ("phi3", {"pad_token_id": 0}, "float32"), ("llama", {}, "bfloat16"),
+    ("qwen2", {}, "float16"), ("qwen3", {}, "bfloat16")])
 def test_the_program_gives_the_python_layers_bits_on_a_float_model(tiny_model, model_type, overrides, dtype,
                                                                    monkeypatch) -> None:
     """Llama; Qwen2 (q/k/v biases); Mistral with a window shorter than the prompts; Qwen3 (per-head
-    q/k norms); 16-bit rows (their norms, SiLU·up and residual adds rounded as torch rounds them)."""
+    q/k norms); Phi-3 (one qkv_proj, one gate_up_proj, dropouts around the residual adds); 16-bit rows (their norms, SiLU·up and residual adds rounded as torch rounds them)."""
     if dtype != "float32" and not cpu_fused.load_fused().batchgen_fused_has_16():
         pytest.skip("this build of the fused ops has no 16-bit entry points (no AVX2 and F16C)")
     llm = LLM(tiny_model(model_type, head_dim=16, **overrides), linear_backend="cpu", block_size=16,
