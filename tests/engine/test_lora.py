@@ -136,3 +136,23 @@ def test_scoring_with_adapters_equals_peft(tiny, llm) -> None:
     rolled = llm.loglikelihood_rolling([text], lora_request=[request])[0]
     want, _ = hf_loglikelihood(model, [prefix_token_id(llm.tokenizer)], text)
     assert abs(rolled - want) < 1e-4 * len(text)
+
+
+def test_phi3_s_fused_projections_take_peft_s_adapters(shared_tiny_model, tmp_path_factory) -> None:
+    """Phi-3's qkv_proj and gate_up_proj are single linears (fused layers of one part each in
+    the engine): an adapter on them, o_proj and down_proj gives PEFT's greedy tokens and
+    logprobs."""
+    path = shared_tiny_model("phi3", pad_token_id=0)
+    adapter = save_adapter(path, tmp_path_factory.mktemp("phi3_adapter") / "a",
+                           8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=6)
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
+    outs = llm.generate(PROMPTS, _greedy(), lora_request=LoRARequest("phi3", 1, adapter))
+    model = peft_model(path, adapter)
+    want = hf_greedy(model, PROMPTS, MAX_TOKENS, [-1])
+    assert want != hf_greedy(peft_model(path, None), PROMPTS, MAX_TOKENS, [-1])
+    for prompt, out, tokens in zip(PROMPTS, outs, want):
+        assert out.error is None, out.error
+        assert out.outputs[0].token_ids == tokens
+        ref = hf_prompt_logprobs(model, prompt + tokens, 0)[len(prompt) - 1:]
+        got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
+        assert max(abs(g - r["logprob"]) for g, r in zip(got, ref)) < 1e-5
