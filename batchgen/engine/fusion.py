@@ -56,7 +56,7 @@ import torch
 from batchgen.engine import fused_decoder, paged_attention
 from batchgen.engine.fused_attention import FusedAttention, attention_candidate, attention_heads
 from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
-from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mergeable, mlp_candidate
+from batchgen.engine.fused_layers import FusedGatedMLP, FusedRMSNorm, mlp_candidate
 from batchgen.gguf.hf_model import release_freed_memory
 from batchgen.kernels import torch_attention
 from batchgen.kernels.cpu import fused as cpu_fused

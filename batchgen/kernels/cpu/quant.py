@@ -27,7 +27,6 @@ random and real tensors).
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +38,7 @@ from gguf import GGMLQuantizationType
 
 from . import c_build
 from .quant_formats import QUANT_FORMATS, format_of
+from .quant_panels import PANEL, inverse_int32, pack_panels, unpack_panels
 
 logger = logging.getLogger(__name__)
 
@@ -104,58 +104,7 @@ def dequantize(raw, qtype, shape: Sequence[int]) -> torch.Tensor:  # noqa: ANN00
 
 # ---- the kernel's weight layout and library ----------------------------------------------
 
-PANEL = 16  # output columns per panel (quant.c's NR)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what forward takes (computed in float32)
-
-@functools.lru_cache(maxsize=None)
-def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
-    """``perm`` with ``panel_block[dst] = columns_block[perm[dst]]``, where ``columns_block`` is
-    16 columns' raw blocks one after the other (``c * type_size + byte``)."""
-    ts = QUANT_FORMATS[qtype].type_size
-    perm = torch.empty(PANEL * ts, dtype=torch.long)
-    for off, length, unit in QUANT_FORMATS[qtype].fields:
-        i = torch.arange(length // unit).view(-1, 1, 1)
-        c = torch.arange(PANEL).view(1, -1, 1)
-        t = torch.arange(unit).view(1, 1, -1)
-        dst = PANEL * off + (i * PANEL + c) * unit + t
-        perm[dst.reshape(-1)] = (c * ts + off + i * unit + t).reshape(-1)
-    return perm
-
-
-@functools.lru_cache(maxsize=None)
-def _inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
-    perm = _panel_permutation(qtype)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
-    return inverse
-
-
-@functools.lru_cache(maxsize=None)
-def _inverse_int32(qtype: GGMLQuantizationType) -> torch.Tensor:
-    """:func:`_inverse_permutation` as the kernel's lookup reads it: int32, contiguous."""
-    return _inverse_permutation(qtype).to(torch.int32).contiguous()
-
-
-def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """The kernel's layout of ``raw_rows`` ([N, row_bytes] uint8): a byte permutation, padded
-    with zero rows to whole panels; 1-D uint8, ``ceil(N / 16) * 16 * row_bytes`` bytes."""
-    n, rb = raw_rows.shape
-    ts = QUANT_FORMATS[qtype].type_size
-    panels = -(-n // PANEL)
-    if panels * PANEL != n:
-        raw_rows = torch.cat([raw_rows, raw_rows.new_zeros(panels * PANEL - n, rb)])
-    blocks = raw_rows.view(panels, PANEL, rb // ts, ts).transpose(1, 2).reshape(panels, rb // ts, PANEL * ts)
-    return blocks[..., _panel_permutation(qtype)].reshape(-1)
-
-
-def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_features: int) -> torch.Tensor:
-    """The inverse of :func:`pack_panels`: [n, row_bytes] uint8 raw rows."""
-    ts = QUANT_FORMATS[qtype].type_size
-    nb = in_features // block_size(qtype)
-    panels = packed.numel() // (PANEL * nb * ts)
-    blocks = packed.view(panels, nb, PANEL * ts)[..., _inverse_permutation(qtype)].view(panels, nb, PANEL, ts)
-    return blocks.transpose(1, 2).reshape(panels * PANEL, nb * ts)[:n]
-
 
 QUANT_SOURCE = Path(__file__).resolve().parent / "quant.c"
 # extra compiler flags of each build (after -march=native where the compiler takes it): all this
@@ -298,7 +247,7 @@ class QuantizedLinear(torch.nn.Module):
         ts = QUANT_FORMATS[self.qtype].type_size
         nb = self.in_features // block_size(self.qtype)
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
-        cols = _inverse_permutation(self.qtype).view(PANEL, ts)[index % PANEL]                            # [n, ts]
+        cols = inverse_int32(self.qtype).long().view(PANEL, ts)[index % PANEL]                            # [n, ts]
         got = self.packed.view(-1, nb, PANEL * ts)[
             (index // PANEL).view(-1, 1, 1), torch.arange(nb).view(1, -1, 1), cols.view(-1, 1, ts)]
         return got.reshape(index.numel(), nb * ts)
@@ -317,7 +266,7 @@ class QuantizedLinear(torch.nn.Module):
             return dequantize(self.gather_rows(index), self.qtype, (index.numel(), self.in_features))
         y = torch.empty(index.numel(), self.in_features)
         rc = self._lib.batchgen_quant_lookup(self.packed.data_ptr(), self._kernel_id, self.out_features,
-                                             self.in_features, _inverse_int32(self.qtype).data_ptr(),
+                                             self.in_features, inverse_int32(self.qtype).data_ptr(),
                                              index.data_ptr(), index.numel(), y.data_ptr())
         if rc == -4:
             raise IndexError(f"{self._what}: row index out of range [0, {self.out_features})")
