@@ -52,8 +52,13 @@ def _greedy(logprobs: int = 0) -> SamplingParams:
 def test_greedy_tokens_and_logprobs_equal_peft(tiny, llm, name: str) -> None:
     path, adapters = tiny
     request = _requests(adapters)[name]
-    outs = llm.generate(PROMPTS, _greedy(), lora_request=request)
-    model = peft_model(path, adapters[name])
+    _assert_equals_peft(path, adapters[name], llm.generate(PROMPTS, _greedy(), lora_request=request))
+
+
+def _assert_equals_peft(path: str, adapter: str, outs: list) -> None:
+    """``outs`` (greedy, logprobs 0, over :data:`PROMPTS`) are PEFT's tokens and logprobs with
+    ``adapter``, which changes the base model's output."""
+    model = peft_model(path, adapter)
     want = hf_greedy(model, PROMPTS, MAX_TOKENS, [-1])
     base = hf_greedy(peft_model(path, None), PROMPTS, MAX_TOKENS, [-1])
     assert want != base, "the adapter must change the output, or the test proves nothing"
@@ -146,13 +151,4 @@ def test_phi3_s_fused_projections_take_peft_s_adapters(shared_tiny_model, tmp_pa
     adapter = save_adapter(path, tmp_path_factory.mktemp("phi3_adapter") / "a",
                            8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=6)
     llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
-    outs = llm.generate(PROMPTS, _greedy(), lora_request=LoRARequest("phi3", 1, adapter))
-    model = peft_model(path, adapter)
-    want = hf_greedy(model, PROMPTS, MAX_TOKENS, [-1])
-    assert want != hf_greedy(peft_model(path, None), PROMPTS, MAX_TOKENS, [-1])
-    for prompt, out, tokens in zip(PROMPTS, outs, want):
-        assert out.error is None, out.error
-        assert out.outputs[0].token_ids == tokens
-        ref = hf_prompt_logprobs(model, prompt + tokens, 0)[len(prompt) - 1:]
-        got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
-        assert max(abs(g - r["logprob"]) for g, r in zip(got, ref)) < 1e-5
+    _assert_equals_peft(path, adapter, llm.generate(PROMPTS, _greedy(), lora_request=LoRARequest("phi3", 1, adapter)))

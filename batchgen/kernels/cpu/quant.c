@@ -271,7 +271,7 @@ struct lookup {
 static void run_lookup(void *ctx, int64_t begin, int64_t end) {
   const struct lookup *L = (const struct lookup *)ctx;
   const int bytes = L->f->bytes;
-  uint8_t raw[256];
+  uint8_t raw[256]; /* one raw block: the largest, Q6_K's, is 210 bytes */
   for (int64_t i = begin; i < end; i++) {
     const int64_t r = L->idx[i];
     const int32_t *at = L->inverse + (r % NR) * bytes;
@@ -286,7 +286,7 @@ static void run_lookup(void *ctx, int64_t begin, int64_t end) {
 
 /* y [n][k] = rows idx[0 .. n) of a packed weight of `qtype` (n_rows rows of k values),
  * de-quantized (quant_lookup.h). inverse [NR][bytes]: where byte t of column c's raw block sits
- * in a panel's block (quant.py's _inverse_permutation). Returns 0, -2 (unknown type), -3 (k not
+ * in a panel's block (quant_panels.py's inverse_int32). Returns 0, -2 (unknown type), -3 (k not
  * whole blocks), -4 (an index outside [0, n_rows); nothing written). */
 int batchgen_quant_lookup(const uint8_t *packed, int qtype, int64_t n_rows, int64_t k, const int32_t *inverse,
                           const int64_t *idx, int64_t n, float *y) {

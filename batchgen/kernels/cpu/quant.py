@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType
 
 from . import c_build
 from .quant_formats import QUANT_FORMATS, format_of
-from .quant_panels import PANEL, inverse_int32, pack_panels, unpack_panels
+from .quant_panels import PANEL, inverse_int32, inverse_permutation, pack_panels, unpack_panels
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class QuantizedLinear(torch.nn.Module):
         ts = QUANT_FORMATS[self.qtype].type_size
         nb = self.in_features // block_size(self.qtype)
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
-        cols = inverse_int32(self.qtype).long().view(PANEL, ts)[index % PANEL]                            # [n, ts]
+        cols = inverse_permutation(self.qtype).view(PANEL, ts)[index % PANEL]                            # [n, ts]
         got = self.packed.view(-1, nb, PANEL * ts)[
             (index // PANEL).view(-1, 1, 1), torch.arange(nb).view(1, -1, 1), cols.view(-1, 1, ts)]
         return got.reshape(index.numel(), nb * ts)

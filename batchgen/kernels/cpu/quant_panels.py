@@ -2,8 +2,8 @@
 at a time (a panel, zero rows past the end), and within a panel, block by block, each field of
 the 16 rows' raw GGUF blocks interleaved unit by unit (``QuantFormat.fields``). A byte
 permutation of the file's bytes, never a widening: :func:`pack_panels` and its inverse
-:func:`unpack_panels`, and :func:`inverse_int32`, where each raw byte of one row sits (what the
-embedding's lookup reads).
+:func:`unpack_panels`, and :func:`inverse_permutation`, where each raw byte of one row sits
+(:func:`inverse_int32`: the same as the embedding's lookup reads it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 
 from .quant_formats import QUANT_FORMATS
 
-__all__ = ["PANEL", "pack_panels", "unpack_panels", "inverse_int32"]
+__all__ = ["PANEL", "pack_panels", "unpack_panels", "inverse_permutation", "inverse_int32"]
 
 PANEL = 16  # output columns per panel (quant.c's NR)
 
@@ -36,7 +36,9 @@ def _panel_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
+def inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Where byte ``t`` of column ``c``'s raw block sits in a panel's block, at
+    ``[c * type_size + t]`` (int64, for torch's indexing)."""
     perm = _panel_permutation(qtype)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel())
@@ -45,9 +47,8 @@ def _inverse_permutation(qtype: GGMLQuantizationType) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def inverse_int32(qtype: GGMLQuantizationType) -> torch.Tensor:
-    """Where byte ``t`` of column ``c``'s raw block sits in a panel's block, at
-    ``[c * type_size + t]``: int32, contiguous (``quant.c``'s lookup reads it)."""
-    return _inverse_permutation(qtype).to(torch.int32).contiguous()
+    """:func:`inverse_permutation` as ``quant.c``'s lookup reads it: int32, contiguous."""
+    return inverse_permutation(qtype).to(torch.int32).contiguous()
 
 
 def pack_panels(raw_rows: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -67,5 +68,5 @@ def unpack_panels(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, in_
     ts = QUANT_FORMATS[qtype].type_size
     nb = in_features // QUANT_FORMATS[qtype].block_size
     panels = packed.numel() // (PANEL * nb * ts)
-    blocks = packed.view(panels, nb, PANEL * ts)[..., _inverse_permutation(qtype)].view(panels, nb, PANEL, ts)
+    blocks = packed.view(panels, nb, PANEL * ts)[..., inverse_permutation(qtype)].view(panels, nb, PANEL, ts)
     return blocks.transpose(1, 2).reshape(panels * PANEL, nb * ts)[:n]
