@@ -7,8 +7,8 @@ round by round (the order flipped every other round), by setting the decoder for
 ``program`` aside and back. The same process, weights and caches, minutes apart at most: the
 ratio is the program's alone, not the machine's mood between two processes.
 
-Rows (``--models``, comma-separated): ``1b-q4_k`` (the random 1B Llama-shaped Q4_K file of
-``bench.model_shapes``), ``smollm2-q4_1`` (the embedded SmolLM2 file's Q4_1 blocks, ``gguf``
+Rows (``--models``, comma-separated): ``1b-q4_k`` and ``gemma2-2b-q4_k_m`` (the random 1B
+Llama-shaped Q4_K file and the Gemma-2-2B-shaped Q4_K_M file of ``bench.model_shapes``), ``smollm2-q4_1`` (the embedded SmolLM2 file's Q4_1 blocks, ``gguf``
 mode), ``smollm2-fp32`` and ``smollm2-bf16`` (the float folder), each at ``--batches``.
 
 A measurement: a greedy generation of ``--tokens`` + 1 tokens from ``batch`` 32-token prompts,
@@ -29,15 +29,17 @@ from bench.model_shapes import model_file
 from bench.quant_kernel import cpu_name
 from bench.records import machine
 
-MODELS = ("1b-q4_k", "smollm2-q4_1", "smollm2-fp32", "smollm2-bf16")
+MODELS = ("1b-q4_k", "gemma2-2b-q4_k_m", "smollm2-q4_1", "smollm2-fp32", "smollm2-bf16")
+#: The rows that are files of ``bench.model_shapes`` (``gguf`` mode).
+SHAPE_FILES = ("1b-q4_k", "gemma2-2b-q4_k_m")
 
 
 def load(name: str, threads: int):  # noqa: ANN201 - an LLM
     """The engine of row ``name``, its weights loaded once."""
     from batchgen import LLM
 
-    if name == "1b-q4_k":
-        return LLM(str(model_file("1b-q4_k")[0]), quantization="gguf", num_threads=threads)
+    if name in SHAPE_FILES:
+        return LLM(str(model_file(name)[0]), quantization="gguf", num_threads=threads)
     if name == "smollm2-q4_1":
         return LLM("smollm2-135m-instruct", quantization="gguf", num_threads=threads)
     dtype = {"smollm2-fp32": "float32", "smollm2-bf16": "bfloat16"}[name]

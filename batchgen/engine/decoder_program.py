@@ -15,9 +15,13 @@ Which models: a decoder whose layers all are
 backend, each layer's projections :class:`~batchgen.kernels.cpu.linear.PackedLinear` of the
 model's dtype (float32, or bfloat16 / float16 where the build has the fused ops' 16-bit entry
 points) or, in float32, :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (or a
-ConcatLinear of them: a Q4_K_M file's mixed q/k/v), per-head q/k norms (Qwen3) only as fused
-RMSNorms, and no LoRA (whose layers read the step's rows by position). :func:`install` builds it once, after the model's layers are final (the
-runner calls it after LoRA's wrapping); anything else keeps the Python layers.
+ConcatLinear of them: a Q4_K_M file's mixed q/k/v), per-head q/k norms (Qwen3, Gemma 3) only
+as fused RMSNorms, and no LoRA (whose layers read the step's rows by position). Either layer
+form of :data:`~batchgen.engine.fused_decoder.LAYER_FORMS` (Gemma's sandwich norms too), any
+activation of :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS`, and up to four rotary tables
+(Gemma 3's local and global RoPE), each layer rotating by its own. :func:`install` builds it
+once, after the model's layers are final (the runner calls it after LoRA's wrapping); anything
+else keeps the Python layers.
 
 Which steps: steps whose every row is a decode (one query per sequence), at most
 :attr:`DecoderProgram.max_rows` rows (the MLP's slice: the Python MLP would split more rows),
@@ -31,6 +35,7 @@ from typing import Any
 
 import torch
 
+from batchgen.engine.fused_attention import FusedAttention
 from batchgen.engine.fused_decoder import FusedDecoderLayer, LeanDecoderForward
 from batchgen.engine.fused_layers import ConcatLinear, FusedGatedMLP, FusedRMSNorm
 from batchgen.engine.paged_attention import AttentionMetadata
@@ -51,10 +56,22 @@ def _norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> tuple[int, f
     return w.data_ptr(), norm.variance_epsilon
 
 
-def _layer(layer: FusedDecoderLayer, kernels: dict, dtype: torch.dtype) -> cdecoder.Layer | None:
-    """The C layer of ``layer``, or None where the program cannot run it as the Python layer runs."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(mlp) is not FusedGatedMLP:
+def _norms(layer: FusedDecoderLayer, hidden: int, dtype: torch.dtype) -> dict[str, tuple[int, float] | None] | None:
+    """Each norm role's ``(weight address, eps)`` (``(None, 0.0)`` where the form lacks it), or
+    None where one is not a fused norm of this width and dtype."""
+    found: dict[str, tuple[int, float] | None] = {}
+    for role in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
+        norm = layer.role(role)
+        found[role] = (None, 0.0) if norm is None and role.endswith("out_norm") else (
+            _norm(norm, hidden, dtype) if type(norm) is FusedRMSNorm else None)
+    return None if None in found.values() else found
+
+
+def _layer(layer: FusedDecoderLayer, rope: int, kernels: dict, dtype: torch.dtype) -> cdecoder.Layer | None:
+    """The C layer of ``layer`` (rotating by the step's table ``rope``), or None where the
+    program cannot run it as the Python layer runs."""
+    attn, mlp = layer.role("attn"), layer.role("mlp")
+    if type(mlp) is not FusedGatedMLP or type(attn) is not FusedAttention:
         return None
     d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
     linears = [cdecoder.linear(_parts(m), kernels, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -63,18 +80,21 @@ def _layer(layer: FusedDecoderLayer, kernels: dict, dtype: torch.dtype) -> cdeco
         return None
     qkv, o, gate_up, down = linears
     hidden = qkv.k
-    norms = (_norm(layer.input_layernorm, hidden, dtype), _norm(layer.post_attention_layernorm, hidden, dtype))
+    norms = _norms(layer, hidden, dtype)
     head_norms = (None, 0.0), (None, 0.0)
     if attn.qk_norms:
         head_norms = tuple(_norm(n, d, dtype) if type(n) is FusedRMSNorm else None for n in (attn.q_norm, attn.k_norm))
     shapes_fit = (qkv.n == (heads + 2 * kv) * d and o.k == heads * d and o.n == hidden and gate_up.k == hidden
                   and gate_up.n % 2 == 0 and down.k == gate_up.n // 2 and down.n == hidden)
-    if None in norms or None in head_norms or not shapes_fit:
+    if norms is None or None in head_norms or not shapes_fit:
         return None
     options = attn.options
-    return cdecoder.Layer(norm1=norms[0][0], norm2=norms[1][0], eps1=norms[0][1], eps2=norms[1][1],
-                          q_norm=head_norms[0][0], k_norm=head_norms[1][0], q_eps=head_norms[0][1],
-                          k_eps=head_norms[1][1], qkv=qkv, o=o, gate_up=gate_up, down=down, heads=heads, kv_heads=kv,
+    return cdecoder.Layer(norm1=norms["attn_norm"][0], norm2=norms["mlp_norm"][0], eps1=norms["attn_norm"][1],
+                          eps2=norms["mlp_norm"][1], q_norm=head_norms[0][0], k_norm=head_norms[1][0],
+                          q_eps=head_norms[0][1], k_eps=head_norms[1][1], attn_out_norm=norms["attn_out_norm"][0],
+                          mlp_out_norm=norms["mlp_out_norm"][0], attn_out_eps=norms["attn_out_norm"][1],
+                          mlp_out_eps=norms["mlp_out_norm"][1], act=cpu_fused.ACTIVATIONS[mlp.activation][0],
+                          rope=rope, qkv=qkv, o=o, gate_up=gate_up, down=down, heads=heads, kv_heads=kv,
                           head_dim=d, scale=options.scale, soft_cap=options.logits_soft_cap or 0.0,
                           window=options.sliding_window or 0)
 
@@ -94,27 +114,33 @@ class DecoderProgram:
 
     @classmethod
     def build(cls, decoder: torch.nn.Module, dtype: torch.dtype) -> tuple[DecoderProgram | None, str]:
-        """The program of ``decoder`` (``model.model``) computing in ``dtype``, or None and why not."""
+        """The program of ``decoder`` (``model.model``, whose forward is a
+        :class:`~batchgen.engine.fused_decoder.LeanDecoderForward`) computing in ``dtype``, or
+        None and why not."""
         layers = list(decoder.layers)
+        ropes = decoder.forward.layer_rope
+        if len(decoder.forward.rope_keys) > cdecoder.MAX_ROPES:
+            return None, f"more than {cdecoder.MAX_ROPES} rotary tables"
         if not layers or not all(type(layer) is FusedDecoderLayer for layer in layers):
             return None, "not every decoder layer is fused"
         if dtype not in DTYPES or (dtype is not torch.float32 and not cpu_fused.load_fused().batchgen_fused_has_16()):
             return None, f"{dtype} rows, which this build's fused ops do not run"
         kernels: dict = {}
-        built = [_layer(layer, kernels, dtype) for layer in layers]
+        built = [_layer(layer, rope, kernels, dtype) for layer, rope in zip(layers, ropes)]
         if any(c is None for c in built):
             return None, "a layer the program does not run (LoRA, or a linear or norm of another kind)"
-        first = layers[0].self_attn
-        if any(layer.self_attn.head_dim != first.head_dim or layer.self_attn.num_heads // layer.self_attn.num_kv_heads
-               != first.num_heads // first.num_kv_heads for layer in layers):
+        attns = [layer.role("attn") for layer in layers]
+        first = attns[0]
+        if any(a.head_dim != first.head_dim or a.num_heads // a.num_kv_heads != first.num_heads // first.num_kv_heads
+               for a in attns):
             return None, "layers of several attention shapes"
         try:
             lib = cdecoder.load()
             entry = cdecoder.entry(kernels, first.head_dim, first.num_heads // first.num_kv_heads)
         except (c_build.CpuKernelError, RuntimeError) as exc:
             return None, str(exc).splitlines()[0]
-        max_rows = min(layer.mlp.slice_rows(dtype.itemsize) for layer in layers)
-        return cls(lib, entry, built, [layer.self_attn.layer_idx for layer in layers], max_rows, dtype), ""
+        max_rows = min(layer.role("mlp").slice_rows(dtype.itemsize) for layer in layers)
+        return cls(lib, entry, built, [a.layer_idx for a in attns], max_rows, dtype), ""
 
     def _bind_cache(self, meta: AttentionMetadata) -> None:
         """Each layer's K/V pools, whenever the cache is another tensor than the last step's."""
@@ -128,31 +154,36 @@ class DecoderProgram:
             layer.kv_dtype = DTYPES[k.dtype]
         self._cache_ptr = ptr
 
-    def runs(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether :meth:`run` takes this step (see the module docstring)."""
+    def runs(self, hidden: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> bool:
+        """Whether :meth:`run` takes this step (see the module docstring); ``tables``: the step's
+        cos/sin, one pair per rotary table (:class:`~batchgen.engine.fused_decoder.LeanDecoderForward`)."""
         m = hidden.shape[-2]
         return (meta.num_decode_tokens == m and 0 < m <= self.max_rows and meta.seen is None
-                and hidden.dtype is self.dtype and hidden.is_contiguous() and cos.dtype is self.dtype
-                and cos.is_contiguous() and sin.is_contiguous() and meta.kv_cache.is_contiguous()
+                and hidden.dtype is self.dtype and hidden.is_contiguous()
+                and all(t.dtype is self.dtype and t.is_contiguous() and t.shape[-1] == tables[0][0].shape[-1]
+                        for pair in tables for t in pair)
+                and meta.kv_cache.is_contiguous()
                 and (meta.kv_cache.dtype is torch.float32 or self._has_16)
                 and meta.slot_mapping.dtype is torch.int64 and meta.slot_mapping.is_contiguous())
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
+    def run(self, hidden: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> None:
         """Every layer over ``hidden`` (``[1, m, H]``, updated in place) for a step :meth:`runs`
-        takes.
+        takes, with the step's cos/sin ``tables``.
 
         Raises:
             ValueError: a kernel refused its arguments (as the Python layer's would).
             MemoryError: no memory for a scratch buffer.
         """
         self._bind_cache(meta)
-        tables = cpu_attention.as_int32(meta.decode_block_tables)
+        blocks = cpu_attention.as_int32(meta.decode_block_tables)
         lens = cpu_attention.as_int32(meta.decode_context_lens)
         step = self._step
-        step.m, step.cos, step.sin = hidden.shape[-2], cos.data_ptr(), sin.data_ptr()
-        step.ldc = step.lds = cos.shape[-1]
-        step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr()
-        step.max_blocks = tables.shape[1]
+        step.m = hidden.shape[-2]
+        for i, (cos, sin) in enumerate(tables):
+            step.cos[i], step.sin[i] = cos.data_ptr(), sin.data_ptr()
+        step.ldc = step.lds = tables[0][0].shape[-1]
+        step.slots, step.tables, step.lens = meta.slot_mapping.data_ptr(), blocks.data_ptr(), lens.data_ptr()
+        step.max_blocks = blocks.shape[1]
         status, where, layer = cdecoder.run(self.lib, self.entry, self.layers, step, hidden)
         if status:
             raise self._error(status, where, layer)

@@ -24,7 +24,7 @@ the layer it comes from computes it, so the merged layer gives the separate laye
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -116,14 +116,46 @@ class ConcatLinear(torch.nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+#: The forms of RMSNorm weight a fused norm is tried in, in order (name, the dtypes it may take,
+#: the weight the fused norm multiplies by): Llama's ``weight * x̂``, and Gemma's
+#: ``(1 + weight) * x̂`` (computed in float32, so only a float32 model's fused norm reproduces
+#: it: in 16 bits the sum would be rounded once more than Gemma rounds it).
+NORM_FORMS = (("weight", (torch.float32, torch.bfloat16, torch.float16), lambda w: w),
+              ("one_plus_weight", (torch.float32,), lambda w: 1.0 + w))
+
+
+def norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float] | None:
+    """``(weight, eps)`` if ``module`` looks like an RMSNorm (a ``*RMSNorm`` with a 1-D CPU
+    weight the C ops run and a float ``variance_epsilon`` or ``eps``); which form it computes is
+    left to the fusion probe (:meth:`FusedRMSNorm.forms`)."""
+    if not type(module).__name__.endswith("RMSNorm"):
+        return None
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1
+            or not cpu_fused.supported(weight.dtype) or weight.device.type != "cpu"
+            or not weight.is_contiguous() or not isinstance(eps, float)):
+        return None
+    return weight, eps
+
+
 class FusedRMSNorm(torch.nn.Module):
     """An RMSNorm (``weight * x / sqrt(mean(x²) + eps)``) in one C pass
-    (:func:`~batchgen.kernels.cpu.fused.rms_norm`); keeps the weight."""
+    (:func:`~batchgen.kernels.cpu.fused.rms_norm`); keeps the weight it multiplies by (for
+    Gemma's norms, ``1 + w``: :data:`NORM_FORMS`)."""
 
     def __init__(self, weight: torch.nn.Parameter, eps: float) -> None:
         super().__init__()
         self.weight = weight
         self.variance_epsilon = float(eps)
+
+    @classmethod
+    def forms(cls, weight: torch.nn.Parameter, eps: float) -> Iterator["FusedRMSNorm"]:
+        """A fused norm for each of :data:`NORM_FORMS` that takes ``weight``'s dtype, in order."""
+        for _, dtypes, scale in NORM_FORMS:
+            if weight.dtype in dtypes:
+                with torch.no_grad():
+                    yield cls(torch.nn.Parameter(scale(weight.detach()), requires_grad=False), eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
@@ -141,11 +173,27 @@ class FusedRMSNorm(torch.nn.Module):
 SLICE_BYTES = 16 * 2**20
 
 
+def activation_of(act: Any) -> str | None:
+    """The :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS` row that the module's activation
+    ``act`` computes (told by its values on a probe range, not by its name: HF spells SiLU and
+    GELU-tanh several ways), or None for another function."""
+    probe = torch.linspace(-10.0, 10.0, 201)
+    try:
+        with torch.no_grad():
+            got = act(probe)
+    except Exception:  # noqa: BLE001 - not a plain element-wise function of one tensor
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    return next((name for name, (_, fn) in cpu_fused.ACTIVATIONS.items()
+                 if torch.allclose(got, fn(probe), rtol=1e-6, atol=1e-7)), None)
+
+
 class FusedGatedMLP(torch.nn.Module):
-    """``down(silu(gate(x)) * up(x))``: gate and up as one layer (:func:`merge_linears`; Phi-3's
-    ``gate_up_proj`` already is one, the gate first), the fused SiLU·up
-    (:func:`~batchgen.kernels.cpu.fused.silu_mul`), then the down projection (packed, or kept
-    quantized). The layers given are not kept.
+    """``down(act(gate(x)) * up(x))``: gate and up as one layer (:func:`merge_linears`; Phi-3's
+    ``gate_up_proj`` already is one, the gate first), the fused act·up
+    (:func:`~batchgen.kernels.cpu.fused.gated_mul`: SiLU, or Gemma's GELU-tanh), then the down
+    projection (packed, or kept quantized). The layers given are not kept.
 
     Many rows (a prefill chunk) go through in slices of :attr:`slice_rows` rows (whole panels
     of 16, :data:`SLICE_BYTES` of gate/up output): each row's result is the same bits either
@@ -157,21 +205,29 @@ class FusedGatedMLP(torch.nn.Module):
         gate_up: the gate and up layers, or the one layer holding both (gate first).
         down: the down projection.
         names: the projections ``gate_up`` holds, for :meth:`merged_projections`.
+        activation: the :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS` row of the gate.
     """
 
     def __init__(self, gate_up: Sequence[torch.nn.Module], down: torch.nn.Module,
-                 names: tuple[str, ...] = ("gate_proj", "up_proj")) -> None:
+                 names: tuple[str, ...] = ("gate_proj", "up_proj"), activation: str = "silu") -> None:
         super().__init__()
+        if activation not in cpu_fused.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; known: {', '.join(cpu_fused.ACTIVATIONS)}")
         self.gate_up_proj = merge_linears(gate_up)
         self.down_proj = merge_linears([down])
         self._names = names
+        self.activation = activation
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> "FusedGatedMLP":
         """The fused MLP of a module :func:`mlp_candidate` takes."""
         if hasattr(module, "gate_up_proj"):
-            return cls([module.gate_up_proj], module.down_proj, ("gate_up_proj",))
-        return cls([module.gate_proj, module.up_proj], module.down_proj)
+            return cls([module.gate_up_proj], module.down_proj, ("gate_up_proj",),
+                       activation_of(module.activation_fn) or "silu")
+        return cls([module.gate_proj, module.up_proj], module.down_proj, activation=activation_of(module.act_fn) or "silu")
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
 
     def slice_rows(self, element_size: int = 4) -> int:
         """Rows per slice: :data:`SLICE_BYTES` of gate/up output in elements of
@@ -186,7 +242,7 @@ class FusedGatedMLP(torch.nn.Module):
         return "gate_up_proj", tuple((name, width) for name in self._names)
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(cpu_fused.gated_mul(self.gate_up_proj(x), self.activation))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.slice_rows(x.element_size())
@@ -206,15 +262,16 @@ class FusedGatedMLP(torch.nn.Module):
 def mlp_candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether :meth:`FusedGatedMLP.of` takes ``module``: ``gate_proj``/``up_proj``/``down_proj``
     and an ``act_fn`` (Llama), or ``gate_up_proj``/``down_proj`` and an ``activation_fn``
-    (Phi-3: gate then up in one linear); linears that merge and widths that fit (whether the
-    activation is SiLU, and the order of gate and up, are left to the fusion probe)."""
+    (Phi-3: gate then up in one linear), the activation one of
+    :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS` (:func:`activation_of`); linears that merge
+    and widths that fit (the order of gate and up is left to the fusion probe)."""
     down = getattr(module, "down_proj", None)
     if hasattr(module, "gate_up_proj"):
         gate_up = module.gate_up_proj
-        return (hasattr(module, "activation_fn") and mergeable([gate_up], dtype) and mergeable([down], dtype)
-                and gate_up.out_features == 2 * down.in_features)
+        return (activation_of(getattr(module, "activation_fn", None)) is not None and mergeable([gate_up], dtype)
+                and mergeable([down], dtype) and gate_up.out_features == 2 * down.in_features)
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj")]
-    if not hasattr(module, "act_fn") or not all(mergeable([p], dtype) for p in (*parts, down)):
+    if activation_of(getattr(module, "act_fn", None)) is None or not all(mergeable([p], dtype) for p in (*parts, down)):
         return False
     gate, up = parts
     return mergeable([gate, up], dtype) and gate.out_features == up.out_features == down.in_features

@@ -152,8 +152,9 @@ def test_windows_change_the_tokens_the_reference_would_give_without_them(arch) -
 
 def test_the_cpu_path_fuses_every_attention_layer_it_can(arch) -> None:
     # the runs above went through the fused attention: every layer (Phi-3's one qkv_proj
-    # too), with each layer's window and soft cap as HF passes them; and Llama-like layers
-    # (Phi-3's with its dropouts around the residual adds) by the lean decoder-layer forward
+    # too), with each layer's window and soft cap as HF passes them; and every decoder layer
+    # (Phi-3's with its dropouts around the residual adds, Gemma's with its norms around the
+    # attention's and the MLP's outputs) by the lean decoder-layer forward
     from batchgen.engine.fused_attention import FusedAttention
     from batchgen.engine.fused_decoder import FusedDecoderLayer
 
@@ -163,8 +164,9 @@ def test_the_cpu_path_fuses_every_attention_layer_it_can(arch) -> None:
     layers = [layer.self_attn for layer in llm.runner.model.model.layers]
     fused = [isinstance(layer, FusedAttention) for layer in layers]
     assert fused == [True] * len(layers), model_type
-    if model_type in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
-        assert all(type(layer) is FusedDecoderLayer for layer in llm.runner.model.model.layers), model_type
+    decoder_layers = llm.runner.model.model.layers
+    assert all(type(layer) is FusedDecoderLayer for layer in decoder_layers), model_type
+    assert {layer.form for layer in decoder_layers} == {"sandwich" if "gemma" in model_type else "pre_norm"}
     for i, layer in enumerate(layers):
         if isinstance(layer, FusedAttention):
             kinds = getattr(config, "layer_types", None)

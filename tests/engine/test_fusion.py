@@ -3,7 +3,8 @@
 (tests/engine/test_fused_attention.py), GGUF's quantized layers too (tests/gguf/test_gguf_fusion.py).
 
 Norms and gated MLPs of a tiny Llama are fused and the model's logits stay within float32
-rounding; Gemma's norm (``1 + weight``) and GELU MLP fail the probe and stay. Merging
+rounding, and Gemma's (its norm scales by ``1 + weight``, its MLP gates by GELU-tanh) in
+float32; a norm or an activation of other semantics stays. Merging
 ``nn.Linear`` layers gives each output column the bits the packed layer alone gives. A machine
 where the C ops cannot be built skips with that reason.
 """
@@ -58,16 +59,56 @@ def test_norms_and_mlps_of_a_llama_are_fused(tiny_model) -> None:
     assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 
-def test_other_semantics_are_left_alone(tiny_model) -> None:
-    """Gemma's norm scales by 1 + weight and its MLP uses GELU: the probe rejects both."""
+def test_gemma_norms_and_gelu_mlps_are_fused_in_float32(tiny_model) -> None:
+    """Gemma's norm scales by ``1 + weight`` (the second of fused_layers.NORM_FORMS) and its MLP gates by
+    GELU-tanh: both fuse in float32, and the logits stay within rounding."""
     model = _load(tiny_model("gemma", head_dim=16))
     ids = torch.tensor([[5, 9, 31, 77]])
     before = _logits(model, ids)
+    weight = model.model.norm.weight.detach().clone()
     counts = fusion.fuse_model(model, kinds=NORMS_AND_MLPS)
-    assert counts["rms_norm"] == counts["gated_mlp"] == 0
-    assert counts["rejected"] == 2 * 2 + 1 + 2
-    assert not any(isinstance(m, (FusedRMSNorm, FusedGatedMLP)) for m in model.modules())
-    assert torch.equal(_logits(model, ids), before)
+    assert counts["rms_norm"] == 2 * 2 + 1 and counts["gated_mlp"] == 2 and counts["rejected"] == 0
+    assert torch.equal(model.model.norm.weight, 1.0 + weight)
+    assert {layer.mlp.activation for layer in model.model.layers} == {"gelu_tanh"}
+    after = _logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+class ScaledRMSNorm(torch.nn.Module):
+    """An RMSNorm by its attributes that computes another function: ``3 w x̂`` (with w = 1, ``2 w x̂``
+    would be Gemma's form)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(weight.clone()), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3 * self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def test_other_semantics_are_left_alone(tiny_model) -> None:
+    """A norm of neither form fails the probe and stays; an MLP gated by an activation of no
+    ACTIVATIONS row (exact GELU) is no candidate; Gemma's ``1 + weight`` norms in bfloat16
+    (where the fused norm would round the sum once more) fail the probe."""
+    model = _load(tiny_model("llama"))
+    model.model.norm = ScaledRMSNorm(model.model.norm.weight.detach(), 1e-6)
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    ids = torch.tensor([[5, 9, 31, 77]])
+    before = _logits(model, ids)
+    counts = fusion.fuse_model(model, kinds=NORMS_AND_MLPS)
+    assert counts["rms_norm"] == 2 * 2 and counts["gated_mlp"] == 1 and counts["rejected"] == 1
+    assert type(model.model.norm) is ScaledRMSNorm and not isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    assert fused_layers.activation_of(torch.nn.GELU()) is None
+    assert fused_layers.activation_of(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
+    assert fused_layers.activation_of(torch.nn.SiLU()) == "silu"
+
+    gemma = _load(tiny_model("gemma", head_dim=16)).to(torch.bfloat16)
+    gemma.model.norm.weight.data.uniform_(-0.5, 0.5)  # 1 + w rounds in bfloat16
+    counts = fusion.fuse_model(gemma, kinds=("rms_norm",))
+    assert counts["rms_norm"] == 0 and counts["rejected"] >= 1
+    assert not isinstance(gemma.model.norm, FusedRMSNorm)
 
 
 def test_kinds_left_out_stay_and_unknown_kinds_are_refused(tiny_model) -> None:

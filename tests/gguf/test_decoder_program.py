@@ -4,9 +4,10 @@ step's layers in one C call, calling the kernels the fused Python layers call, i
 Pinned: with the program and without it (the same engine, its ``program`` set aside), greedy
 tokens, logprobs and cumulative logprobs are equal bit for bit, on tiny random Llamas in GGUF
 blocks (Q8_0 throughout; Q4_K with Q6_K attn_v and ffn_up, so that q/k/v and gate/up are
-ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases), Mistral (a sliding window) and Phi-3
-(fused q/k/v and gate/up) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16 and Qwen2 in
-float16; the program really ran the decode
+ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases), Mistral (a sliding window), Phi-3
+(fused q/k/v and gate/up), Gemma 2 and Gemma 3 (sandwich norms, GELU-tanh, soft caps, two RoPE
+tables) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16
+and Qwen2 in float16; the program really ran the decode
 steps; it is not installed where it cannot run a layer as Python does (LoRA, the torch
 attention backend); a kernel's refusal reaches the caller as the Python layer's error would.
 """
@@ -73,11 +74,18 @@ def test_the_program_gives_the_python_layers_bits_on_gguf_blocks(name, tmp_path,
 @pytest.mark.parametrize("model_type, overrides, dtype", [
     ("llama", {}, "float32"), ("qwen2", {}, "float32"), ("mistral", {"sliding_window": 8}, "float32"),
     ("qwen3", {}, "float32"), ("phi3", {"pad_token_id": 0}, "float32"), ("llama", {}, "bfloat16"),
-    ("qwen2", {}, "float16"), ("qwen3", {}, "bfloat16")])
+    ("qwen2", {}, "float16"), ("qwen3", {}, "bfloat16"),
+    ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 8.0, "num_hidden_layers": 3}, "float32"),
+    ("gemma3_text", {"sliding_window": 8, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}, "float32")])
 def test_the_program_gives_the_python_layers_bits_on_a_float_model(tiny_model, model_type, overrides, dtype,
                                                                    monkeypatch) -> None:
     """Llama; Qwen2 (q/k/v biases); Mistral with a window shorter than the prompts; Qwen3 (per-head
-    q/k norms); Phi-3 (one qkv_proj, one gate_up_proj, dropouts around the residual adds); 16-bit rows (their norms, SiLU·up and residual adds rounded as torch rounds them)."""
+    q/k norms); Phi-3 (one qkv_proj, one gate_up_proj, dropouts around the residual adds); Gemma 2
+    (the sandwich norms as ``1 + w``, GELU-tanh, soft caps, alternating windows) and Gemma 3
+    (q/k norms, local and global RoPE tables); 16-bit rows (their norms, SiLU·up and residual
+    adds rounded as torch rounds them)."""
     if dtype != "float32" and not cpu_fused.load_fused().batchgen_fused_has_16():
         pytest.skip("this build of the fused ops has no 16-bit entry points (no AVX2 and F16C)")
     llm = LLM(tiny_model(model_type, head_dim=16, **overrides), linear_backend="cpu", block_size=16,
@@ -99,9 +107,9 @@ def test_a_kernels_refusal_names_the_layer_and_the_kernel(tiny_model, monkeypatc
     program = llm.runner.model.model.forward.program
     run = program.run
 
-    def bad_slot(hidden, cos, sin, meta):
+    def bad_slot(hidden, tables, meta):
         meta.slot_mapping.fill_(10**9)  # outside the cache
-        return run(hidden, cos, sin, meta)
+        return run(hidden, tables, meta)
 
     monkeypatch.setattr(program, "run", bad_slot)
     with pytest.raises(Exception) as caught:

@@ -6,8 +6,8 @@ shared with the CUDA kernels.)
 * :func:`linear` / :func:`linear_error_bound`: ``x W^T + b`` exactly (float64), rounded once to
   the output dtype; the kernel's float32 sum stays within ``(k + 2) eps32 |x| |W|^T`` of the
   exact value, plus the output's own rounding in a 16-bit dtype.
-* :func:`rms_norm`, :func:`silu_mul`: HF's ``LlamaRMSNorm`` and the gated MLP's ``silu(g) * u``,
-  with torch's roundings in bfloat16 / float16.
+* :func:`rms_norm`, :func:`gated_mul`: HF's ``LlamaRMSNorm`` and the gated MLP's ``act(g) * u``
+  (SiLU, or GELU's tanh form), with torch's roundings in bfloat16 / float16.
 * :func:`greedy`: each row's argmax (first index on ties) and its log-probability.
 * :func:`rope_and_cache`: HF's ``apply_rotary_pos_emb`` (rotate-half) on the query and key heads
   of a fused q/k/v projection, then the key and value heads written into the paged cache.
@@ -46,11 +46,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * t.to(dtype)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` for ``gate_up = cat([g, u], -1)``, as two torch ops (each rounding to the
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(g) * u`` for ``gate_up = cat([g, u], -1)``, as two torch ops (each rounding to the
     tensor's dtype)."""
     g, u = gate_up.chunk(2, dim=-1)
-    return F.silu(g) * u
+    return ACTIVATIONS[activation](g) * u
 
 
 def greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -175,7 +175,7 @@ def load_fused(isa: str):
 
 
 def fused_outputs(lib, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
-    """RMSNorm (alone and after a residual add), SiLU·up, RoPE + cache write (and for float32
+    """RMSNorm (alone and after a residual add), SiLU·up and GELU-tanh·up, RoPE + cache write (and for float32
     the greedy pick) of one random problem, in ``dtype``, through ``lib``."""
     from batchgen.kernels.cpu.linear import DTYPES
 
@@ -186,20 +186,23 @@ def fused_outputs(lib, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
     gu = (torch.randn(m, 2 * width, generator=gen) * 4).to(dtype)
     h = (torch.randn(m, width, generator=gen) * 3).to(dtype)
     code = DTYPES[dtype]
-    norm, act = torch.empty_like(x), torch.empty(m, width, dtype=dtype)
+    norm, act, gelu = torch.empty_like(x), torch.empty(m, width, dtype=dtype), torch.empty(m, width, dtype=dtype)
     total, added = torch.empty_like(x), torch.empty_like(x)
     args = (x.data_ptr(), width, w.data_ptr(), norm.data_ptr(), width, m, width, 1e-5)
     add_args = (x.data_ptr(), width, h.data_ptr(), width, w.data_ptr(), total.data_ptr(), added.data_ptr(), m,
                 width, 1e-5)
     gu_args = (gu.data_ptr(), 2 * width, act.data_ptr(), width, m, width)
+    gelu_args = (gu.data_ptr(), 2 * width, gelu.data_ptr(), width, m, width)
     if dtype is torch.float32:
         lib.batchgen_rms_norm_f32(*args)
         lib.batchgen_add_rms_norm_f32(*add_args)
-        lib.batchgen_silu_mul_f32(*gu_args)
+        lib.batchgen_gated_mul_f32(*gu_args, 0)
+        lib.batchgen_gated_mul_f32(*gelu_args, 1)
     else:
         lib.batchgen_rms_norm_16(*args, code)
         lib.batchgen_add_rms_norm_16(*add_args, code)
-        lib.batchgen_silu_mul_16(*gu_args, code)
+        lib.batchgen_gated_mul_16(*gu_args, code, 0)
+        lib.batchgen_gated_mul_16(*gelu_args, code, 1)
     qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angle = torch.rand(m, d, generator=gen) * 6.3
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
@@ -209,7 +212,7 @@ def fused_outputs(lib, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
     assert lib.batchgen_rope_cache(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), d, sin.data_ptr(), d,
                                    k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), m + 2, m,
                                    heads, kv_heads, d, code, code) == 0
-    outs = [norm, total, added, act, qkv, k_cache, v_cache]
+    outs = [norm, total, added, act, gelu, qkv, k_cache, v_cache]
     if dtype is torch.float32:
         logits = torch.randn(m, width * 5, generator=gen) * 4
         ids, maxes, lse = torch.empty(m, dtype=torch.int64), torch.empty(m), torch.empty(m)

@@ -1,8 +1,8 @@
 """The fused CPU ops (``kernels/cpu/fused.c``): RMSNorm (alone and after a residual add),
-SiLU·up, RoPE with the cache write, the greedy pick, the prompt logprobs' logsumexp and rank.
+act·up (SiLU and GELU-tanh), RoPE with the cache write, the greedy pick, the prompt logprobs' logsumexp and rank.
 
 Each op is checked against its torch reference (``kernels/cpu/reference.py``, the torch ops it
-replaces), in float32 and, for RMSNorm and SiLU·up, bfloat16 and float16, including the edges
+replaces), in float32 and, for RMSNorm and act·up, bfloat16 and float16, including the edges
 of its ``exp`` (overflow, underflow, NaN) and argmax ties across vector lanes; rows are
 bit-identical at any thread count and alone or in a batch. The layers built on them and the
 model's fusion are the engine's (tests/engine/test_fusion.py, test_fused_attention.py). A
@@ -10,6 +10,8 @@ machine where the library cannot be built skips with that reason.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -27,12 +29,12 @@ _torch_rms_norm = reference.rms_norm
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
-def _assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+def _assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
     """Equal, or one unit in the last place apart (a float32 sum in another order can land a
-    value on the other side of a 16-bit rounding boundary); mostly equal."""
+    value on the other side of a 16-bit rounding boundary), or ``ulps``; mostly equal."""
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.float(), want.float()
-    ulp = ULP[got.dtype] * w.abs().clamp_min(torch.finfo(got.dtype).tiny)
+    ulp = ulps * ULP[got.dtype] * w.abs().clamp_min(torch.finfo(got.dtype).tiny)
     assert bool(((g - w).abs() <= ulp).all()), f"max diff {(g - w).abs().max():.3e}"
     assert (got == want).float().mean() >= 0.99
 
@@ -40,15 +42,24 @@ def _assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 @needs_lib
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [1, 7, 8, 17, 576])
-def test_16_bit_rms_norm_and_silu_mul_round_as_torch_does(dtype, width) -> None:
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_16_bit_rms_norm_and_gated_mul_round_as_torch_does(dtype, width, activation) -> None:
     gen = torch.Generator().manual_seed(width)
     x = (torch.randn(13, width, generator=gen) * 3).to(dtype)
     weight = torch.randn(width, generator=gen).to(dtype)
     _assert_within_one_ulp(cpu_fused.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
     gu = (torch.randn(13, 2 * width, generator=gen) * 4).to(dtype)
-    _assert_within_one_ulp(cpu_fused.silu_mul(gu), reference.silu_mul(gu))
+    got, want = cpu_fused.gated_mul(gu, activation), reference.gated_mul(gu, activation)
+    # torch's GELU-tanh loses 1 + tanh(z) to cancellation below g = -3 (0 below about -5); the
+    # kernel's g sigmoid(2z) keeps it: there the two differ by torch's error, not by one ulp
+    clean = gu[:, :width] > -3.0 if activation == "gelu_tanh" else torch.ones_like(got, dtype=torch.bool)
+    # an activation one ulp off (its float32 value an ulp from a 16-bit tie), times u, rounds
+    # up to two ulps off
+    _assert_within_one_ulp(got[clean], want[clean], ulps=2)
+    diff, u = (got.float() - want.float()).abs(), gu[:, width:].float().abs()
+    assert bool((diff <= ULP[dtype] * want.float().abs() + 1e-6 * u)[~clean].all())
     special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 5.0, 1.0, 1.0, 1.0, float("nan")]]).to(dtype)
-    got, want = cpu_fused.silu_mul(special)[0], reference.silu_mul(special)[0]
+    got, want = cpu_fused.gated_mul(special, activation)[0], reference.gated_mul(special, activation)[0]
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
@@ -61,13 +72,13 @@ def test_rows_are_bit_identical_at_any_thread_count(kernel_threads, dtype) -> No
     gu = torch.randn(70, 1200, generator=gen).to(dtype)
     logits = torch.randn(40, 3000, generator=gen)
     kernel_threads(1)
-    want = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.silu_mul(gu), cpu_fused.greedy(logits)
+    want = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.gated_mul(gu), cpu_fused.greedy(logits)
     for n in (2, 3):
         kernel_threads(n)
-        got = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.silu_mul(gu), cpu_fused.greedy(logits)
+        got = cpu_fused.rms_norm(x, weight, 1e-6), cpu_fused.gated_mul(gu), cpu_fused.greedy(logits)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
         assert torch.equal(cpu_fused.rms_norm(x[33:34], weight, 1e-6)[0], want[0][33])
-        assert torch.equal(cpu_fused.silu_mul(gu[69:])[0], want[1][69])
+        assert torch.equal(cpu_fused.gated_mul(gu[69:])[0], want[1][69])
 
 
 @needs_lib
@@ -124,40 +135,57 @@ def test_add_rms_norm_contract_violations_raise() -> None:
         cpu_fused.add_rms_norm(torch.zeros(2, 5), torch.zeros(2, 5), torch.ones(4), 1e-6)
 
 
+#: Each activation as ``g sigmoid(a(g))``: its argument ``a``, for an exact float64 reference
+#: that does not cancel (torch's ``0.5 g (1 + tanh z)`` loses ``1 + tanh z`` for negative ``g``,
+#: in float64 too, from about g = -10).
+SIGMOID_ARG = {"silu": lambda g: g, "gelu_tanh": lambda g: 2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)}
+
+
 @needs_lib
-def test_silu_mul_matches_torch_including_the_edges_of_exp() -> None:
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mul_matches_torch_including_the_edges_of_exp(activation) -> None:
     g = torch.cat([torch.linspace(-110, 110, 20001),
-                   torch.tensor([-88.73, -88.72, -88.5, -87.4, -87.3, 87.4, 88.5, 88.8, 0.0, -0.0])])
+                   torch.tensor([-88.73, -88.72, -88.5, -87.4, -87.3, 87.4, 88.5, 88.8, 0.0, -0.0, 1e13, -1e13])])
     gen = torch.Generator().manual_seed(2)
     u = torch.randn(g.shape, generator=gen)
-    got = cpu_fused.silu_mul(torch.cat([g, u])[None])[0]
-    want = reference.silu_mul(torch.cat([g, u])[None])[0]
-    err = (got - want).abs()
-    assert bool((err <= 4e-7 * want.abs() + 1e-37).all()), f"max error {err.max():.3e}"
+    got = cpu_fused.gated_mul(torch.cat([g, u])[None], activation)[0]
+    g64, u64 = g.double(), u.double()
+    arg = SIGMOID_ARG[activation](g64)
+    exact = g64 * torch.sigmoid(arg) * u64
+    # float32's own conditioning: exp of an argument |a| rounded to float32 is off by |a| eps;
+    # and below 1e-36 |u| (exp past float32's range) a result may be 0, as in torch's float32
+    bound = (4e-7 + 2.4e-7 * arg.abs().clamp_max(1e30)) * exact.abs() + 1e-36 * u64.abs() + 1e-37
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {(err / bound).max():.3f} of the bound"
+    if activation == "silu":  # and torch's float32 silu, where nothing cancels
+        want = reference.gated_mul(torch.cat([g, u])[None], activation)[0]
+        assert bool(((got - want).abs() <= 4e-7 * want.abs() + 1e-37).all())
     special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 5.0, 1.0, 1.0, 1.0, float("nan")]])
-    got = cpu_fused.silu_mul(special)[0]
-    want = F.silu(special[0, :4]) * special[0, 4:]
+    got = cpu_fused.gated_mul(special, activation)[0]
+    want = reference.ACTIVATIONS[activation](special[0, :4]) * special[0, 4:]
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
 
 
 @needs_lib
-def test_silu_mul_rows_and_shapes() -> None:
+def test_gated_mul_rows_and_shapes() -> None:
     gen = torch.Generator().manual_seed(3)
     gu = torch.randn(3, 5, 2 * 48, generator=gen)
-    got = cpu_fused.silu_mul(gu)
+    got = cpu_fused.gated_mul(gu)
     assert got.shape == (3, 5, 48)
     torch.testing.assert_close(got, F.silu(gu[..., :48]) * gu[..., 48:], rtol=4e-7, atol=1e-7)
-    assert torch.equal(cpu_fused.silu_mul(gu[2, 1:2])[0], got[2, 1])
-    assert cpu_fused.silu_mul(torch.empty(0, 8)).shape == (0, 4)
+    assert torch.equal(cpu_fused.gated_mul(gu[2, 1:2])[0], got[2, 1])
+    assert cpu_fused.gated_mul(torch.empty(0, 8)).shape == (0, 4)
 
 
 @needs_lib
 def test_contract_violations_raise() -> None:
     with pytest.raises(ValueError, match="even last dim"):
-        cpu_fused.silu_mul(torch.zeros(2, 7))
+        cpu_fused.gated_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        cpu_fused.gated_mul(torch.zeros(2, 8), "gelu")
     with pytest.raises(ValueError, match="float32, bfloat16 or float16 CPU input"):
-        cpu_fused.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+        cpu_fused.gated_mul(torch.zeros(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 4\]"):
         cpu_fused.rms_norm(torch.zeros(2, 5), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="1-D torch.float32 weight"):

@@ -20,10 +20,12 @@
  *                                               written to the paged cache)
  *   t = attention(q's query heads)    [m, heads d]  (decode rows: one query per sequence)
  *   o = o_proj(t)                     [m, H]
+ *   (Gemma: o = rms_norm(o, attn_out_norm))
  *   s = h + o, a = rms_norm(s, norm2)          (one pass: add_rms_norm)
  *   g = gate_up(a)                    [m, 2 I]
- *   u = silu(g[:, :I]) * g[:, I:]     [m, I]
- *   h = s + down(u)
+ *   u = act(g[:, :I]) * g[:, I:]      [m, I]   (act: SiLU, or Gemma's GELU-tanh)
+ *   d = down(u)                                (Gemma: d = rms_norm(d, mlp_out_norm))
+ *   h = s + d
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,7 +41,7 @@ struct bg_entry {
                    int64_t n, float eps);
   void (*add_rms_norm)(const float *x, int64_t ldx, const float *h, int64_t ldh, const float *w,
                        float *s, float *y, int64_t m, int64_t n, float eps);
-  void (*silu_mul)(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m, int64_t n);
+  void (*gated_mul)(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m, int64_t n, int act);
   int (*rope_cache)(void *qkv, int64_t ld, const void *cos, int64_t ldc, const void *sin,
                     int64_t lds, void *k_cache, void *v_cache, const int64_t *slots,
                     int64_t num_slots, int64_t m, int64_t heads, int64_t kv_heads, int64_t d,
@@ -58,8 +60,8 @@ struct bg_entry {
   void (*add_rms_norm_16)(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh,
                           const uint16_t *w, uint16_t *s, uint16_t *y, int64_t m, int64_t n,
                           float eps, int dtype);
-  void (*silu_mul_16)(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
-                      int64_t n, int dtype);
+  void (*gated_mul_16)(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
+                       int64_t n, int dtype, int act);
   void (*add_16)(const uint16_t *x, const uint16_t *h, uint16_t *s, int64_t m, int64_t n, int dtype);
 };
 
@@ -84,6 +86,10 @@ struct bg_layer {
   float eps1, eps2;
   const void *q_norm, *k_norm; /* per-head RMSNorms of the query and key heads (Qwen3), or NULL */
   float q_eps, k_eps;
+  const void *attn_out_norm, *mlp_out_norm; /* Gemma's norms of the two outputs, or NULL */
+  float attn_out_eps, mlp_out_eps;
+  int32_t act;  /* fused.c's ACT_* code of the MLP's gate */
+  int32_t rope; /* which of the step's cos / sin tables the layer rotates by */
   struct bg_linear qkv, o, gate_up, down;
   int64_t heads, kv_heads, head_dim;
   float scale, soft_cap;
@@ -95,10 +101,11 @@ struct bg_layer {
 
 /* The step: m decode rows, one per sequence, of `dtype` (0 float32, 1 bfloat16, 2 float16:
  * the hidden states, the norms' weights, cos / sin and every intermediate). */
+#define BG_MAX_ROPES 4
 struct bg_step {
   int64_t m;
   int64_t dtype;
-  const void *cos, *sin; /* [m, d] */
+  const void *cos[BG_MAX_ROPES], *sin[BG_MAX_ROPES]; /* [m, d] each: one table per layer type */
   int64_t ldc, lds;
   const int64_t *slots;   /* [m] */
   const int32_t *tables;  /* [m, max_blocks] */
@@ -147,8 +154,8 @@ static void norm_heads(const struct bg_entry *e, const struct bg_layer *L, const
   }
 }
 
-/* The attention half: h's norm, q/k/v, RoPE and the cache write, attention, o_proj into `o`.
- * Returns 0, or a status with *where set. */
+/* The attention half: h's norm, q/k/v, RoPE and the cache write, attention, o_proj into `o`
+ * (then its norm, through `a`, in the sandwich form). Returns 0, or a status with *where set. */
 static int attention_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *s,
                           const void *h, void *a, void *q, void *t, void *o, int *where) {
   const int64_t m = s->m, H = L->qkv.k, W = L->qkv.n, d = L->head_dim;
@@ -157,7 +164,7 @@ static int attention_half(const struct bg_entry *e, const struct bg_layer *L, co
   rms_norm(e, h, L->norm1, a, m, H, L->eps1, dt);
   if ((rc = run_linear(e, &L->qkv, a, m, q, dt))) return *where = AT_QKV, rc;
   if (L->q_norm) norm_heads(e, L, s, q, t); /* t: the attention's output, not written yet */
-  rc = e->rope_cache(q, W, s->cos, s->ldc, s->sin, s->lds, L->k_cache, L->v_cache, s->slots,
+  rc = e->rope_cache(q, W, s->cos[L->rope], s->ldc, s->sin[L->rope], s->lds, L->k_cache, L->v_cache, s->slots,
                      L->num_blocks * L->block_size, m, L->heads, L->kv_heads, d, dt, L->kv_dtype);
   if (rc) return *where = AT_ROPE, rc;
   rc = e->attention(t, q, L->k_cache, L->v_cache, s->tables, NULL, s->lens, m, m, L->kv_heads,
@@ -165,21 +172,30 @@ static int attention_half(const struct bg_entry *e, const struct bg_layer *L, co
                     L->window, L->soft_cap);
   if (rc) return *where = AT_ATTENTION, rc;
   if ((rc = run_linear(e, &L->o, t, m, o, dt))) return *where = AT_O, rc;
+  if (L->attn_out_norm) {
+    rms_norm(e, o, L->attn_out_norm, a, m, H, L->attn_out_eps, dt);
+    memcpy(o, a, (size_t)(m * H * (dt ? 2 : 4)));
+  }
   return 0;
 }
 
-/* The MLP half: s = h + o, a = rms_norm(s), then h = s + down(silu(gate) * up). */
+/* The MLP half: s = h + o, a = rms_norm(s), then h = s + down(act(gate) * up) (the down
+ * projection's output through its norm first, in the sandwich form: `o` is free by then). */
 static int mlp_half(const struct bg_entry *e, const struct bg_layer *L, const struct bg_step *st, void *h,
-                    const void *o, void *a, void *sum, void *g, void *u, void *dn, int *where) {
+                    void *o, void *a, void *sum, void *g, void *u, void *dn, int *where) {
   const int64_t m = st->m, H = L->qkv.k, G = L->gate_up.n, I = G / 2;
   const int dt = (int)st->dtype;
   int rc;
   if (dt) e->add_rms_norm_16(h, H, o, H, L->norm2, sum, a, m, H, L->eps2, dt);
   else e->add_rms_norm(h, H, o, H, L->norm2, sum, a, m, H, L->eps2);
   if ((rc = run_linear(e, &L->gate_up, a, m, g, dt))) return *where = AT_GATE_UP, rc;
-  if (dt) e->silu_mul_16(g, G, u, I, m, I, dt);
-  else e->silu_mul(g, G, u, I, m, I);
+  if (dt) e->gated_mul_16(g, G, u, I, m, I, dt, L->act);
+  else e->gated_mul(g, G, u, I, m, I, L->act);
   if ((rc = run_linear(e, &L->down, u, m, dn, dt))) return *where = AT_DOWN, rc;
+  if (L->mlp_out_norm) {
+    rms_norm(e, dn, L->mlp_out_norm, o, m, H, L->mlp_out_eps, dt);
+    dn = o;
+  }
   if (dt) {
     e->add_16(sum, dn, h, m, H, dt); /* torch's residual.add_(mlp) in the 16-bit type */
   } else {

@@ -2,7 +2,7 @@
 bfloat16 or float16 rows).
 
 ``decoder.c`` calls the other kernel libraries' entry points (the quantized and float32 linear
-layers, the RMSNorms, SiLU·up, RoPE with the cache write, the paged attention) in the order
+layers, the RMSNorms, act·up, RoPE with the cache write, the paged attention) in the order
 the fused Python layers call them, with the same arguments, so the results are their bits.
 This module mirrors its structs, builds a layer's :class:`Layer` from the kernel-level parts
 (:func:`linear`), and runs the program (:func:`run`). Which model layers are taken, and when,
@@ -25,6 +25,7 @@ from batchgen.kernels.cpu.quant import QuantizedLinear
 SOURCE = Path(__file__).resolve().parent / "decoder.c"
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 MAX_PARTS = 4  # BG_MAX_PARTS
+MAX_ROPES = 4  # BG_MAX_ROPES: rotary tables a step may hand over (one per layer type)
 
 #: ``struct bg_part``'s kinds: a float32 PackedLinear, GGUF blocks, a 16-bit PackedLinear.
 KIND_F32, KIND_QUANT, KIND_16 = 0, 1, 2
@@ -36,9 +37,9 @@ WHERE = {1: "q/k/v projection", 2: "o_proj", 3: "gate/up projection", 4: "down_p
 
 class Entry(ctypes.Structure):
     """``struct bg_entry``: the other libraries' entry points, as addresses."""
-    _fields_ = [(name, P) for name in ("quant_linear", "linear_f32", "rms_norm", "add_rms_norm", "silu_mul",
+    _fields_ = [(name, P) for name in ("quant_linear", "linear_f32", "rms_norm", "add_rms_norm", "gated_mul",
                                        "rope_cache", "attention", "linear_16", "rms_norm_16", "add_rms_norm_16",
-                                       "silu_mul_16", "add_16")]
+                                       "gated_mul_16", "add_16")]
 
 
 class Part(ctypes.Structure):
@@ -52,9 +53,10 @@ class Linear(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """``struct bg_layer``: one pre-norm decoder layer."""
+    """``struct bg_layer``: one decoder layer (pre-norm, or Gemma's sandwich)."""
     _fields_ = [("norm1", P), ("norm2", P), ("eps1", F32), ("eps2", F32), ("q_norm", P), ("k_norm", P),
-                ("q_eps", F32), ("k_eps", F32),
+                ("q_eps", F32), ("k_eps", F32), ("attn_out_norm", P), ("mlp_out_norm", P), ("attn_out_eps", F32),
+                ("mlp_out_eps", F32), ("act", I32), ("rope", I32),
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("scale", F32), ("soft_cap", F32),
                 ("window", I64), ("k_cache", P), ("v_cache", P), ("num_blocks", I64), ("block_size", I64),
@@ -63,7 +65,8 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """``struct bg_step``: ``m`` decode rows, one per sequence."""
-    _fields_ = [("m", I64), ("dtype", I64), ("cos", P), ("sin", P), ("ldc", I64), ("lds", I64), ("slots", P),
+    _fields_ = [("m", I64), ("dtype", I64), ("cos", P * MAX_ROPES), ("sin", P * MAX_ROPES), ("ldc", I64),
+                ("lds", I64), ("slots", P),
                 ("tables", P), ("lens", P), ("max_blocks", I64)]
 
 
@@ -131,12 +134,12 @@ def entry(kernels: dict, head_size: int, group: int) -> Entry:
     head size and group."""
     ops = cpu_fused.load_fused()
     got = Entry(rms_norm=_address(ops.batchgen_rms_norm_f32), add_rms_norm=_address(ops.batchgen_add_rms_norm_f32),
-                silu_mul=_address(ops.batchgen_silu_mul_f32), rope_cache=_address(ops.batchgen_rope_cache),
+                gated_mul=_address(ops.batchgen_gated_mul_f32), rope_cache=_address(ops.batchgen_rope_cache),
                 attention=_address(cpu_attention.load(head_size, group).batchgen_paged_attention),
                 **{field: _address(fn) for field, fn in kernels.items()})
     if ops.batchgen_fused_has_16():
         got.rms_norm_16, got.add_rms_norm_16 = _address(ops.batchgen_rms_norm_16), _address(ops.batchgen_add_rms_norm_16)
-        got.silu_mul_16, got.add_16 = _address(ops.batchgen_silu_mul_16), _address(ops.batchgen_add_16)
+        got.gated_mul_16, got.add_16 = _address(ops.batchgen_gated_mul_16), _address(ops.batchgen_add_16)
     return got
 
 

@@ -7,13 +7,14 @@
  *   batchgen_rms_norm_f32   y = w * (x * 1/sqrt(mean(x^2) + eps))      (RMSNorm, per row)
  *   batchgen_add_rms_norm_f32  s = x + h, then y = RMSNorm(s)          (a decoder layer's
  *                           residual add and its second norm, per row)
- *   batchgen_silu_mul_f32   y = silu(gate) * up, from one [m, 2n] row   (gated MLP)
+ *   batchgen_gated_mul_f32  y = act(gate) * up, from one [m, 2n] row    (gated MLP; act is
+ *                           SiLU, or GELU's tanh form: ACT_* below)
  *   batchgen_greedy_f32     argmax, max and logsumexp of each row        (greedy sampling)
  *   batchgen_token_logprobs_f32  logsumexp and the target's rank per row (prompt logprobs)
  *   batchgen_rope_cache     rotate-half RoPE of the q and k heads of a fused qkv row, in
  *                           place, and the k and v heads copied into the paged KV cache
  *                           (attention; float32, and bfloat16 / float16 with AVX2 and F16C)
- *   batchgen_rms_norm_16, batchgen_add_rms_norm_16, batchgen_silu_mul_16: the same for
+ *   batchgen_rms_norm_16, batchgen_add_rms_norm_16, batchgen_gated_mul_16: the same for
  *     bfloat16 / float16 tensors, in float32 arithmetic, rounded to the 16-bit type where the
  *     torch ops they replace round (see each).
  *
@@ -61,6 +62,18 @@ static inline float exp_f32(float x) {
 }
 
 static inline float silu(float g) { return g / (1.0f + exp_f32(-g)); }
+
+/* GELU's tanh form, 0.5 g (1 + tanh(z)) with z = sqrt(2/pi) (g + 0.044715 g^3), written as
+ * g sigmoid(2 z) = g / (1 + exp(-2 z)) (the same function; no cancellation near 1 + tanh = 0):
+ * torch's gelu(approximate="tanh") within float32 rounding. g^3 overflowing gives +-inf in z,
+ * hence g or -0, as torch's. */
+static inline float gelu_tanh(float g) {
+  const float z2 = 1.5957691216057308f * (g + 0.044715f * g * g * g); /* 2 sqrt(2/pi) (...) */
+  return g / (1.0f + exp_f32(-z2));
+}
+
+/* The gated MLP's activations (fused.py's ACTIVATIONS mirrors these codes). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* ---- float32 ------------------------------------------------------------------------- */
 
@@ -140,31 +153,37 @@ void batchgen_add_rms_norm_f32(const float *x, int64_t ldx, const float *h, int6
   bg_parallel_for(m, row_grain(n), add_rms_rows_f32, &a);
 }
 
-struct silu_args {
+struct gated_args {
   const void *gu;
   void *y;
   int64_t ldgu, ldy, n;
-  int dtype;
+  int dtype, act;
 };
 
-static void silu_rows_f32(void *ctx, int64_t begin, int64_t end) {
-  const struct silu_args *a = ctx;
+static void gated_rows_f32(void *ctx, int64_t begin, int64_t end) {
+  const struct gated_args *a = ctx;
   const int64_t n = a->n;
   for (int64_t i = begin; i < end; ++i) {
     const float *restrict g = (const float *)a->gu + i * a->ldgu;
     const float *restrict u = g + n;
     float *restrict yr = (float *)a->y + i * a->ldy;
+    if (a->act == ACT_GELU_TANH) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) yr[j] = silu(g[j]) * u[j];
+      for (int64_t j = 0; j < n; ++j) yr[j] = gelu_tanh(g[j]) * u[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] = silu(g[j]) * u[j];
+    }
   }
 }
 
-/* y[i, j] = silu(gu[i, j]) * gu[i, n + j], silu(g) = g / (1 + exp(-g)).
- * gu: [m, 2n] (gate columns, then up columns), row stride ldgu; y: [m, n], row stride ldy. */
-void batchgen_silu_mul_f32(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m,
-                           int64_t n) {
-  struct silu_args a = {gu, y, ldgu, ldy, n, 0};
-  bg_parallel_for(m, row_grain(n), silu_rows_f32, &a);
+/* y[i, j] = act(gu[i, j]) * gu[i, n + j]: act ACT_SILU, silu(g) = g / (1 + exp(-g)), or
+ * ACT_GELU_TANH (gelu_tanh above). gu: [m, 2n] (gate columns, then up columns), row stride
+ * ldgu; y: [m, n], row stride ldy. */
+void batchgen_gated_mul_f32(const float *gu, int64_t ldgu, float *y, int64_t ldy, int64_t m,
+                            int64_t n, int act) {
+  struct gated_args a = {gu, y, ldgu, ldy, n, 0, act};
+  bg_parallel_for(m, row_grain(n), gated_rows_f32, &a);
 }
 
 #include "fused_logits.h" /* the greedy pick, the prompt logprobs' logsumexp and rank */

@@ -1,4 +1,4 @@
-"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's SiLU·up, RoPE with the
+"""Fused element-wise CPU ops (``fused.c``): RMSNorm, the gated MLP's act·up, RoPE with the
 KV-cache write, greedy picks; float32, and all but the greedy pick in bfloat16 and float16 too;
 threaded over rows.
 
@@ -8,8 +8,8 @@ pass per op removes that: on SmolLM2 at 32 sequences the model's non-linear, non
 went from 22.2 to 17.9 ms of a greedy decode step and sampling from 4.6 to 2.3 ms
 (``bench.profile_step``).
 
-- :func:`rms_norm` and :func:`silu_mul` (the gated MLP's ``silu(gate) * up``) over the rows of
-  their input;
+- :func:`rms_norm` and :func:`gated_mul` (the gated MLP's ``act(gate) * up``, ``act`` a row of
+  :data:`ACTIVATIONS`: SiLU, or GELU's tanh form for Gemma) over the rows of their input;
 - :func:`rope_and_cache` rotates the query and key heads of a fused q/k/v projection's output
   in place (HF's rotate-half ``apply_rotary_pos_emb``) and writes the key and value heads into
   the paged cache (``reshape_and_cache``): about a dozen torch ops per attention layer in one
@@ -28,8 +28,8 @@ logprobs' reduction (:mod:`batchgen.sampling.logprobs`).
 Numerics: results equal torch's within float32 rounding (sums in another order; ``exp`` is a
 polynomial within about 2e-7 relative of the true value). In bfloat16 and float16 the
 arithmetic is float32, rounded to the 16-bit type exactly where the torch modules round
-(RMSNorm: the normalised row, then the product with the weight; SiLU·up: the SiLU, then the
-product), so results mostly equal torch's bit for bit and otherwise differ by one unit in the
+(RMSNorm: the normalised row, then the product with the weight; act·up: the activation, then
+the product), so results mostly equal torch's bit for bit and otherwise differ by one unit in the
 last place. Each row is computed by one thread in one order: results do not depend on the
 other rows nor on the thread count. :func:`rope_and_cache` is exact: torch's products and
 sums, each rounded as torch rounds them (float32: no fused multiply-add; 16-bit: each result
@@ -57,6 +57,15 @@ FUSED_SOURCE = Path(__file__).resolve().parent / "fused.c"
 _unavailable: str | None = None
 _lib: Any = None  # the loaded library: a decode step calls it a few times per layer
 
+#: The gated MLP's activations :func:`gated_mul` runs: name -> (``fused.c``'s ``ACT_*`` code,
+#: the torch function it equals within float32 rounding). Gemma's ``gelu_pytorch_tanh`` is
+#: ``gelu_tanh``; a model's ``act_fn`` is matched against these by value
+#: (:func:`batchgen.engine.fused_layers.activation_of`).
+ACTIVATIONS: dict[str, tuple[int, Any]] = {
+    "silu": (0, torch.nn.functional.silu),
+    "gelu_tanh": (1, lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
+}
+
 
 def load_fused() -> Any:
     """The compiled library (built on first use, cached on disk like the other kernels).
@@ -76,8 +85,8 @@ def _declare(lib: Any) -> None:
     lib.batchgen_rms_norm_f32.argtypes = [p, i64, p, p, i64, i64, i64, f32]
     lib.batchgen_add_rms_norm_f32.restype = None
     lib.batchgen_add_rms_norm_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32]
-    lib.batchgen_silu_mul_f32.restype = None
-    lib.batchgen_silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.batchgen_gated_mul_f32.restype = None
+    lib.batchgen_gated_mul_f32.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_int]
     lib.batchgen_greedy_f32.restype = None
     lib.batchgen_greedy_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.batchgen_token_logprobs_f32.restype = None
@@ -91,8 +100,8 @@ def _declare(lib: Any) -> None:
         lib.batchgen_rms_norm_16.argtypes = [p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]
         lib.batchgen_add_rms_norm_16.restype = None
         lib.batchgen_add_rms_norm_16.argtypes = [p, i64, p, i64, p, p, p, i64, i64, f32, ctypes.c_int]
-        lib.batchgen_silu_mul_16.restype = None
-        lib.batchgen_silu_mul_16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_int]
+        lib.batchgen_gated_mul_16.restype = None
+        lib.batchgen_gated_mul_16.argtypes = [p, i64, p, i64, i64, i64, ctypes.c_int, ctypes.c_int]
 
 
 def _lib_for(dtype: torch.dtype, what: str) -> Any:
@@ -194,28 +203,31 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     return total.view(x.shape), out.view(x.shape)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` where ``gate_up = cat([g, u], -1)``: ``[..., 2n] -> [..., n]``, for
-    float32, bfloat16 or float16 on the CPU (16-bit: torch's roundings; see the module
-    docstring).
+def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(g) * u`` where ``gate_up = cat([g, u], -1)``: ``[..., 2n] -> [..., n]``, ``act`` the
+    :data:`ACTIVATIONS` row named ``activation``, for float32, bfloat16 or float16 on the CPU
+    (16-bit: torch's roundings; see the module docstring).
 
     Raises:
-        ValueError: input of another dtype or device, or an odd last dim.
+        ValueError: input of another dtype or device, an odd last dim, or an unknown activation.
     """
     width = gate_up.shape[-1]
     if width % 2:
-        raise ValueError(f"silu_mul needs an even last dim (gate, then up), got {width}")
+        raise ValueError(f"gated_mul needs an even last dim (gate, then up), got {width}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
     dtype = gate_up.dtype
-    lib = _lib_for(dtype, "silu_mul")
-    rows, ld, m = _rows(gate_up, width, "silu_mul", dtype)
+    lib = _lib_for(dtype, "gated_mul")
+    rows, ld, m = _rows(gate_up, width, "gated_mul", dtype)
     n = width // 2
     out = torch.empty((*gate_up.shape[:-1], n), dtype=dtype)
     if m:
         args = (rows.data_ptr(), ld, out.data_ptr(), n, m, n)
+        code = ACTIVATIONS[activation][0]
         if dtype is torch.float32:
-            lib.batchgen_silu_mul_f32(*args)
+            lib.batchgen_gated_mul_f32(*args, code)
         else:
-            lib.batchgen_silu_mul_16(*args, DTYPES[dtype])
+            lib.batchgen_gated_mul_16(*args, DTYPES[dtype], code)
     return out
 
 

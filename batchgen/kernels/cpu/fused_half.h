@@ -133,18 +133,23 @@ void batchgen_add_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *h,
   bg_parallel_for(m, row_grain(n), add_rms_rows_16, &a);
 }
 
-static inline __m256 silu8(__m256 g) {
+static inline __m256 act8(int act, __m256 g) {
   float lanes[8];
   _mm256_storeu_ps(lanes, g);
+  if (act == ACT_GELU_TANH) {
 #pragma omp simd
-  for (int l = 0; l < 8; ++l) lanes[l] = silu(lanes[l]);
+    for (int l = 0; l < 8; ++l) lanes[l] = gelu_tanh(lanes[l]);
+  } else {
+#pragma omp simd
+    for (int l = 0; l < 8; ++l) lanes[l] = silu(lanes[l]);
+  }
   return _mm256_loadu_ps(lanes);
 }
 
-/* torch's `silu(gate) * up` on 16-bit tensors: silu in float32 rounded to the 16-bit type, then
- * the product rounded again. */
-static void silu_rows_16(void *ctx, int64_t begin, int64_t end) {
-  const struct silu_args *a = ctx;
+/* torch's `act(gate) * up` on 16-bit tensors: the activation in float32 rounded to the 16-bit
+ * type, then the product rounded again. */
+static void gated_rows_16(void *ctx, int64_t begin, int64_t end) {
+  const struct gated_args *a = ctx;
   const int64_t n = a->n, full = n / 8 * 8;
   const int dtype = a->dtype;
   for (int64_t i = begin; i < end; ++i) {
@@ -152,25 +157,25 @@ static void silu_rows_16(void *ctx, int64_t begin, int64_t end) {
     const uint16_t *u = g + n;
     uint16_t *yr = (uint16_t *)a->y + i * a->ldy;
     for (int64_t j = 0; j < full; j += 8) {
-      __m256 s = round8(dtype, silu8(load8(dtype, g + j)));
+      __m256 s = round8(dtype, act8(a->act, load8(dtype, g + j)));
       _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(s, load8(dtype, u + j))));
     }
     if (full < n) {
       uint16_t gt[TAIL_PAD], ut[TAIL_PAD], yt[TAIL_PAD];
       tail_in(g + full, n - full, gt);
       tail_in(u + full, n - full, ut);
-      __m256 s = round8(dtype, silu8(load8(dtype, gt)));
+      __m256 s = round8(dtype, act8(a->act, load8(dtype, gt)));
       _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(s, load8(dtype, ut))));
       memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
     }
   }
 }
 
-/* As batchgen_silu_mul_f32, for 16-bit gu and y (dtype 1 = bfloat16, 2 = float16). */
-void batchgen_silu_mul_16(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
-                          int64_t n, int dtype) {
-  struct silu_args a = {gu, y, ldgu, ldy, n, dtype};
-  bg_parallel_for(m, row_grain(n), silu_rows_16, &a);
+/* As batchgen_gated_mul_f32, for 16-bit gu and y (dtype 1 = bfloat16, 2 = float16). */
+void batchgen_gated_mul_16(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
+                           int64_t n, int dtype, int act) {
+  struct gated_args a = {gu, y, ldgu, ldy, n, dtype, act};
+  bg_parallel_for(m, row_grain(n), gated_rows_16, &a);
 }
 
 /* 8 values of one half of a head: y1 = x1 * c1 + (-x2) * s1 and y2 = x2 * c2 + x1 * s1, each

@@ -20,7 +20,8 @@ int main(void) {
     w[i] = 1.0f;
     x[i] = special[i];
   }
-  batchgen_silu_mul_f32(gu, 2 * N, y, N, 1, N);
+  batchgen_gated_mul_f32(gu, 2 * N, y, N, 1, N, 0);
+  batchgen_gated_mul_f32(gu, 2 * N, y, N, 1, N, 1);
   batchgen_rms_norm_f32(x, N, w, y, N, 1, N, 1e-6f);
   int64_t id;
   float top, lse;
@@ -43,9 +44,11 @@ int main(void) {
     x16[i] = g16[i];
     w16[i] = 0x3f80; /* 1.0 */
   }
-  batchgen_silu_mul_16(g16, 2 * N, y16, N, 1, N, BF16);
+  batchgen_gated_mul_16(g16, 2 * N, y16, N, 1, N, BF16, 0);
+  batchgen_gated_mul_16(g16, 2 * N, y16, N, 1, N, BF16, 1);
   batchgen_rms_norm_16(x16, N, w16, y16, N, 1, N, 1e-6f, BF16);
-  batchgen_silu_mul_16(g16, 2 * N, y16, N, 1, N, F16);
+  batchgen_gated_mul_16(g16, 2 * N, y16, N, 1, N, F16, 0);
+  batchgen_gated_mul_16(g16, 2 * N, y16, N, 1, N, F16, 1);
   /* 16-bit RoPE with a half head of 5 (a tail shorter than a vector): heads of 10 values */
   uint16_t qkv16[30], kc16[20], vc16[20];
   for (int i = 0; i < 30; i++) qkv16[i] = g16[(i * 5) % (2 * N)];
