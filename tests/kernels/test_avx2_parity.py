@@ -8,11 +8,15 @@ through ``c_build.load_library`` with ``-mno-avx512f`` (what an AVX2 + FMA CPU s
 runs) or ``-mno-avx2`` (plain C) added to ``-march=native``. Each build reports its variant
 (``batchgen_attention_isa``), so a test cannot pass by comparing a build with itself. The
 oracle for all three is the torch reference (``torch_attention``), within float32 rounding.
+``BATCHGEN_CPU_ISA=avx2`` (``c_build.CPU_ISA_CAPS``) builds every kernel of a process so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -256,3 +260,25 @@ def test_bfloat16_asked_for_on_a_cpu_without_avx512_says_it_is_no_faster(monkeyp
         assert not caplog.records
         assert resolve_dtype("bfloat16", None, cpu) is torch.bfloat16
     assert [r for r in caplog.records if "bfloat16" in r.getMessage()] if warns else not caplog.records
+
+
+def _capped(value: str, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter under ``BATCHGEN_CPU_ISA=value`` (the cap is read once a
+    process)."""
+    env = {**os.environ, "BATCHGEN_CPU_ISA": value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_isa_cap_builds_every_kernel_for_avx2_and_hides_the_newer_features() -> None:
+    """``BATCHGEN_CPU_ISA=avx2``: the quantized kernel runs its AVX2 variant and the fused ops
+    build (the cap's flags are the forced AVX2 builds' above, so the disk cache already holds
+    them); AVX-512 and AVX-VNNI read as missing; an unknown value is refused by name."""
+    code = ("from batchgen.kernels.cpu import c_build, fused, quant\n"
+            "fused.load_fused()\n"
+            "print(quant.kernel_isa(), c_build.cpu_isa_cap(), c_build.missing_cpu_features('avx512f') is not None,\n"
+            "      c_build.missing_cpu_features('avx2'))")
+    done = _capped("avx2", code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["avx2", "avx2", "True", "None"]
+    done = _capped("sse4", "from batchgen.kernels.cpu import quant\nquant.load_quant()")
+    assert done.returncode != 0 and "BATCHGEN_CPU_ISA='sse4' is not one of native, avx2" in done.stderr

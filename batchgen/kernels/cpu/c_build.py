@@ -46,6 +46,30 @@ _FLAG_SETS: tuple[tuple[str, ...], ...] = (
 )
 _COMMON_FLAGS = ("-std=c99", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror", "-Wno-unknown-pragmas")
 
+#: ``$BATCHGEN_CPU_ISA``: what of this CPU the kernels may use. ``native`` (the default) is all of
+#: it; ``avx2`` builds every kernel as for a CPU without AVX-512 and AVX-VNNI (those flags after
+#: ``-march=native``) and hides those features from the checks (:func:`cpu_flags`): the AVX2
+#: path, measured or debugged on a newer CPU (its caches and clock stay this CPU's). Each row:
+#: the compiler flags, and the prefixes of the ``/proc/cpuinfo`` features hidden.
+CPU_ISA_CAPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "native": ((), ()),
+    "avx2": (("-mno-avx512f", "-mno-avxvnni"), ("avx512", "avx_vnni", "amx")),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa_cap() -> str:
+    """The :data:`CPU_ISA_CAPS` row ``$BATCHGEN_CPU_ISA`` names (``native`` when unset).
+
+    Raises:
+        CpuKernelError: a value with no row.
+    """
+    cap = os.environ.get("BATCHGEN_CPU_ISA", "native").strip().lower() or "native"
+    if cap not in CPU_ISA_CAPS:
+        raise CpuKernelError(f"BATCHGEN_CPU_ISA={cap!r} is not one of {', '.join(CPU_ISA_CAPS)}; "
+                             "unset it to use all of this CPU")
+    return cap
+
 
 class CpuKernelError(RuntimeError):
     """The CPU kernel cannot be built or loaded here (no compiler, or every flag set failed)."""
@@ -71,15 +95,17 @@ def _machine_tag() -> str:
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``), or None where
-    they cannot be read (then only the build, and each library's own check, decide)."""
+    """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``), less those
+    ``$BATCHGEN_CPU_ISA`` hides (:data:`CPU_ISA_CAPS`), or None where they cannot be read (then
+    only the build, and each library's own check, decide)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
+    hidden = CPU_ISA_CAPS[cpu_isa_cap()][1]
     for line in text.splitlines():
         if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
+            return frozenset(f for f in line.partition(":")[2].split() if not f.startswith(hidden))
     return None
 
 
@@ -92,7 +118,9 @@ def missing_cpu_features(*names: str) -> str | None:
     missing = [name for name in names if name not in flags]
     if not missing:
         return None
-    return f"this CPU lacks {', '.join(n.upper() for n in missing)} (flags from /proc/cpuinfo)"
+    cap = cpu_isa_cap()
+    source = "flags from /proc/cpuinfo" + (f", less those BATCHGEN_CPU_ISA={cap} hides" if cap != "native" else "")
+    return f"this CPU lacks {', '.join(n.upper() for n in missing)} ({source})"
 
 
 def _subnormals_work() -> bool:
@@ -151,7 +179,8 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     cached on disk, and load it.
 
     The build is cached under ``cache_dir()/cpu_kernels`` by a hash of the source and the
-    local headers it includes (:func:`local_headers`), compiler version, CPU, flags and ``defines``; ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
+    local headers it includes (:func:`local_headers`), compiler version, CPU, flags and ``defines``
+    (with ``$BATCHGEN_CPU_ISA``'s flags last, :data:`CPU_ISA_CAPS`); ``tag`` goes into the file name. ``accept(lib)`` may return an error string to reject a
     loaded library (it is then skipped, like a failed compile). Call with ``_build_lock`` held.
 
     Returns:
@@ -163,6 +192,9 @@ def build(what: str, source: Path, defines: list[str], accept: Any = None, tag: 
     cc = compiler()
     if cc is None:
         raise CpuKernelError("no C compiler found (set CC, or install gcc)")
+    cap = cpu_isa_cap()
+    if cap != "native":  # after the library's own flags: the cap wins
+        defines, tag = [*defines, *CPU_ISA_CAPS[cap][0]], f"{tag}-{cap}" if tag else cap
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     text = source.read_text()
     # Local headers it includes ("...", nested ones too), so that editing one rebuilds every user.
