@@ -4,7 +4,7 @@ step's layers in one C call, calling the kernels the fused Python layers call, i
 Pinned: with the program and without it (the same engine, its ``program`` set aside), greedy
 tokens, logprobs and cumulative logprobs are equal bit for bit, on tiny random Llamas in GGUF
 blocks (Q8_0 throughout; Q4_K with Q6_K attn_v and ffn_up, so that q/k/v and gate/up are
-ConcatLinears of two kinds) and on HF Llama, Qwen2 (biases), Mistral (a sliding window), Phi-3
+ConcatLinears of two kinds), on Qwen3, Gemma 2, Gemma 3 and Phi-3 files in Q4_K and on HF Llama, Qwen2 (biases), Mistral (a sliding window), Phi-3
 (fused q/k/v and gate/up), Gemma 2 and Gemma 3 (sandwich norms, GELU-tanh, soft caps, two RoPE
 tables) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16
 and Qwen2 in float16; the program really ran the decode
@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_arch import write_arch_gguf
 from tiny_gguf import write_llama_gguf
 
 from batchgen import LLM, SamplingParams
@@ -68,6 +69,20 @@ def test_the_program_gives_the_python_layers_bits_on_gguf_blocks(name, tmp_path,
     # a small step budget: prompts prefill in chunks beside other sequences' decodes
     llm = LLM(str(path), quantization="gguf", linear_backend="cpu", block_size=16, max_num_batched_tokens=48,
               kv_cache_memory=8 * 2**20)
+    _with_and_without(llm, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_the_program_gives_the_python_layers_bits_on_other_architectures_gguf(case, tmp_path, monkeypatch) -> None:
+    """Files as llama.cpp's converter writes them (``tiny_arch``), in Q4_K: Qwen3's q/k norms,
+    Gemma 2's and 3's sandwich norms (stored as 1 + w), GELU-tanh, soft caps and windows, Gemma
+    3's two RoPE tables, Phi-3's fused q/k/v and gate/up; every layer fused and run by the
+    program."""
+    path = tmp_path / f"{case}-Q4_K.gguf"
+    write_arch_gguf(path, case, "Q4_K")
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(str(path), quantization="gguf", linear_backend="cpu", block_size=16, max_num_batched_tokens=48,
+              kv_cache_memory=16 * 2**20)
     _with_and_without(llm, monkeypatch)
 
 
