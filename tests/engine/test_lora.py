@@ -152,3 +152,16 @@ def test_phi3_s_fused_projections_take_peft_s_adapters(shared_tiny_model, tmp_pa
                            8, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=6)
     llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
     _assert_equals_peft(path, adapter, llm.generate(PROMPTS, _greedy(), lora_request=LoRARequest("phi3", 1, adapter)))
+
+
+def test_gemma2_s_fused_sandwich_layers_take_peft_s_adapters(shared_tiny_model, tmp_path_factory) -> None:
+    """Gemma 2's layers fuse (its 1 + w norms, GELU-tanh MLP, soft caps, the sandwich layer): an
+    adapter on every projection, q/k/v and gate/up inside the merged linears, gives PEFT's
+    greedy tokens and logprobs."""
+    path = shared_tiny_model("gemma2", head_dim=16, num_hidden_layers=2, attn_logit_softcapping=2.0,
+                             final_logit_softcapping=8.0, query_pre_attn_scalar=24)
+    adapter = save_adapter(path, tmp_path_factory.mktemp("gemma2_adapter") / "a", 8,
+                           ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], seed=7)
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
+    assert {type(layer).__name__ for layer in llm.runner.model.model.layers} == {"FusedDecoderLayer"}
+    _assert_equals_peft(path, adapter, llm.generate(PROMPTS, _greedy(), lora_request=LoRARequest("gemma2", 1, adapter)))
