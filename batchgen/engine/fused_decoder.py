@@ -1,7 +1,8 @@
 """FusedDecoderLayer: an HF decoder layer whose parts are all fused, run by one lean forward:
 ``x + mlp(norm2(x + attn(norm1(x))))`` (or Gemma's sandwich, with a norm on the attention's and
-the MLP's outputs too) with the middle residual add and the next norm in one C pass; and :class:`LeanDecoderForward`, the forward of a decoder whose layers all
-are such layers, for the engine's calls.
+the MLP's outputs too) with the middle residual add and the next norm in one C pass; and
+:class:`LeanDecoderForward`, the forward of a decoder whose layers all are such layers, for
+the engine's calls.
 
 Why: once its norms, attention and MLP are fused (:mod:`batchgen.engine.fusion`), what is left
 of an HF decoder layer in a decode step is its own forward: the gradient-checkpointing and

@@ -6,8 +6,8 @@ float32, bfloat16 or float16 CPU model it replaces
 
 - each RMSNorm (a module named ``*RMSNorm`` with a 1-D ``weight`` and ``variance_epsilon`` or
   ``eps``; Llama's ``weight * x̂`` or, in float32, Gemma's ``(1 + weight) * x̂``:
-  :data:`~batchgen.engine.fused_layers.NORM_FORMS`) by a :class:`~batchgen.engine.fused_layers.FusedRMSNorm` (one C pass
-  instead of six torch ops);
+  :data:`~batchgen.engine.fused_layers.NORM_FORMS`) by a
+  :class:`~batchgen.engine.fused_layers.FusedRMSNorm` (one C pass instead of six torch ops);
 - each gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``, or Phi-3's
   ``gate_up_proj``, ``down_proj`` and ``activation_fn``; SiLU or Gemma's GELU-tanh) by a
   :class:`~batchgen.engine.fused_layers.FusedGatedMLP`: gate and up as one GEMM, then the fused
@@ -99,8 +99,9 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _fused_norm(module: torch.nn.Module, weight: torch.nn.Parameter, eps: float) -> FusedRMSNorm | None:
-    """The first of the fused norms of ``weight``'s forms (:data:`NORM_FORMS`) that reproduces
-    ``module`` on the probe, or None."""
+    """The first of the fused norms of ``weight``'s forms
+    (:data:`~batchgen.engine.fused_layers.NORM_FORMS`) that reproduces ``module`` on the probe,
+    or None."""
     for fused in FusedRMSNorm.forms(weight, eps):
         if _reproduces(module, fused, weight.shape[0], weight.dtype):
             return fused

@@ -6,7 +6,6 @@ lazily into ``max_loras`` slots."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("peft")
 
