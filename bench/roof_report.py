@@ -14,7 +14,10 @@ TARGETS = {"batch 1": ("of_bandwidth", 0.9, "≥ 90 % of read bandwidth"),
 
 def target_of(row: dict) -> tuple[str, float, str] | None:
     """Issue 35's target for a row: batch-1 decode against the read bandwidth; decode at batch
-    ≥ 32 and prefill of a GGUF model against the int8 ceiling; none for the rest."""
+    ≥ 32 and prefill of a GGUF model against the int8 ceiling; none for the rest (the scoring
+    rows' targets are against their peers: the scoring part)."""
+    if row["kind"].startswith("rolling"):
+        return None
     decode = row["kind"].startswith("decode")
     if decode and row["batch"] == 1:
         return TARGETS["batch 1"]
@@ -54,7 +57,11 @@ def summary_lines(result: dict | None) -> list[str]:
                      f"| {used['bandwidth_gbs']:.1f}, {used[r['ceiling'] + '_gops']:.0f} "
                      f"| {r.get('cpu_share', float('nan')):.2f} | {met} |")
     return lines + ["", "Weight bytes and operations are the linear layers' (lm_head included, in a prefill on each "
-                    "prompt's last position only); attention's KV reads are left out of the intensity. Each row is set against the roof (read "
+                    "prompt's last position only); attention's KV reads are left out of the intensity. A rolling "
+                    "perplexity window scores every position (the lm_head on every row) and its roof adds "
+                    "attention's float32 work at the float32 ceiling to the linear layers' at theirs "
+                    "(`bench/roof_scoring.py`): its GOP/s are the linear layers', its 'of roof' that sum's time over "
+                    "the window's. Each row is set against the roof (read "
                     "bandwidth, and its ceiling) measured just before its model ran. CPU "
                     "share: the process's CPU time over wall time x 2 threads during the row's run (1.0: both "
                     "cores to itself).", ""]

@@ -9,7 +9,9 @@ Measured on the machine itself, in one process (bench/README.md, "The roofline")
 * **workloads** at 2 threads, every engine step observed from outside (``llm.step`` and the
   scheduler's ``schedule`` wrapped on the instance): the random 1B Llama of ``bench.gguf_rows``
   in Q4_K and Q8_0 (GGUF-native) decoding at each ``--batches`` (random 32-token prompts, EOS
-  ignored) and one 512-token prefill step; SmolLM2 on W32, GGUF-native (Q4_1) and float32.
+  ignored) and one 512-token prefill step; SmolLM2 on W32, GGUF-native (Q4_1) and float32, and
+  one 2,048-token rolling-perplexity window of each (:mod:`bench.roof_scoring`: its roof adds
+  attention's float32 work to the linear layers').
 
 Per step (:func:`roof_fields`): the linear layers' weight bytes (each tensor as the GGUF file
 stores it; 4 bytes a value in float32) and operations (2 x rows x in x out; a prefill's lm_head
@@ -224,9 +226,10 @@ def timed_row(kind: str, chosen: list[dict], ops: int, nbytes: int, kv: float, r
 
 def model_rows(label: str, model: str, weights: list[Weight], roof: dict, *, quantization: str,
                batches: list[tuple[str, list[list[int]]]], max_tokens: int, prefill_repeats: int,
-               log: Callable[[str], None]) -> list[dict]:
+               log: Callable[[str], None], scoring: bool = False) -> list[dict]:
     """A decode row for each ``(name, prompts)`` of ``batches`` (all prompts at once) and, with
-    ``prefill_repeats``, a row of 512-token prefill steps, on one engine."""
+    ``prefill_repeats``, a row of 512-token prefill steps, on one engine; with ``scoring``, a
+    rolling-perplexity window too (:mod:`bench.roof_scoring`)."""
     from batchgen import LLM, SamplingParams
 
     ceiling = "int8" if quantization == "gguf" else "fp32"
@@ -261,6 +264,11 @@ def model_rows(label: str, model: str, weights: list[Weight], roof: dict, *, qua
             f"prefill {PREFILL_TOKENS}", prefill, step_ops(weights, PREFILL_TOKENS, n), step_bytes(weights),
             kv_token * PREFILL_TOKENS / 2 / n, roof, ceiling)})
         log(f"  {label} prefill {PREFILL_TOKENS}: {_brief(rows[-1])}")
+    if scoring:
+        from bench.roof_scoring import rolling_row  # it imports this module's helpers
+
+        rows.append({"workload": label, **rolling_row(llm, weights, roof, ceiling, max(prefill_repeats, 2))})
+        log(f"  {label} {rows[-1]['kind']}: {_brief(rows[-1])}")
     return rows
 
 
@@ -314,13 +322,15 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     w32 = [("W32 (b32)", w32_prompts())]
     runs += [("SmolLM2 Q4_1", "smollm2-135m-instruct", smol, "gguf", w32, prefill_repeats),
              ("SmolLM2 fp32", "smollm2-135m-instruct", as_float32(smol), "none", w32, prefill_repeats)]
+    scoring = {"SmolLM2 Q4_1", "SmolLM2 fp32"}  # rolling perplexity: the scoring part's model
     for label, model, weights, quantization, batches, repeats in runs:
         roof = roof_now(quick)  # the load drifts: each model's rows against the roof measured just before
         log(f"roof: {label}; roof now {roof['bandwidth_gbs']:.1f} GB/s, int8 {roof['int8_gops']:.0f}, "
             f"fp32 {roof['fp32_gops']:.0f} GOP/s")
         try:
             result["rows"] += model_rows(label, model, weights, roof, quantization=quantization,
-                                         batches=batches, max_tokens=max_tokens, prefill_repeats=repeats, log=log)
+                                         batches=batches, max_tokens=max_tokens, prefill_repeats=repeats, log=log,
+                                         scoring=label in scoring)
         except Exception as exc:  # one workload's failure is recorded; the others still run
             result["rows"].append({"workload": label, "error": f"{type(exc).__name__}: {exc}"})
         save("roof", result, out)

@@ -94,3 +94,22 @@ def test_under_the_ceiling_the_roof_fraction_is_the_ceiling_fraction() -> None:
 def test_issue_targets_by_row(row: dict, target: str | None) -> None:
     got = roof_report.target_of(row)
     assert (got[0] if got else None) == target
+
+
+def test_a_rolling_window_s_roof_adds_attention_at_the_float32_ceiling() -> None:
+    from types import SimpleNamespace
+
+    from bench import roof_scoring
+
+    # SmolLM2's shape: 30 layers, 9 heads of 64; a 2,048-token window
+    config = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, hidden_size=576, head_dim=None)
+    attn = roof_scoring.attention_flops(config, 2048)
+    assert attn == 4 * 30 * 9 * 64 * 2048 * 2049 // 2
+    roof = {"bandwidth_gbs": 30.0, "int8_gops": 900.0, "fp32_gops": 230.0}
+    # 450 GOP of int8 work (0.5 s at the ceiling) and 115 GFLOP of attention (0.5 s): 1 s at best
+    r = roof_scoring.window_fields(ops=450 * 10**9, attn=115 * 10**9, nbytes=10**8, seconds=2.0, roof=roof,
+                                   ceiling="int8")
+    assert r["bound_s"] == pytest.approx(1.0) and r["of_roof"] == pytest.approx(0.5)
+    assert r["gops"] == pytest.approx(225.0) and r["of_ceiling"] == pytest.approx(0.25)  # the linear layers'
+    assert r["bound"] == "int8 + fp32 attention"
+    assert roof_report.target_of({"kind": "rolling ppl window 2048", "batch": 1, "ceiling": "int8"}) is None

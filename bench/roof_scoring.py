@@ -1,0 +1,63 @@
+"""A scoring row of the roofline (:mod:`bench.roofline`): one rolling-perplexity window.
+
+Rolling perplexity (lm-eval's ``loglikelihood_rolling``) runs a text as windows of ``max_length``
+tokens, each one prefill whose every position is scored: the linear layers on every row, the
+lm_head too, and causal attention over the window. Its roof has two parts that share the cores,
+so they add up: the linear layers' operations at the int8 ceiling (``gguf``) or the float32
+one, and attention's, which is float32 in either mode (the invariance rule keeps its order and
+type, ``docs/evaluation.md``), at the float32 FMA ceiling. ``of_roof`` is that bound's time over
+the window's measured time; ``gops`` and ``of_ceiling`` stay the linear layers' alone, as in the
+other rows, so that the point sits on the same plot.
+
+Attention's operations: causal QK and PV, ``4 x heads x head_size x n(n+1)/2`` per layer (the
+count ``bench.profile_scoring`` reports GFLOP/s by). The text is lm-eval's kind
+(:func:`bench.scoring_workload.ppl_texts`); the fastest of ``repeats`` windows is the figure.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.roofline import Weight, roof_fields, step_bytes, step_ops
+from bench.scoring_workload import ppl_texts
+
+WINDOW = 2048
+
+
+def attention_flops(config: Any, tokens: int) -> int:
+    """Causal QK and PV of one ``tokens``-long window over every layer (a multiply-add is 2)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 4 * text.num_hidden_layers * text.num_attention_heads * head * tokens * (tokens + 1) // 2
+
+
+def window_fields(ops: int, attn: int, nbytes: int, seconds: float, roof: dict, ceiling: str) -> dict:
+    """A window against the roof: the linear layers' rates (:func:`bench.roofline.roof_fields`),
+    then the bound of linear and attention work together, and the fraction of it reached."""
+    fields = roof_fields(ops, nbytes, seconds, roof["bandwidth_gbs"], roof[f"{ceiling}_gops"])
+    bound = ops / (roof[f"{ceiling}_gops"] * 1e9) + attn / (roof["fp32_gops"] * 1e9)
+    fields.update(bound_s=bound, of_roof=bound / seconds, bound=f"{ceiling} + fp32 attention")
+    return fields
+
+
+def rolling_row(llm: Any, weights: list[Weight], roof: dict, ceiling: str, repeats: int) -> dict:
+    """The row of one rolling-perplexity window of :data:`WINDOW` tokens on ``llm``, against
+    ``roof`` (see the module docstring)."""
+    tokens = llm.tokenizer.encode(" ".join(ppl_texts(llm.tokenizer, WINDOW + 200)))[:WINDOW]
+    llm.loglikelihood_rolling([tokens[:64]], max_length=WINDOW)  # warm-up
+    times = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.loglikelihood_rolling([tokens], max_length=WINDOW)
+        times.append(time.perf_counter() - start)
+    share = (time.process_time() - c0) / (2 * (time.perf_counter() - t0))
+    ops, attn = step_ops(weights, len(tokens)), attention_flops(llm.runner.model.config, len(tokens))
+    nbytes, median = step_bytes(weights), sorted(times)[len(times) // 2]
+    row = {"kind": f"rolling ppl window {len(tokens)}", "batch": 1, "cpu_share": share, "steps": len(times),
+           "step_s": min(times), "step_median_s": median, "ops_per_step": ops, "attention_flops": attn,
+           "weight_bytes_per_step": nbytes, "ceiling": ceiling, "roof": roof}
+    row.update(window_fields(ops, attn, nbytes, min(times), roof, ceiling))
+    row["of_roof_median"] = window_fields(ops, attn, nbytes, median, roof, ceiling)["of_roof"]
+    return row
