@@ -37,7 +37,7 @@ def window_fields(ops: int, attn: int, nbytes: int, seconds: float, roof: dict, 
     then the bound of linear and attention work together, and the fraction of it reached."""
     fields = roof_fields(ops, nbytes, seconds, roof["bandwidth_gbs"], roof[f"{ceiling}_gops"])
     bound = ops / (roof[f"{ceiling}_gops"] * 1e9) + attn / (roof["fp32_gops"] * 1e9)
-    fields.update(bound_s=bound, of_roof=bound / seconds, bound=f"{ceiling} + fp32 attention")
+    fields.update(bound_s=bound, of_roof=bound / seconds, bound=f"{ceiling} + attention")
     return fields
 
 
@@ -55,7 +55,7 @@ def rolling_row(llm: Any, weights: list[Weight], roof: dict, ceiling: str, repea
     share = (time.process_time() - c0) / (2 * (time.perf_counter() - t0))
     ops, attn = step_ops(weights, len(tokens)), attention_flops(llm.runner.model.config, len(tokens))
     nbytes, median = step_bytes(weights), sorted(times)[len(times) // 2]
-    row = {"kind": f"rolling ppl window {len(tokens)}", "batch": 1, "cpu_share": share, "steps": len(times),
+    row = {"kind": f"rolling ppl {len(tokens)}", "batch": 1, "cpu_share": share, "steps": len(times),
            "step_s": min(times), "step_median_s": median, "ops_per_step": ops, "attention_flops": attn,
            "weight_bytes_per_step": nbytes, "ceiling": ceiling, "roof": roof}
     row.update(window_fields(ops, attn, nbytes, min(times), roof, ceiling))

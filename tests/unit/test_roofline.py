@@ -111,5 +111,5 @@ def test_a_rolling_window_s_roof_adds_attention_at_the_float32_ceiling() -> None
                                    ceiling="int8")
     assert r["bound_s"] == pytest.approx(1.0) and r["of_roof"] == pytest.approx(0.5)
     assert r["gops"] == pytest.approx(225.0) and r["of_ceiling"] == pytest.approx(0.25)  # the linear layers'
-    assert r["bound"] == "int8 + fp32 attention"
-    assert roof_report.target_of({"kind": "rolling ppl window 2048", "batch": 1, "ceiling": "int8"}) is None
+    assert r["bound"] == "int8 + attention"
+    assert roof_report.target_of({"kind": "rolling ppl 2048", "batch": 1, "ceiling": "int8"}) is None
