@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.roofline import Weight, roof_fields, step_bytes, step_ops
+from bench.roof_math import Weight, roof_fields, step_bytes, step_ops
 from bench.scoring_workload import ppl_texts
 
 WINDOW = 2048
@@ -33,7 +33,7 @@ def attention_flops(config: Any, tokens: int) -> int:
 
 
 def window_fields(ops: int, attn: int, nbytes: int, seconds: float, roof: dict, ceiling: str) -> dict:
-    """A window against the roof: the linear layers' rates (:func:`bench.roofline.roof_fields`),
+    """A window against the roof: the linear layers' rates (:func:`bench.roof_math.roof_fields`),
     then the bound of linear and attention work together, and the fraction of it reached."""
     fields = roof_fields(ops, nbytes, seconds, roof["bandwidth_gbs"], roof[f"{ceiling}_gops"])
     bound = ops / (roof[f"{ceiling}_gops"] * 1e9) + attn / (roof["fp32_gops"] * 1e9)

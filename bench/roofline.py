@@ -13,7 +13,7 @@ Measured on the machine itself, in one process (bench/README.md, "The roofline")
   one 2,048-token rolling-perplexity window of each (:mod:`bench.roof_scoring`: its roof adds
   attention's float32 work to the linear layers').
 
-Per step (:func:`roof_fields`): the linear layers' weight bytes (each tensor as the GGUF file
+Per step (:func:`bench.roof_math.roof_fields`): the linear layers' weight bytes (each tensor as the GGUF file
 stores it; 4 bytes a value in float32) and operations (2 x rows x in x out; a prefill's lm_head
 on each prompt's last position only) over its time give GB/s against the read bandwidth and
 GOP/s against the ceiling; the roof at its intensity (ops / weight bytes) is ``min(ceiling,
@@ -29,87 +29,19 @@ import ctypes
 import statistics
 import threading
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from bench.roof_math import Weight, as_float32, gguf_weights, roof_fields, step_bytes, step_ops
+from bench.roof_scoring import rolling_row
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
 MIB = 2**20
 PREFILL_TOKENS = 512
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16")
-# the 2-D weights a step reads through the linear layers (token_embd: only as a tied lm_head)
-LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_output.weight",
-                   "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "ffn_gate_up.weight")
-
-
-@dataclass(frozen=True)
-class Weight:
-    """One linear layer's weight: ``n`` outputs x ``k`` inputs, ``nbytes`` as stored."""
-
-    name: str
-    n: int
-    k: int
-    nbytes: int
-    lm_head: bool = False
-
-
-def tensor_bytes(qtype: str, n: int, k: int) -> int:
-    """Bytes of an ``n x k`` tensor in GGUF type ``qtype`` (rows of ``k`` values in blocks)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-    if k % block:
-        raise ValueError(f"{qtype} rows hold whole blocks of {block} values; got {k}")
-    return n * (k // block) * size
-
-
-def gguf_weights(path: Path | str) -> list[Weight]:
-    """The linear layers' weights of a GGUF file, with ``output.weight`` (or, tied, the
-    embedding ``token_embd.weight``) as the lm_head."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    head = tensors.get("output.weight") or tensors["token_embd.weight"]
-    out = []
-    for t in tensors.values():
-        if t.name.endswith(LINEAR_SUFFIXES) or t is head:
-            k, n = (int(d) for d in t.shape)  # GGUF lists the row length first
-            out.append(Weight(t.name, n, k, tensor_bytes(t.tensor_type.name, n, k), lm_head=t is head))
-    return out
-
-
-def as_float32(weights: list[Weight]) -> list[Weight]:
-    """The same layers with float32 weights (4 bytes a value)."""
-    return [replace(w, nbytes=4 * w.n * w.k) for w in weights]
-
-
-def step_bytes(weights: list[Weight]) -> int:
-    """Weight bytes one step reads: every linear weight once, whatever the rows."""
-    return sum(w.nbytes for w in weights)
-
-
-def step_ops(weights: list[Weight], rows: int, logit_rows: int | None = None) -> int:
-    """Operations of one step's linear layers (a multiply-add is 2): ``rows`` through every
-    layer but the lm_head, ``logit_rows`` (default ``rows``: a decode step) through it."""
-    head_rows = rows if logit_rows is None else logit_rows
-    return sum(2 * (head_rows if w.lm_head else rows) * w.n * w.k for w in weights)
-
-
-def roof_fields(ops: int, nbytes: int, seconds: float, bandwidth_gbs: float, ceiling_gops: float) -> dict:
-    """A step against the roofline: its rates, the roof at its intensity, and the fraction of
-    each (see the module docstring)."""
-    intensity = ops / nbytes
-    gops, gbs = ops / seconds / 1e9, nbytes / seconds / 1e9
-    roof = min(ceiling_gops, intensity * bandwidth_gbs)
-    return {"intensity_ops_per_byte": intensity, "gops": gops, "weight_gbs": gbs,
-            "of_bandwidth": gbs / bandwidth_gbs, "of_ceiling": gops / ceiling_gops,
-            "roof_gops": roof, "bound": "bandwidth" if roof < ceiling_gops else "ceiling",
-            "of_roof": gops / roof}
-
-
 # ---------------------------------------------------------------- the machine's roof
 def read_bandwidth(threads_list: list[int], buffer_bytes: int = GIB, repeats: int = 5) -> dict:
     """GB/s of the best of ``repeats`` reads of the whole buffer, per thread count (module docstring)."""
@@ -265,8 +197,6 @@ def model_rows(label: str, model: str, weights: list[Weight], roof: dict, *, qua
             kv_token * PREFILL_TOKENS / 2 / n, roof, ceiling)})
         log(f"  {label} prefill {PREFILL_TOKENS}: {_brief(rows[-1])}")
     if scoring:
-        from bench.roof_scoring import rolling_row  # it imports this module's helpers
-
         rows.append({"workload": label, **rolling_row(llm, weights, roof, ceiling, max(prefill_repeats, 2))})
         log(f"  {label} {rows[-1]['kind']}: {_brief(rows[-1])}")
     return rows

@@ -1,6 +1,7 @@
-"""The roofline bench's arithmetic (``bench.roofline``): weight bytes and operations per step
-read from a GGUF file, the fraction of the roof, and which of issue 35's targets a row has.
-No timing."""
+"""The roofline bench's arithmetic (``bench.roof_math``, ``bench.roofline``,
+``bench.roof_scoring``): weight bytes and operations per step read from a GGUF file, the
+fraction of the roof (a rolling-perplexity window's with attention), and which of issue 35's
+targets a row has. No timing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import roof_report, roofline
+from bench import roof_math, roof_report, roofline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gguf"))
 from tiny_gguf import write_llama_gguf  # noqa: E402  (tests/gguf is no package)
@@ -29,26 +30,26 @@ def shapes() -> tuple[list[tuple[int, int]], tuple[int, int]]:
 def test_bytes_and_ops_per_step_of_a_tied_model(tmp_path: Path, qtype: str, block: int, size: int) -> None:
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, linear_type=qtype, embed_type=qtype, oracle=False, **DIMS)
-    weights = roofline.gguf_weights(path)
+    weights = roof_math.gguf_weights(path)
     body, (vocab, hidden) = shapes()
     values = sum(n * k for n, k in body) + vocab * hidden
     assert [w.name for w in weights if w.lm_head] == ["token_embd.weight"]  # the tied embedding, once
     assert len(weights) == len(body) + 1
-    assert roofline.step_bytes(weights) == values // block * size
-    assert roofline.step_bytes(roofline.as_float32(weights)) == 4 * values
-    assert roofline.step_ops(weights, 8) == 2 * 8 * values
+    assert roof_math.step_bytes(weights) == values // block * size
+    assert roof_math.step_bytes(roof_math.as_float32(weights)) == 4 * values
+    assert roof_math.step_ops(weights, 8) == 2 * 8 * values
     # a prefill of 512 tokens: every token through the layers, one through the lm_head
-    assert roofline.step_ops(weights, 512, 1) == 2 * 512 * sum(n * k for n, k in body) + 2 * vocab * hidden
+    assert roof_math.step_ops(weights, 512, 1) == 2 * 512 * sum(n * k for n, k in body) + 2 * vocab * hidden
 
 
 def test_an_untied_lm_head_is_the_output_weight(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, linear_type="Q8_0", embed_type="Q8_0", output_type="Q6_K", oracle=False, **DIMS)
-    weights = roofline.gguf_weights(path)
+    weights = roof_math.gguf_weights(path)
     body, (vocab, hidden) = shapes()
     assert [w.name for w in weights if w.lm_head] == ["output.weight"]
     assert "token_embd.weight" not in {w.name for w in weights}  # a lookup reads one row, not the table
-    assert roofline.step_bytes(weights) == sum(n * k for n, k in body) // 32 * 34 + vocab * hidden // 256 * 210
+    assert roof_math.step_bytes(weights) == sum(n * k for n, k in body) // 32 * 34 + vocab * hidden // 256 * 210
 
 
 @pytest.mark.parametrize("max_model_len, prompts", [(8192, 1), (513, 1), (512, 2), (200, 4)])
@@ -60,12 +61,12 @@ def test_a_prefill_step_is_split_into_prompts_the_context_holds(max_model_len: i
 
 def test_tensor_bytes_refuses_a_partial_block() -> None:
     with pytest.raises(ValueError, match="whole blocks of 256"):
-        roofline.tensor_bytes("Q4_K", 8, 300)
+        roof_math.tensor_bytes("Q4_K", 8, 300)
 
 
 def test_under_the_bandwidth_line_the_roof_fraction_is_the_bandwidth_fraction() -> None:
     # 2 ops a byte at 20 GB/s: the roof is 40 GOP/s, far under a 1000 GOP/s ceiling
-    r = roofline.roof_fields(ops=2 * 10**9, nbytes=10**9, seconds=0.1, bandwidth_gbs=20.0, ceiling_gops=1000.0)
+    r = roof_math.roof_fields(ops=2 * 10**9, nbytes=10**9, seconds=0.1, bandwidth_gbs=20.0, ceiling_gops=1000.0)
     assert r["bound"] == "bandwidth"
     assert r["weight_gbs"] == pytest.approx(10.0) and r["gops"] == pytest.approx(20.0)
     assert r["roof_gops"] == pytest.approx(40.0)
@@ -75,7 +76,7 @@ def test_under_the_bandwidth_line_the_roof_fraction_is_the_bandwidth_fraction() 
 
 def test_under_the_ceiling_the_roof_fraction_is_the_ceiling_fraction() -> None:
     # 1000 ops a byte: bandwidth would allow 20,000 GOP/s, so the 1000 GOP/s ceiling binds
-    r = roofline.roof_fields(ops=10**12, nbytes=10**9, seconds=2.0, bandwidth_gbs=20.0, ceiling_gops=1000.0)
+    r = roof_math.roof_fields(ops=10**12, nbytes=10**9, seconds=2.0, bandwidth_gbs=20.0, ceiling_gops=1000.0)
     assert r["bound"] == "ceiling"
     assert r["roof_gops"] == pytest.approx(1000.0)
     assert r["of_roof"] == pytest.approx(r["of_ceiling"]) == pytest.approx(0.5)
