@@ -13,8 +13,8 @@ Measured on the machine itself, in one process (bench/README.md, "The roofline")
   one 2,048-token rolling-perplexity window of each (:mod:`bench.roof_scoring`: its roof adds
   attention's float32 work to the linear layers').
 
-Per step (:func:`bench.roof_math.roof_fields`): the linear layers' weight bytes (each tensor as the GGUF file
-stores it; 4 bytes a value in float32) and operations (2 x rows x in x out; a prefill's lm_head
+Per step (:func:`bench.roof_math.roof_fields`): the linear layers' weight bytes (each tensor as
+the GGUF file stores it; 4 bytes a value in float32) and operations (2 x rows x in x out; a prefill's lm_head
 on each prompt's last position only) over its time give GB/s against the read bandwidth and
 GOP/s against the ceiling; the roof at its intensity (ops / weight bytes) is ``min(ceiling,
 intensity x bandwidth)`` and ``of_roof`` the fraction reached. Attention's KV reads are left
@@ -245,22 +245,23 @@ def part(args: Any, out: Path, log: Callable[[str], None], machine: dict, save: 
     save("roof", result, out)
     max_tokens, prefill_repeats = (8, 2) if quick else (32, 3)
     result["decode_max_tokens"], result["prefill_repeats"] = max_tokens, prefill_repeats
+    # each run: label, model, weights, quantization, decode batches, prefill repeats, and whether
+    # it scores a rolling-perplexity window (SmolLM2: the scoring part's model)
     runs = [(f"1B {q}", str(one_b_model(q)), gguf_weights(one_b_model(q)), "gguf",
-             [(f"b{b}", random_prompts(b, SHAPES["1b"].vocab, 32, b)) for b in args.batches], prefill_repeats)
+             [(f"b{b}", random_prompts(b, SHAPES["1b"].vocab, 32, b)) for b in args.batches], prefill_repeats, False)
             for q in ("Q4_K", "Q8_0")]
     smol = gguf_weights(embedded_gguf())
     w32 = [("W32 (b32)", w32_prompts())]
-    runs += [("SmolLM2 Q4_1", "smollm2-135m-instruct", smol, "gguf", w32, prefill_repeats),
-             ("SmolLM2 fp32", "smollm2-135m-instruct", as_float32(smol), "none", w32, prefill_repeats)]
-    scoring = {"SmolLM2 Q4_1", "SmolLM2 fp32"}  # rolling perplexity: the scoring part's model
-    for label, model, weights, quantization, batches, repeats in runs:
+    runs += [("SmolLM2 Q4_1", "smollm2-135m-instruct", smol, "gguf", w32, prefill_repeats, True),
+             ("SmolLM2 fp32", "smollm2-135m-instruct", as_float32(smol), "none", w32, prefill_repeats, True)]
+    for label, model, weights, quantization, batches, repeats, scoring in runs:
         roof = roof_now(quick)  # the load drifts: each model's rows against the roof measured just before
         log(f"roof: {label}; roof now {roof['bandwidth_gbs']:.1f} GB/s, int8 {roof['int8_gops']:.0f}, "
             f"fp32 {roof['fp32_gops']:.0f} GOP/s")
         try:
             result["rows"] += model_rows(label, model, weights, roof, quantization=quantization,
                                          batches=batches, max_tokens=max_tokens, prefill_repeats=repeats, log=log,
-                                         scoring=label in scoring)
+                                         scoring=scoring)
         except Exception as exc:  # one workload's failure is recorded; the others still run
             result["rows"].append({"workload": label, "error": f"{type(exc).__name__}: {exc}"})
         save("roof", result, out)

@@ -209,7 +209,7 @@ class FusedGatedMLP(torch.nn.Module):
     """
 
     def __init__(self, gate_up: Sequence[torch.nn.Module], down: torch.nn.Module,
-                 names: tuple[str, ...] = ("gate_proj", "up_proj"), activation: str = "silu") -> None:
+                 names: tuple[str, ...] = ("gate_proj", "up_proj"), activation: str | None = "silu") -> None:
         super().__init__()
         if activation not in cpu_fused.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; known: {', '.join(cpu_fused.ACTIVATIONS)}")
@@ -220,11 +220,11 @@ class FusedGatedMLP(torch.nn.Module):
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> "FusedGatedMLP":
-        """The fused MLP of a module :func:`mlp_candidate` takes."""
+        """The fused MLP of a module :func:`mlp_candidate` takes (an activation of no
+        :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS` row is refused, not taken for SiLU)."""
         if hasattr(module, "gate_up_proj"):
-            return cls([module.gate_up_proj], module.down_proj, ("gate_up_proj",),
-                       activation_of(module.activation_fn) or "silu")
-        return cls([module.gate_proj, module.up_proj], module.down_proj, activation=activation_of(module.act_fn) or "silu")
+            return cls([module.gate_up_proj], module.down_proj, ("gate_up_proj",), activation_of(module.activation_fn))
+        return cls([module.gate_proj, module.up_proj], module.down_proj, activation=activation_of(module.act_fn))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"

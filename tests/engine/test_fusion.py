@@ -101,6 +101,8 @@ def test_other_semantics_are_left_alone(tiny_model) -> None:
     assert type(model.model.norm) is ScaledRMSNorm and not isinstance(model.model.layers[0].mlp, FusedGatedMLP)
     torch.testing.assert_close(_logits(model, ids), before, rtol=1e-4, atol=1e-4)
     assert fused_layers.activation_of(torch.nn.GELU()) is None
+    with pytest.raises(ValueError, match="unknown activation None; known: silu, gelu_tanh"):
+        FusedGatedMLP.of(model.model.layers[0].mlp)  # not taken for SiLU
     assert fused_layers.activation_of(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
     assert fused_layers.activation_of(torch.nn.SiLU()) == "silu"
 
