@@ -200,6 +200,17 @@ static void store_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, 
   }
 }
 
+/* Ask for the item's output lines for writing (prefetchw) before its dot products: stored
+ * after them, a row block's 64 lines missed at once (y is rows x n floats, past the caches at
+ * prefill sizes) and the stores waited on their reads */
+static inline void prefetch_out(const struct job *J, int64_t p, int64_t r0, int64_t rows, int two) {
+  for (int64_t r = 0; r < rows; r++) {
+    float *yr = J->y + (r0 + r) * J->ldy + p * NR;
+    __builtin_prefetch(yr, 1, 3);
+    if (two) __builtin_prefetch(yr + NR, 1, 3);
+  }
+}
+
 /* Items (row block of up to MC rows, panel), in groups of panels (below); where
  * the build has pair_<name>, (row block, pair of panels 2i and 2i + 1), the last panel of an
  * odd count alone. Which function an output goes through changes none of its bits. */
@@ -220,6 +231,7 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
     const float *xd = J->xd + rg_at(r0, 0, nb);
     const int32_t *xs = J->xs + rg_at(r0, 0, k / 16);
+    prefetch_out(J, p, r0, rows, pairs && p + 1 < J->npanels);
     if (pairs && p + 1 < J->npanels) {
       J->f->pair(rows, J->packed + p * pbytes, J->packed + (p + 1) * pbytes, nb, J->q + r0 * ldq, ldq, xd, xs, out, out1);
       store_out(J, p + 1, r0, rows, out1);
