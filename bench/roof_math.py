@@ -1,11 +1,13 @@
 """The roofline's arithmetic (:mod:`bench.roofline`, :mod:`bench.roof_scoring`): the linear
 layers' weights a step reads, as a GGUF file stores them, their bytes and operations per step,
-and a step's place under the roof (:func:`roof_fields`)."""
+a step's place under the roof (:func:`roof_fields`), and under the whole step's roof, attention
+in (:func:`step_roof_fields`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 # the 2-D weights a step reads through the linear layers (token_embd: only as a tied lm_head)
 LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_output.weight",
@@ -75,3 +77,30 @@ def roof_fields(ops: int, nbytes: int, seconds: float, bandwidth_gbs: float, cei
             "of_bandwidth": gbs / bandwidth_gbs, "of_ceiling": gops / ceiling_gops,
             "roof_gops": roof, "bound": "bandwidth" if roof < ceiling_gops else "ceiling",
             "of_roof": gops / roof}
+
+
+def attention_flops(config: Any, keys: int) -> int:
+    """QK and PV of query rows that see ``keys`` keys in all (summed over the rows), over every
+    query head of every layer of a model of HF ``config`` (a multiply-add is 2)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 4 * text.num_hidden_layers * text.num_attention_heads * head * keys
+
+
+def causal_keys(tokens: int) -> int:
+    """Keys seen in all by the rows of one causal prefill of ``tokens``: 1 + 2 + ... + tokens."""
+    return tokens * (tokens + 1) // 2
+
+
+def step_roof_fields(ops: int, nbytes: int, kv_bytes: float, attn_flops: float, seconds: float,
+                     roof: dict, ceiling: str) -> dict:
+    """The whole step against the roof: the linear layers' bound (their ops at ``ceiling`` or
+    their weights at the read bandwidth, the slower) plus attention's (its K/V reads at the
+    bandwidth or its float32 work at the float32 ceiling, the slower: decode reads, prefill
+    computes). The two run one after the other in a step, so their times add; the rest of a step
+    (norms, sampling, Python) has no roof and counts against it."""
+    bw = roof["bandwidth_gbs"] * 1e9
+    linear = max(ops / (roof[f"{ceiling}_gops"] * 1e9), nbytes / bw)
+    attention = max(kv_bytes / bw, attn_flops / (roof["fp32_gops"] * 1e9))
+    return {"step_bound_s": linear + attention, "attention_bound_s": attention,
+            "of_step_roof": (linear + attention) / seconds}

@@ -43,28 +43,39 @@ def summary_lines(result: dict | None) -> list[str]:
              *_after_lines(result),
              *_reference_lines(result),
              "| workload | step | ms | ops/byte | weight GB/s (of read BW) | GOP/s (of ceiling) | bound | of roof "
-             "| roof: GB/s, GOP/s | CPU share | issue 35 target |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| of the step's roof, attention in | roof: GB/s, GOP/s | CPU share | issue 35 target |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r.get('kind', '')} | {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['workload']} | {r.get('kind', '')} | {r['error']} | | | | | | | | | |")
             continue
         target, used = target_of(r), r.get("roof", roof)
         met = "–" if target is None else f"{target[2]}: {'met' if r[target[0]] >= target[1] else 'not met'}"
         lines.append(f"| {r['workload']} | {r['kind']} | {r['step_s'] * 1e3:.1f} | {r['intensity_ops_per_byte']:.1f} "
                      f"| {r['weight_gbs']:.1f} ({r['of_bandwidth'] * 100:.0f} %) | {r['gops']:.0f} "
                      f"({r['of_ceiling'] * 100:.0f} % of {r['ceiling']}) | {r['bound']} | {r['of_roof'] * 100:.0f} % "
-                     f"| {used['bandwidth_gbs']:.1f}, {used[r['ceiling'] + '_gops']:.0f} "
+                     f"| {_step_roof(r)} | {used['bandwidth_gbs']:.1f}, {used[r['ceiling'] + '_gops']:.0f} "
                      f"| {r.get('cpu_share', float('nan')):.2f} | {met} |")
     return lines + ["", "Weight bytes and operations are the linear layers' (lm_head included, in a prefill on each "
                     "prompt's last position only); attention's KV reads are left out of the intensity. A rolling "
                     "perplexity window scores every position (the lm_head on every row) and its roof adds "
                     "attention's float32 work at the float32 ceiling to the linear layers' at theirs "
                     "(`bench/roof_scoring.py`): its GOP/s are the linear layers', its 'of roof' that sum's time over "
-                    "the window's. Each row is set against the roof (read "
+                    "the window's. The step's roof adds attention to the linear layers' bound in every row: its "
+                    "K/V reads at the read bandwidth or its float32 work at the float32 ceiling, the slower "
+                    "(`bench.roof_math.step_roof_fields`); what a step spends beyond both (norms, RoPE, sampling, "
+                    "Python) counts against it. Each row is set against the roof (read "
                     "bandwidth, and its ceiling) measured just before its model ran. CPU "
                     "share: the process's CPU time over wall time x 2 threads during the row's run (1.0: both "
                     "cores to itself).", ""]
+
+
+def _step_roof(row: dict) -> str:
+    """The whole step's fraction of its roof, with its attention part's share of that bound."""
+    if "of_step_roof" not in row:
+        return "–"
+    return (f"{row['of_step_roof'] * 100:.0f} % (attention {row['attention_bound_s'] / row['step_bound_s'] * 100:.0f} % "
+            "of the bound)")
 
 
 def _after_lines(result: dict) -> list[str]:

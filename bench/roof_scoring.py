@@ -19,17 +19,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.roof_math import Weight, roof_fields, step_bytes, step_ops
+from bench.roof_math import Weight, attention_flops, causal_keys, roof_fields, step_bytes, step_roof_fields, step_ops
 from bench.scoring_workload import ppl_texts
 
 WINDOW = 2048
-
-
-def attention_flops(config: Any, tokens: int) -> int:
-    """Causal QK and PV of one ``tokens``-long window over every layer (a multiply-add is 2)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 4 * text.num_hidden_layers * text.num_attention_heads * head * tokens * (tokens + 1) // 2
 
 
 def window_fields(ops: int, attn: int, nbytes: int, seconds: float, roof: dict, ceiling: str) -> dict:
@@ -53,11 +46,12 @@ def rolling_row(llm: Any, weights: list[Weight], roof: dict, ceiling: str, repea
         llm.loglikelihood_rolling([tokens], max_length=WINDOW)
         times.append(time.perf_counter() - start)
     share = (time.process_time() - c0) / (2 * (time.perf_counter() - t0))
-    ops, attn = step_ops(weights, len(tokens)), attention_flops(llm.runner.model.config, len(tokens))
+    ops, attn = step_ops(weights, len(tokens)), attention_flops(llm.runner.model.config, causal_keys(len(tokens)))
     nbytes, median = step_bytes(weights), sorted(times)[len(times) // 2]
     row = {"kind": f"rolling ppl {len(tokens)}", "batch": 1, "cpu_share": share, "steps": len(times),
            "step_s": min(times), "step_median_s": median, "ops_per_step": ops, "attention_flops": attn,
            "weight_bytes_per_step": nbytes, "ceiling": ceiling, "roof": roof}
     row.update(window_fields(ops, attn, nbytes, min(times), roof, ceiling))
     row["of_roof_median"] = window_fields(ops, attn, nbytes, median, roof, ceiling)["of_roof"]
+    row.update(step_roof_fields(ops, nbytes, 0, attn, min(times), roof, ceiling))
     return row

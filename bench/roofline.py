@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.roof_math import Weight, as_float32, gguf_weights, roof_fields, step_bytes, step_ops
+from bench.roof_math import (Weight, as_float32, attention_flops, causal_keys, gguf_weights, roof_fields, step_bytes,
+                             step_ops, step_roof_fields)
 from bench.roof_scoring import rolling_row
 
 HERE = Path(__file__).resolve().parent
@@ -142,8 +143,10 @@ def prefill_prompts(tokens: int, max_model_len: int) -> int:
     return n
 
 
-def timed_row(kind: str, chosen: list[dict], ops: int, nbytes: int, kv: float, roof: dict, ceiling: str) -> dict:
-    """A workload row from its observed steps (the fastest is the figure)."""
+def timed_row(kind: str, chosen: list[dict], ops: int, nbytes: int, kv: float, attn: float, roof: dict,
+              ceiling: str) -> dict:
+    """A workload row from its observed steps (the fastest is the figure): against the roof of
+    its linear layers, and of the whole step with attention's ``kv`` bytes and ``attn`` FLOPs."""
     if not chosen:
         return {"kind": kind, "error": "no step of this kind was observed"}
     secs = [s["seconds"] for s in chosen]
@@ -153,6 +156,7 @@ def timed_row(kind: str, chosen: list[dict], ops: int, nbytes: int, kv: float, r
     row.update(roof_fields(ops, nbytes, min(secs), roof["bandwidth_gbs"], roof[f"{ceiling}_gops"]))
     row["of_roof_median"] = roof_fields(ops, nbytes, row["step_median_s"], roof["bandwidth_gbs"],
                                         roof[f"{ceiling}_gops"])["of_roof"]
+    row.update(step_roof_fields(ops, nbytes, kv, attn, min(secs), roof, ceiling), attention_flops=attn)
     return row
 
 
@@ -178,10 +182,11 @@ def model_rows(label: str, model: str, weights: list[Weight], roof: dict, *, qua
         c0, t0 = time.process_time(), time.perf_counter()
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         share = (time.process_time() - c0) / (2 * (time.perf_counter() - t0))
-        kv = kv_token * (sum(map(len, prompts)) + batch * max_tokens / 2)  # the mean context a step reads
+        keys = sum(map(len, prompts)) + batch * max_tokens / 2  # the mean context a step reads
         chosen = [s for s in steps if s.get("decode") and s["seqs"] == batch]
         rows.append({"workload": label, "batch": batch, "cpu_share": share, **timed_row(
-            f"decode {name}", chosen, step_ops(weights, batch), step_bytes(weights), kv, roof, ceiling)})
+            f"decode {name}", chosen, step_ops(weights, batch), step_bytes(weights), kv_token * keys,
+            attention_flops(llm.runner.model.config, keys), roof, ceiling)})
         log(f"  {label} decode {name}: {_brief(rows[-1])}")
     prefill, n = [], prefill_prompts(PREFILL_TOKENS, llm.max_model_len)
     c0, t0 = time.process_time(), time.perf_counter()
@@ -194,7 +199,8 @@ def model_rows(label: str, model: str, weights: list[Weight], roof: dict, *, qua
         share = (time.process_time() - c0) / (2 * (time.perf_counter() - t0))
         rows.append({"workload": label, "batch": n, "cpu_share": share, **timed_row(
             f"prefill {PREFILL_TOKENS}", prefill, step_ops(weights, PREFILL_TOKENS, n), step_bytes(weights),
-            kv_token * PREFILL_TOKENS / 2 / n, roof, ceiling)})
+            kv_token * PREFILL_TOKENS / 2 / n, attention_flops(llm.runner.model.config, n * causal_keys(PREFILL_TOKENS // n)),
+            roof, ceiling)})
         log(f"  {label} prefill {PREFILL_TOKENS}: {_brief(rows[-1])}")
     if scoring:
         rows.append({"workload": label, **rolling_row(llm, weights, roof, ceiling, max(prefill_repeats, 2))})

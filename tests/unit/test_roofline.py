@@ -104,7 +104,7 @@ def test_a_rolling_window_s_roof_adds_attention_at_the_float32_ceiling() -> None
 
     # SmolLM2's shape: 30 layers, 9 heads of 64; a 2,048-token window
     config = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, hidden_size=576, head_dim=None)
-    attn = roof_scoring.attention_flops(config, 2048)
+    attn = roof_math.attention_flops(config, roof_math.causal_keys(2048))
     assert attn == 4 * 30 * 9 * 64 * 2048 * 2049 // 2
     roof = {"bandwidth_gbs": 30.0, "int8_gops": 900.0, "fp32_gops": 230.0}
     # 450 GOP of int8 work (0.5 s at the ceiling) and 115 GFLOP of attention (0.5 s): 1 s at best
@@ -114,3 +114,18 @@ def test_a_rolling_window_s_roof_adds_attention_at_the_float32_ceiling() -> None
     assert r["gops"] == pytest.approx(225.0) and r["of_ceiling"] == pytest.approx(0.25)  # the linear layers'
     assert r["bound"] == "int8 + attention"
     assert roof_report.target_of({"kind": "rolling ppl 2048", "batch": 1, "ceiling": "int8"}) is None
+
+
+def test_the_whole_step_s_roof_adds_attention_s_reads_or_work_to_the_linear_layers() -> None:
+    roof = {"bandwidth_gbs": 20.0, "int8_gops": 1000.0, "fp32_gops": 200.0}
+    # decode: 100 GOP under the ceiling (0.1 s) but 4 GB of weights (0.2 s); 2 GB of K/V (0.1 s)
+    # outweigh 1 GFLOP of attention (0.005 s): 0.3 s at best, 0.6 s measured
+    r = roof_math.step_roof_fields(ops=10**11, nbytes=4 * 10**9, kv_bytes=2 * 10**9, attn_flops=10**9,
+                                   seconds=0.6, roof=roof, ceiling="int8")
+    assert r["attention_bound_s"] == pytest.approx(0.1) and r["step_bound_s"] == pytest.approx(0.3)
+    assert r["of_step_roof"] == pytest.approx(0.5)
+    # prefill: 400 GOP (0.4 s at the ceiling, its 1 GB of weights 0.05 s); 40 GFLOP of attention
+    # at the float32 ceiling (0.2 s) outweigh its 0.2 GB of K/V (0.01 s)
+    r = roof_math.step_roof_fields(ops=4 * 10**11, nbytes=10**9, kv_bytes=2 * 10**8, attn_flops=4 * 10**10,
+                                   seconds=1.2, roof=roof, ceiling="int8")
+    assert r["attention_bound_s"] == pytest.approx(0.2) and r["of_step_roof"] == pytest.approx(0.5)
