@@ -104,6 +104,44 @@ ERRORS = {
 }
 
 
+def _check_tensors(op: str, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The query's and the caches' dtypes, devices, layout and shapes, or a ValueError naming
+    ``op`` and what does not fit."""
+    dtype = query.dtype
+    if dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or not (
+            query.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
+        for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype not in DTYPES or t.device.type != "cpu":
+                raise ValueError(f"{op} (cpu): {name} must be a float32, bfloat16 or float16 CPU "
+                                 f"tensor, got {t.dtype} on {t.device}")
+        raise ValueError(f"{op} (cpu): k_cache and v_cache must have one dtype, got "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op} (cpu): k_cache and v_cache must be contiguous and of one shape")
+    if k_cache.shape[3] != query.shape[2] or query.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{op} (cpu): query {tuple(query.shape)} does not fit the cache "
+                         f"{tuple(k_cache.shape)}")
+
+
+def _index_tensors(op: str, num_tokens: int, block_tables: torch.Tensor, query_start_loc: torch.Tensor | None,
+                   context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The block tables, query starts (None for decode) and context lengths as int32 (no copies
+    for the engine's own), their shapes checked against each other and ``num_tokens``."""
+    tables, lens = as_int32(block_tables), as_int32(context_lens)
+    num_seqs = lens.shape[0] if lens.dim() == 1 else -1
+    starts = None
+    if query_start_loc is not None:
+        starts = as_int32(query_start_loc)
+        if starts.shape != (num_seqs + 1,):
+            raise ValueError(f"{op} (cpu): query_start_loc {tuple(starts.shape)} does not fit "
+                             f"context_lens {tuple(lens.shape)}")
+    elif num_seqs != num_tokens:
+        raise ValueError(f"{op} (cpu): {num_tokens} queries but context_lens {tuple(lens.shape)}")
+    if tables.dim() != 2 or tables.shape[0] != num_seqs:
+        raise ValueError(f"{op} (cpu): {num_seqs} sequences but block_tables {tuple(tables.shape)}")
+    return tables, starts, lens
+
+
 def paged_attention(
     op: str,
     query: torch.Tensor,
@@ -125,34 +163,12 @@ def paged_attention(
             would follow is checked first).
     """
     num_tokens, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     dtype = query.dtype
-    if dtype not in DTYPES or k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or not (
-            query.device.type == k_cache.device.type == v_cache.device.type == "cpu"):
-        for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype not in DTYPES or t.device.type != "cpu":
-                raise ValueError(f"{op} (cpu): {name} must be a float32, bfloat16 or float16 CPU "
-                                 f"tensor, got {t.dtype} on {t.device}")
-        raise ValueError(f"{op} (cpu): k_cache and v_cache must have one dtype, got "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
-    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{op} (cpu): k_cache and v_cache must be contiguous and of one shape")
-    if cache_head != head_size or num_heads % num_kv_heads:
-        raise ValueError(f"{op} (cpu): query {tuple(query.shape)} does not fit the cache "
-                         f"{tuple(k_cache.shape)}")
+    _check_tensors(op, query, k_cache, v_cache)
     out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype)
-    tables, lens = as_int32(block_tables), as_int32(context_lens)  # no copies for the engine's own
-    num_seqs = lens.shape[0] if lens.dim() == 1 else -1
-    starts = None
-    if query_start_loc is not None:
-        starts = as_int32(query_start_loc)
-        if starts.shape != (num_seqs + 1,):
-            raise ValueError(f"{op} (cpu): query_start_loc {tuple(starts.shape)} does not fit "
-                             f"context_lens {tuple(lens.shape)}")
-    elif num_seqs != num_tokens:
-        raise ValueError(f"{op} (cpu): {num_tokens} queries but context_lens {tuple(lens.shape)}")
-    if tables.dim() != 2 or tables.shape[0] != num_seqs:
-        raise ValueError(f"{op} (cpu): {num_seqs} sequences but block_tables {tuple(tables.shape)}")
+    tables, starts, lens = _index_tensors(op, num_tokens, block_tables, query_start_loc, context_lens)
+    num_seqs = lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     if query.stride(2) != 1:

@@ -207,116 +207,146 @@ static void soft_cap_row(float *restrict x, int64_t n, float c) {
   for (int64_t i = 0; i < n; ++i) x[i] = tanhf(x[i] / c) * c;
 }
 
-/* Query rows r0 .. r0 + nq - 1 of sequence s, KV head h. Key indices count from k0, the first
- * key the tile's first row sees (0 without a window). */
-static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
+/* One item's tile: query rows r0 .. r0 + nq - 1 of sequence s, KV head h, as GROUP rows a
+ * token (row r = i * GROUP + g: token r0 + i, query head h * GROUP + g), and its scratch. Key
+ * indices count from k0, the first key the tile's first row sees (0 without a window). */
+typedef struct {
+  int rows;            /* nq * GROUP */
+  int64_t base;        /* row 0 sees keys 0 .. base */
+  int64_t nmax;        /* keys the tile's last row sees */
+  int64_t ss;          /* a row of scores: whole key blocks (and one more with a window) */
+  int64_t *off;        /* [ss]: element offset of key p's rows in the caches */
+  float *q;            /* [rows][HSP]: the query rows, scaled */
+  float *kbuf, *vbuf;  /* [KB][HSP]: a converted key (value) block */
+  float *scores;       /* [rows][ss], then acc [rows][HSP] (plain C and AVX2), then AVX2's V segment */
+  int64_t lim[ROWS];   /* the last key each row sees */
+  int64_t first[ROWS]; /* the first key each row sees */
+  float inv[ROWS];     /* 1 / the softmax sum of each row */
+  void *dst[ROWS];     /* each row's output */
+} Tile;
+
+/* The tile's keys (their offsets through the block table), its query rows (converted and
+ * scaled) and each row's first and last key and output; 4 when no scratch could be had. */
+static int tile_setup(const Args *a, int64_t s, int64_t h, int64_t r0, int nq, Tile *t) {
   const int64_t ctx = a->context_lens[s];
   const int64_t q0 = a->query_start_loc ? a->query_start_loc[s] : s;
   const int64_t q_len = a->query_start_loc ? a->query_start_loc[s + 1] - q0 : 1;
-  const int64_t pos0 = ctx - q_len + (r0 - q0);  /* position of row r0 */
+  const int64_t pos0 = ctx - q_len + (r0 - q0); /* position of row r0 */
   const int64_t win = a->window;
   const int64_t k0 = win > 0 && pos0 >= win ? pos0 - win + 1 : 0;
-  const int64_t base = pos0 - k0;               /* row r0 sees keys 0 .. base */
-  const int64_t nmax = base + nq;               /* keys the tile's last row sees */
-  /* a row of scores, whole key blocks (and one more with a window: a row's softmax starts at
-   * its own first key and reads and writes whole vectors from there) */
-  const int64_t ss = (nmax + KB - 1) / KB * KB + (win > 0 ? KB : 0);
-  const int64_t es = elem_size(a->kv_dtype), qs = elem_size(a->dtype); /* cache, query / output */
-  const int32_t *table = a->block_tables + s * a->max_blocks;
-  const int rows = nq * GROUP; /* row r = i * GROUP + g: token r0 + i, query head h * GROUP + g */
-
-  float *buf = scratch(2 * ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * ss + SEG_FLOATS);
+  t->base = pos0 - k0;
+  t->nmax = t->base + nq;
+  /* a row's softmax with a window starts at its own first key and reads and writes whole vectors
+   * from there: one more key block */
+  t->ss = (t->nmax + KB - 1) / KB * KB + (win > 0 ? KB : 0);
+  t->rows = nq * GROUP;
+  float *buf = scratch(2 * t->ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * t->ss + SEG_FLOATS);
   if (buf == NULL) return 4;
-  int64_t *restrict off = (int64_t *)buf;          /* [ss]: element offset of key p's rows */
-  float *restrict q = buf + 2 * ss;                /* [rows][HSP], scaled */
-  float *restrict kbuf = q + ROWS * HSP;           /* [KB][HSP]: a converted key block */
-  float *restrict vbuf = kbuf + KB * HSP;          /* [KB][HSP]: a converted value block */
-  float *restrict scores = vbuf + KB * HSP;        /* [rows][ss], then acc [rows][HSP] (plain C and
-                                                      AVX2), then AVX2's V segment */
-  int64_t lim[ROWS];                               /* the last key each row sees */
-  int64_t first[ROWS];                             /* the first key each row sees */
-  float inv[ROWS];
-  void *dst[ROWS];
-
+  t->off = (int64_t *)buf;
+  t->q = buf + 2 * t->ss;
+  t->kbuf = t->q + ROWS * HSP;
+  t->vbuf = t->kbuf + KB * HSP;
+  t->scores = t->vbuf + KB * HSP;
+  const int32_t *table = a->block_tables + s * a->max_blocks;
   const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE, bs = a->block_size;
-  for (int64_t p = 0, b = k0 / bs, o = k0 % bs; p < nmax; ++b, o = 0) {
+  for (int64_t p = 0, b = k0 / bs, o = k0 % bs; p < t->nmax; ++b, o = 0) {
     const int64_t at = (int64_t)table[b] * bs * tok_stride + h * HEAD_SIZE;
-    for (; o < bs && p < nmax; ++o, ++p) off[p] = at + o * tok_stride;
+    for (; o < bs && p < t->nmax; ++o, ++p) t->off[p] = at + o * tok_stride;
   }
-  PREFETCH_ROWS(a->k_cache, es, off, 0, nmax < 2 * KB ? nmax : 2 * KB, 3);
-  const int64_t num_heads = a->num_kv_heads * GROUP;
-  const float scale = a->scale;
+  PREFETCH_ROWS(a->k_cache, elem_size(a->kv_dtype), t->off, 0, t->nmax < 2 * KB ? t->nmax : 2 * KB, 3);
+  const int64_t num_heads = a->num_kv_heads * GROUP, qs = elem_size(a->dtype);
   for (int i = 0; i < nq; ++i)
     for (int g = 0; g < GROUP; ++g) {
       const int r = i * GROUP + g;
       const char *src = (const char *)a->query +
                         ((r0 + i) * a->q_stride_tok + (h * GROUP + g) * a->q_stride_head) * qs;
-      float *qr = q + r * HSP;
+      float *qr = t->q + r * HSP;
       convert_row(src, a->dtype, qr);
-      for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * scale;
-      lim[r] = base + i;
-      first[r] = win > 0 && pos0 + i >= win ? pos0 + i - win + 1 - k0 : 0;
-      dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * qs;
+      for (int d = 0; d < HEAD_SIZE; ++d) qr[d] = qr[d] * a->scale;
+      t->lim[r] = t->base + i;
+      t->first[r] = win > 0 && pos0 + i >= win ? pos0 + i - win + 1 - k0 : 0;
+      t->dst[r] = (char *)a->out + ((r0 + i) * num_heads + h * GROUP + g) * HEAD_SIZE * qs;
     }
+  return 0;
+}
 
-  /* Scores, key block by key block; a row's scores past its last key are not used. */
+/* Scores, key block by key block; a row's scores past its last key are not used. */
+static void tile_scores(const Args *a, Tile *t) {
+  const int64_t es = elem_size(a->kv_dtype), nmax = t->nmax, ss = t->ss;
   const float *krows[KB];
   for (int64_t kb = 0; kb < nmax; kb += KB) {
     const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
     /* keys two blocks ahead and this block's values (for the second pass) into L2: keys asked
      * for into L1 held its miss buffers (on the Zen 4, decode of 256 sequences x 150 keys in
      * float16 1.6x, 64 x 1,000 2x slower than this; the first two blocks still go to L1) */
-    PREFETCH_ROWS(a->k_cache, es, off, kb + 2 * KB, nmax < kb + 3 * KB ? nmax : kb + 3 * KB, 2);
-    PREFETCH_ROWS(a->v_cache, es, off, kb, kb + n, 2);
-    key_block(a->k_cache, a->kv_dtype, off + kb, n, kbuf, krows);
-    int r = kb > base ? (int)(kb - base) * GROUP : 0;
+    PREFETCH_ROWS(a->k_cache, es, t->off, kb + 2 * KB, nmax < kb + 3 * KB ? nmax : kb + 3 * KB, 2);
+    PREFETCH_ROWS(a->v_cache, es, t->off, kb, kb + n, 2);
+    key_block(a->k_cache, a->kv_dtype, t->off + kb, n, t->kbuf, krows);
+    int r = kb > t->base ? (int)(kb - t->base) * GROUP : 0;
+    float *sc = t->scores + kb;
 #if defined(BG_AVX512)
-    for (; r < rows; ++r) _mm512_storeu_ps(scores + r * ss + kb, scores16(q + r * HSP, krows));
+    for (; r < t->rows; ++r) _mm512_storeu_ps(sc + r * ss, scores16(t->q + r * HSP, krows));
 #elif defined(BG_AVX2)
-    for (; r < rows; ++r) {
-      _mm256_storeu_ps(scores + r * ss + kb, scores8(q + r * HSP, krows, 0));
-      if (n > 8) _mm256_storeu_ps(scores + r * ss + kb + 8, scores8(q + r * HSP, krows, 8));
+    for (; r < t->rows; ++r) {
+      _mm256_storeu_ps(sc + r * ss, scores8(t->q + r * HSP, krows, 0));
+      if (n > 8) _mm256_storeu_ps(sc + r * ss + 8, scores8(t->q + r * HSP, krows, 8));
     }
 #else
-    for (; r < rows; ++r)
-      for (int j = 0; j < n; ++j) scores[r * ss + kb + j] = dot_head(q + r * HSP, krows[j]);
+    for (; r < t->rows; ++r)
+      for (int j = 0; j < n; ++j) sc[r * ss + j] = dot_head(t->q + r * HSP, krows[j]);
 #endif
   }
-  for (int r = 0; r < rows; ++r) {
-    float *restrict sr = scores + r * ss;
-    const int64_t f = first[r];
-    if (a->softcap > 0.f) soft_cap_row(sr + f, lim[r] + 1 - f, a->softcap);
-    inv[r] = 1.f / softmax_row(sr + f, lim[r] + 1 - f);
+}
+
+/* Each row's scores over its own keys into softmax numerators (the soft cap first), its sum's
+ * inverse to inv, and 0 for the keys before its window. */
+static void tile_softmax(const Args *a, Tile *t) {
+  for (int r = 0; r < t->rows; ++r) {
+    float *restrict sr = t->scores + r * t->ss;
+    const int64_t f = t->first[r];
+    if (a->softcap > 0.f) soft_cap_row(sr + f, t->lim[r] + 1 - f, a->softcap);
+    t->inv[r] = 1.f / softmax_row(sr + f, t->lim[r] + 1 - f);
     for (int64_t p = 0; p < f; ++p) sr[p] = 0.f; /* keys before the row's window */
   }
+}
 
-  /* acc_r = sum_p e_rp v_p, in order of p. */
+/* acc_r = sum_p e_rp v_p, in order of p, times inv_r, to each row's output. */
+static void tile_pv(const Args *a, Tile *t) {
 #if defined(BG_AVX512)
-  const PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst};
-  pv(&job, rows);
+  const PvJob job = {a->v_cache, a->kv_dtype, a->dtype, t->ss, t->off, t->scores, t->lim, t->inv, t->dst};
+  pv(&job, t->rows);
 #elif defined(BG_AVX2)
-  PvJob job = {a->v_cache, a->kv_dtype, a->dtype, ss, off, scores, lim, inv, dst,
-               scores + (int64_t)ROWS * ss + (int64_t)ROWS * HSP, scores + (int64_t)ROWS * ss, 0, 0, 0, 0};
-  pv(&job, rows, nmax);
+  PvJob job = {a->v_cache, a->kv_dtype, a->dtype, t->ss, t->off, t->scores, t->lim, t->inv, t->dst,
+               t->scores + (int64_t)ROWS * t->ss + (int64_t)ROWS * HSP, t->scores + (int64_t)ROWS * t->ss, 0, 0, 0, 0};
+  pv(&job, t->rows, t->nmax);
 #else
-  float *restrict acc = scores + (int64_t)ROWS * ss; /* [rows][HSP] */
-  for (int64_t j = 0; j < (int64_t)rows * HSP; ++j) acc[j] = 0.f;
+  float *restrict acc = t->scores + (int64_t)ROWS * t->ss; /* [rows][HSP] */
+  for (int64_t j = 0; j < (int64_t)t->rows * HSP; ++j) acc[j] = 0.f;
   const float *vrows[KB];
-  for (int64_t kb = 0; kb < nmax; kb += KB) {
-    const int n = nmax - kb < KB ? (int)(nmax - kb) : KB;
-    key_block(a->v_cache, a->kv_dtype, off + kb, n, vbuf, vrows);
+  for (int64_t kb = 0; kb < t->nmax; kb += KB) {
+    const int n = t->nmax - kb < KB ? (int)(t->nmax - kb) : KB;
+    key_block(a->v_cache, a->kv_dtype, t->off + kb, n, t->vbuf, vrows);
     for (int j = 0; j < n; ++j) {
       const int64_t p = kb + j;
       const float *vp = vrows[j];
-      for (int r = p > base ? (int)(p - base) * GROUP : 0; r < rows; ++r) {
-        const float w = scores[r * ss + p];
+      for (int r = p > t->base ? (int)(p - t->base) * GROUP : 0; r < t->rows; ++r) {
+        const float w = t->scores[r * t->ss + p];
         float *ar = acc + r * HSP;
         for (int d = 0; d < HEAD_SIZE; ++d) ar[d] = MADD(w, vp[d], ar[d]);
       }
     }
   }
-  for (int r = 0; r < rows; ++r) store_row(dst[r], a->dtype, acc + r * HSP, inv[r]);
+  for (int r = 0; r < t->rows; ++r) store_row(t->dst[r], a->dtype, acc + r * HSP, t->inv[r]);
 #endif
+}
+
+/* Query rows r0 .. r0 + nq - 1 of sequence s, KV head h: scores, softmax, P.V. */
+static int attend(const Args *a, int64_t s, int64_t h, int64_t r0, int nq) {
+  Tile t;
+  if (tile_setup(a, s, h, r0, nq, &t) != 0) return 4;
+  tile_scores(a, &t);
+  tile_softmax(a, &t);
+  tile_pv(a, &t);
   return 0;
 }
 

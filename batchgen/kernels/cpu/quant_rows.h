@@ -19,8 +19,9 @@
 static inline int64_t grp_at(int64_t g, int64_t r, int64_t i, int64_t c) { return (r / g) * g * c + g * i + r % g; }
 static inline int64_t rg_at(int64_t r, int64_t i, int64_t c) { return grp_at(RG, r, i, c); }
 
-/* One block of bk values (a multiple of 16). */
-static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_out) {
+/* max |x| over one block of bk values (a multiple of 16); *finite = 0 if it holds a NaN or an
+ * infinity. Any order: max is exact. */
+static inline float block_amax(const float *xb, int bk, int *finite) {
 #if BG_ISA == 2
   __m512 vmax = _mm512_setzero_ps();
   const __m512 fmax = _mm512_set1_ps(3.40282347e+38f);
@@ -30,8 +31,8 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
     bad |= _mm512_cmp_ps_mask(a, fmax, _CMP_NLE_UQ); /* NaN or infinity */
     vmax = _mm512_max_ps(vmax, a);
   }
-  int finite = bad == 0;
-  float amax = _mm512_reduce_max_ps(vmax);
+  *finite = bad == 0;
+  return _mm512_reduce_max_ps(vmax);
 #elif BG_ISA == 1
   __m256 vmax = _mm256_setzero_ps();
   const __m256 fmax = _mm256_set1_ps(3.40282347e+38f), sign = _mm256_set1_ps(-0.0f);
@@ -41,28 +42,27 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
     bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, fmax, _CMP_NLE_UQ));
     vmax = _mm256_max_ps(vmax, a);
   }
-  int finite = bad == 0;
+  *finite = bad == 0;
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.0f;
   for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+  return amax;
 #else
-  int finite = 1;
+  int ok = 1;
   float amax = 0.0f;
   for (int t = 0; t < bk; t++) {
     float a = fabsf(xb[t]);
-    finite &= a <= 3.40282347e+38f; /* false for NaN and infinities */
+    ok &= a <= 3.40282347e+38f; /* false for NaN and infinities */
     amax = a > amax ? a : amax;
   }
+  *finite = ok;
+  return amax;
 #endif
-  if (!finite) {
-    *d_out = NAN;
-    memset(qb, 0, (size_t)bk);
-    return;
-  }
-  float db = amax / 127.0f;
-  float id = db != 0.0f ? 1.0f / db : 0.0f;
-  *d_out = db;
+}
+
+/* q = round-half-even(x * id), clamped to [-127, 127], over one block of bk values. */
+static inline void round_block(const float *xb, int bk, float id, int8_t *qb) {
 #if BG_ISA == 2
   const __m512 vid = _mm512_set1_ps(id);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
@@ -87,6 +87,22 @@ static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_
     qb[t] = (int8_t)v;
   }
 #endif
+}
+
+/* One block of bk values (a multiple of 16): its scale to *d_out and its quants to qb (quant.c's
+ * top); NaN and q = 0 for a block with a NaN or an infinity. */
+static inline void quantize_block(const float *xb, int bk, int8_t *qb, float *d_out) {
+  int finite;
+  const float amax = block_amax(xb, bk, &finite);
+  if (!finite) {
+    *d_out = NAN;
+    memset(qb, 0, (size_t)bk);
+    return;
+  }
+  float db = amax / 127.0f;
+  float id = db != 0.0f ? 1.0f / db : 0.0f;
+  *d_out = db;
+  round_block(xb, bk, id, qb);
 }
 
 /* Quantize rows [r0, r1) of x ([m, k], row stride ldx) in blocks of bk: q [m][ldq], d (k/bk a row),

@@ -206,32 +206,11 @@ class KernelOps:
                  np.int64(num_blocks)),
             )
 
-    def paged_decode_attention(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-        workspace: torch_attention.Workspace | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        """See :func:`torch_attention.paged_decode_attention`. ``workspace`` is unused: the kernel
-        reads the blocks in place. With a ``sliding_window`` the partitions cover only the keys
-        the query sees.
-
-        The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
-        partitions, an upper bound known without reading ``context_lens`` back from the device;
-        each block past its own sequence's last partition exits at once.
-        """
-        op = "paged_decode_attention"
-        # Any query strides are accepted (attention layers hand over transposed views); the
-        # kernel reads a dense copy.
-        self._check_tensor(op, "query", query, ndim=3, dtypes=tuple(DTYPE_CODES), device=None,
-                           contiguous=False)
-        query = query.contiguous()
+    def _check_decode(self, op: str, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                      sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+        """A decode's inputs against the contract (a ``_fail`` naming ``op`` otherwise); returns
+        the layer's window and soft cap as the kernel takes them."""
         device = query.device
         self._check_pool(op, k_cache, v_cache, device)
         num_seqs, num_heads, head_size = query.shape
@@ -256,9 +235,16 @@ class KernelOps:
         self._check_values(op, "decode", (block_tables, context_lens), (num_blocks, block_size),
                            lambda: checks.context_violation(block_tables, context_lens, num_blocks,
                                                             block_size))
-        out = torch.empty_like(query)
-        if num_seqs == 0:
-            return out
+        return window, cap
+
+    def _launch_decode(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int,
+                       cap: float) -> None:
+        """The decode kernel over checked inputs (at least one sequence), then the reduction of
+        its partitions where a context may span more than one."""
+        device = query.device
+        num_seqs, num_heads, head_size = query.shape
+        _, block_size, kv_heads, _ = k_cache.shape
         max_blocks = block_tables.shape[1]
         max_parts = num_partitions(max_blocks * block_size)
         partition = PARTITION_SIZE if max_parts > 1 else _SINGLE_PASS
@@ -290,6 +276,38 @@ class KernelOps:
                      np.int32(window)),
                     shared_mem=reduce_smem_bytes(max_parts),
                 )
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        workspace: torch_attention.Workspace | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """See :func:`torch_attention.paged_decode_attention`. ``workspace`` is unused: the kernel
+        reads the blocks in place. With a ``sliding_window`` the partitions cover only the keys
+        the query sees.
+
+        The launch covers ``ceil(block_tables.shape[1] * block_size / PARTITION_SIZE)``
+        partitions, an upper bound known without reading ``context_lens`` back from the device;
+        each block past its own sequence's last partition exits at once.
+        """
+        op = "paged_decode_attention"
+        # Any query strides are accepted (attention layers hand over transposed views); the
+        # kernel reads a dense copy.
+        self._check_tensor(op, "query", query, ndim=3, dtypes=tuple(DTYPE_CODES), device=None,
+                           contiguous=False)
+        query = query.contiguous()
+        window, cap = self._check_decode(op, query, k_cache, v_cache, block_tables, context_lens, scale,
+                                         sliding_window, logits_soft_cap)
+        out = torch.empty_like(query)
+        if query.shape[0]:
+            self._launch_decode(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, cap)
         return out
 
     def paged_prefill_attention(
