@@ -250,38 +250,43 @@ static inline __attribute__((always_inline)) void unit_dot_q5(const int mr, cons
  * went to the stack and back (the AVX2 build's Q4_1 at 2 threads ran at a third of its ceiling).
  * The integers are exact, so the bits are the same either way. */
 #define KEEP_IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+/* Q8_0 by the sign trick: |w| (unsigned) times q carrying w's sign, so a pair is at most
+ * 2 * 128 * 127 = 32,512 (vpmaddubsw never saturates) and is widened at once. This sums w q
+ * from 0, which is the other builds' -(sx << 7) + sum (w + 128) q: the same integer, so z is
+ * not read. (Splitting u = w + 128 into nibbles took two vpmaddubsw, two vpmaddwd and an add a
+ * row where this takes a vpsignb, a vpmaddubsw and a vpmaddwd.) */
+static inline __attribute__((always_inline)) void unit_dot_q8_sign(const int mr, const uint8_t *src, const int8_t *q,
+                                                                   int64_t ldq, vi *out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int g = 0; g < 8; g++) {
+    for (int h = 0; h < 2; h++) {
+      const __m256i w = _mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * h)), aw = _mm256_abs_epi8(w);
+      for (int r = 0; r < MR; r++) {
+        if (r < mr) {
+          int32_t xv;
+          memcpy(&xv, q + r * ldq + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(xv);
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), ones);
+          if (h == 0)
+            out[r].a = _mm256_add_epi32(out[r].a, t);
+          else
+            out[r].b = _mm256_add_epi32(out[r].b, t);
+          KEEP_IN_REGISTERS(out[r].a, out[r].b);
+        }
+      }
+    }
+  }
+}
 static inline __attribute__((always_inline)) void unit_dot_direct(const int mr, const uint8_t *src, const int kind,
                                                                   const int8_t *q, int64_t ldq, const int32_t *z,
                                                                   int64_t ldz, vi *out) {
   const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(15);
-  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
   if (kind == K_Q8) {
-    /* The sign trick: |w| (unsigned) times q carrying w's sign, so a pair is at most
-     * 2 * 128 * 127 = 32,512 (vpmaddubsw never saturates) and is widened at once. This sums
-     * w q from 0, which is the other builds' -(sx << 7) + sum (w + 128) q: the same integer, so
-     * z is not read. (Splitting u = w + 128 into nibbles took two vpmaddubsw, two vpmaddwd and
-     * an add a row where this takes a vpsignb, a vpmaddubsw and a vpmaddwd.) */
-    for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int g = 0; g < 8; g++) {
-      for (int h = 0; h < 2; h++) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(src + 64 * g + 32 * h)), aw = _mm256_abs_epi8(w);
-        for (int r = 0; r < MR; r++) {
-          if (r < mr) {
-            int32_t xv;
-            memcpy(&xv, q + r * ldq + 4 * g, 4);
-            const __m256i xb = _mm256_set1_epi32(xv);
-            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), ones);
-            if (h == 0)
-              out[r].a = _mm256_add_epi32(out[r].a, t);
-            else
-              out[r].b = _mm256_add_epi32(out[r].b, t);
-            KEEP_IN_REGISTERS(out[r].a, out[r].b);
-          }
-        }
-      }
-    }
+    unit_dot_q8_sign(mr, src, q, ldq, out);
     return;
   }
+  for (int r = 0; r < MR; r++) out[r] = (vi){_mm256_set1_epi32(Z_OF(r)), _mm256_set1_epi32(Z_OF(r))};
   /* 4-bit: the 8 groups' pairs summed in int16 (at most 8 * 3810), widened once */
   __m256i p0[MR], p1[MR];
   for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_si256();
