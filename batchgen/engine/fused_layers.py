@@ -117,11 +117,12 @@ class ConcatLinear(torch.nn.Module):
 
 
 #: The forms of RMSNorm weight a fused norm is tried in, in order (name, the dtypes it may take,
-#: the weight the fused norm multiplies by): Llama's ``weight * x̂``, and Gemma's
-#: ``(1 + weight) * x̂`` (computed in float32, so only a float32 model's fused norm reproduces
-#: it: in 16 bits the sum would be rounded once more than Gemma rounds it).
+#: the weight the fused norm multiplies by): Llama's ``weight * x̂`` (16-bit models: x̂ rounded,
+#: then the 16-bit product), and Gemma's ``(1 + weight) * x̂``, computed in float32 and rounded
+#: once: the fused norm keeps ``1 + weight`` in float32 whatever the model's dtype (fused.c's
+#: W_F32; in 16 bits ``1 + w`` would itself be rounded, which Gemma does not do).
 NORM_FORMS = (("weight", (torch.float32, torch.bfloat16, torch.float16), lambda w: w),
-              ("one_plus_weight", (torch.float32,), lambda w: 1.0 + w))
+              ("one_plus_weight", (torch.float32, torch.bfloat16, torch.float16), lambda w: 1.0 + w.float()))
 
 
 def norm_candidate(module: torch.nn.Module) -> tuple[torch.nn.Parameter, float] | None:

@@ -89,8 +89,7 @@ class ScaledRMSNorm(torch.nn.Module):
 
 def test_other_semantics_are_left_alone(tiny_model) -> None:
     """A norm of neither form fails the probe and stays; an MLP gated by an activation of no
-    ACTIVATIONS row (exact GELU) is no candidate; Gemma's ``1 + weight`` norms in bfloat16
-    (where the fused norm would round the sum once more) fail the probe."""
+    ACTIVATIONS row (exact GELU) is no candidate."""
     model = _load(tiny_model("llama"))
     model.model.norm = ScaledRMSNorm(model.model.norm.weight.detach(), 1e-6)
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()
@@ -106,11 +105,31 @@ def test_other_semantics_are_left_alone(tiny_model) -> None:
     assert fused_layers.activation_of(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
     assert fused_layers.activation_of(torch.nn.SiLU()) == "silu"
 
-    gemma = _load(tiny_model("gemma", head_dim=16)).to(torch.bfloat16)
-    gemma.model.norm.weight.data.uniform_(-0.5, 0.5)  # 1 + w rounds in bfloat16
-    counts = fusion.fuse_model(gemma, kinds=("rms_norm",))
-    assert counts["rms_norm"] == 0 and counts["rejected"] >= 1
-    assert not isinstance(gemma.model.norm, FusedRMSNorm)
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norms_fuse_in_16_bits_with_a_float32_weight(tiny_model, dtype) -> None:
+    """In a 16-bit Gemma the fused norm keeps ``1 + weight`` in float32 (rounded to 16 bits it
+    would no longer be Gemma's: the weights below are not 16-bit numbers once 1 is added) and
+    scales the float32 row by it before the one rounding: every norm fuses, within a rounding of
+    HF's (bit for bit in bfloat16 here)."""
+    model = _load(tiny_model("gemma", head_dim=16)).to(dtype)
+    for norm in [model.model.norm] + [n for layer in model.model.layers for n in (layer.input_layernorm,
+                                                                                  layer.post_attention_layernorm)]:
+        norm.weight.data.uniform_(-0.9, 0.9)
+    weight = model.model.norm.weight.detach().clone()
+    probe = (torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    want = model.model.norm(probe)
+    counts = fusion.fuse_model(model, kinds=("rms_norm",))
+    assert counts["rms_norm"] == 2 * 2 + 1 and counts["rejected"] == 0
+    assert isinstance(model.model.norm, FusedRMSNorm) and model.model.norm.weight.dtype is torch.float32
+    assert torch.equal(model.model.norm.weight, 1.0 + weight.float())
+    assert not torch.equal(model.model.norm.weight.to(dtype).float(), 1.0 + weight.float())
+    got = model.model.norm(probe)
+    assert got.dtype is dtype
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    assert bool(((got.float() - want.float()).abs() <= ulp * want.float().abs()).all())
+    if dtype is torch.bfloat16:
+        assert torch.equal(got, want)
 
 
 def test_kinds_left_out_stay_and_unknown_kinds_are_refused(tiny_model) -> None:

@@ -106,6 +106,26 @@ def test_rms_norm_strided_batched_and_batch_invariant() -> None:
 
 
 @needs_lib
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 7, 8, 17, 576])
+def test_a_float32_weight_scales_16_bit_rows_before_their_one_rounding(dtype, width) -> None:
+    """Gemma's norm on 16-bit rows: ``(x * inv) * (1 + w)`` in float32, rounded once (a float32
+    weight: fused.c's W_F32), within a rounding of HF's; not what a 16-bit weight gives, where
+    the row is rounded before the product; and after a residual add too."""
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(13, width, generator=gen) * 3).to(dtype)
+    weight = torch.empty(width).uniform_(-0.9, 0.9, generator=gen).to(dtype)
+    one_plus = 1.0 + weight.float()
+    got = cpu_fused.rms_norm(x, one_plus, 1e-6)
+    _assert_within_one_ulp(got, reference.gemma_rms_norm(x, weight, 1e-6))
+    if width >= 17:  # enough values that some land on the other side of a rounding
+        assert not torch.equal(got, cpu_fused.rms_norm(x, one_plus.to(dtype), 1e-6))
+    h = (torch.randn(13, width, generator=gen) * 3).to(dtype)
+    total, normed = cpu_fused.add_rms_norm(x, h, one_plus, 1e-6)
+    assert torch.equal(total, x + h) and torch.equal(normed, cpu_fused.rms_norm(x + h, one_plus, 1e-6))
+
+
+@needs_lib
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [1, 7, 17, 576, 2048])
 def test_add_rms_norm_is_torchs_add_then_the_fused_norm_bit_for_bit(dtype, width) -> None:
@@ -190,8 +210,8 @@ def test_contract_violations_raise() -> None:
         cpu_fused.rms_norm(torch.zeros(2, 5), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="1-D torch.float32 weight"):
         cpu_fused.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.float64), 1e-6)
-    with pytest.raises(ValueError, match="1-D torch.bfloat16 weight"):  # one dtype for both
-        cpu_fused.rms_norm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match=r"1-D torch.bfloat16 \(or float32\) weight"):  # its own dtype or float32
+        cpu_fused.rms_norm(torch.zeros(2, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float16), 1e-6)
     with pytest.raises(RuntimeError, match="inference only"):
         cpu_fused.rms_norm(torch.zeros(2, 4, requires_grad=True), torch.ones(4), 1e-6)
 

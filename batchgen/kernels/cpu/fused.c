@@ -16,7 +16,7 @@
  *                           (attention; float32, and bfloat16 / float16 with AVX2 and F16C)
  *   batchgen_rms_norm_16, batchgen_add_rms_norm_16, batchgen_gated_mul_16: the same for
  *     bfloat16 / float16 tensors, in float32 arithmetic, rounded to the 16-bit type where the
- *     torch ops they replace round (see each).
+ *     torch ops they replace round (see each); the norms with a float32 weight too (W_F32).
  *
  * Rows are independent and each row is computed by one thread, in one fixed order: a row's
  * result never depends on the other rows of the call, nor on the thread count.
@@ -41,6 +41,10 @@
 #endif
 
 enum { BF16 = 1, F16 = 2 };
+/* Or'ed into the 16-bit norms' dtype code: the weight is float32 and scales the float32 row
+ * before its one rounding (Gemma's RMSNorm, `(x * inv) * (1 + w.float())` then `.type_as(x)`),
+ * where HF's other RMSNorms round the row first and multiply by a 16-bit weight. */
+enum { W_F32 = 16, DT_MASK = 15 };
 
 /* Elements one chunk of rows should hold, at least, to pay for handing it out. */
 #define GRAIN_ELEMS 16384

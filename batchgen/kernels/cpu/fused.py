@@ -148,24 +148,36 @@ def _rows(x: torch.Tensor, width: int, what: str, dtype: torch.dtype) -> tuple[t
     return rows, rows.stride(0), rows.shape[0]
 
 
-def _check_weight(weight: torch.Tensor, dtype: torch.dtype, what: str) -> int:
-    """The width of a norm's weight: a contiguous 1-D ``dtype`` tensor (else ValueError)."""
-    if weight.dtype is not dtype or weight.dim() != 1 or not weight.is_contiguous():
-        raise ValueError(f"{what} needs a contiguous 1-D {dtype} weight, got {weight.dtype} {tuple(weight.shape)}")
-    return weight.shape[0]
+#: Or'ed into a 16-bit norm's dtype code: its weight is float32 and scales the float32 row
+#: before the one rounding (fused.c's W_F32: Gemma's ``(x * inv) * (1 + w.float())``).
+W_F32 = 16
+
+
+def _check_weight(weight: torch.Tensor, dtype: torch.dtype, what: str) -> tuple[int, int]:
+    """A norm's weight: its width and the 16-bit entry points' dtype code for ``dtype`` rows
+    (with :data:`W_F32` for a float32 weight of 16-bit rows). The weight is a contiguous 1-D
+    tensor of ``dtype``, or of float32 (else ValueError)."""
+    if weight.dtype not in (dtype, torch.float32) or weight.dim() != 1 or not weight.is_contiguous():
+        also = "" if dtype is torch.float32 else " (or float32)"
+        raise ValueError(f"{what} needs a contiguous 1-D {dtype}{also} weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if dtype is torch.float32:
+        return weight.shape[0], 0
+    return weight.shape[0], DTYPES[dtype] | (W_F32 if weight.dtype is torch.float32 else 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x², -1) + eps))`` over the last dim, on the CPU, for float32,
     bfloat16 or float16 ``x`` and ``weight`` of one dtype (16-bit: HF's RMSNorm, which rounds
-    the normalised row before the product; see the module docstring).
+    the normalised row before the product; see the module docstring), or 16-bit ``x`` and a
+    float32 ``weight`` (Gemma's RMSNorm: the product in float32, rounded once).
 
     Raises:
         ValueError: input of another dtype, device or width; a weight that does not fit.
     """
     dtype = x.dtype
     lib = _lib_for(dtype, "rms_norm")
-    n = _check_weight(weight, dtype, "rms_norm")
+    n, code = _check_weight(weight, dtype, "rms_norm")
     rows, ld, m = _rows(x, n, "rms_norm", dtype)
     out = torch.empty(m, n, dtype=dtype)
     if m:
@@ -173,7 +185,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if dtype is torch.float32:
             lib.batchgen_rms_norm_f32(*args)
         else:
-            lib.batchgen_rms_norm_16(*args, DTYPES[dtype])
+            lib.batchgen_rms_norm_16(*args, code)
     return out.view(x.shape)
 
 
@@ -187,7 +199,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     """
     dtype = x.dtype
     lib = _lib_for(dtype, "add_rms_norm")
-    n = _check_weight(weight, dtype, "add_rms_norm")
+    n, code = _check_weight(weight, dtype, "add_rms_norm")
     if h.shape != x.shape or h.dtype is not dtype:
         raise ValueError(f"add_rms_norm needs x and h of one shape and dtype, got {x.dtype} {tuple(x.shape)} "
                          f"and {h.dtype} {tuple(h.shape)}")
@@ -199,7 +211,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
         if dtype is torch.float32:
             lib.batchgen_add_rms_norm_f32(*args)
         else:
-            lib.batchgen_add_rms_norm_16(*args, DTYPES[dtype])
+            lib.batchgen_add_rms_norm_16(*args, code)
     return total.view(x.shape), out.view(x.shape)
 
 

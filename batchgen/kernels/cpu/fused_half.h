@@ -38,14 +38,11 @@ static inline void tail_in(const uint16_t *src, int64_t count, uint16_t buf[TAIL
   memcpy(buf, src, (size_t)count * sizeof(uint16_t));
 }
 
-/* HF's RMSNorm on a 16-bit row x of n and weight w: the row in float32,
- * t = x * (1 / sqrt(mean(x^2) + eps)) rounded to the 16-bit type, then y = w * t rounded again
- * (torch's `weight * t.to(dtype)`). */
-static void rms_row_16(int dtype, const uint16_t *xr, const uint16_t *w, uint16_t *yr, int64_t n, float eps) {
+/* The sum of squares of a 16-bit row of n in float32 (8 lanes, FMA, then the lanes in order). */
+static float sum_squares_16(int dtype, const uint16_t *xr, int64_t n) {
   const int64_t full = n / 8 * 8;
-  uint16_t xt[TAIL_PAD], wt[TAIL_PAD], yt[TAIL_PAD];
+  uint16_t xt[TAIL_PAD];
   tail_in(xr + full, n - full, xt);
-  tail_in(w + full, n - full, wt);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t j = 0; j < full; j += 8) {
     __m256 v = load8(dtype, xr + j);
@@ -58,14 +55,33 @@ static void rms_row_16(int dtype, const uint16_t *xr, const uint16_t *w, uint16_
   float lanes[8], ss = 0.f;
   _mm256_storeu_ps(lanes, acc);
   for (int l = 0; l < 8; ++l) ss += lanes[l];
-  const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(ss / (float)n + eps));
-  for (int64_t j = 0; j < full; j += 8) {
-    __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xr + j), inv));
-    _mm_storeu_si128((__m128i *)(yr + j), narrow8(dtype, _mm256_mul_ps(load8(dtype, w + j), t)));
-  }
+  return ss;
+}
+
+/* 8 outputs of the norm from x, the row's inv and the weight at w: HF's RMSNorm, t = x * inv
+ * rounded to the 16-bit type, then w * t rounded again (torch's `weight * t.to(dtype)`); with
+ * W_F32 in code, Gemma's, (x * inv) * w in float32 (w = 1 + weight), rounded once. */
+static inline __m128i norm8(int code, const uint16_t *x, const void *w, __m256 inv) {
+  const int dtype = code & DT_MASK;
+  const __m256 t = _mm256_mul_ps(load8(dtype, x), inv);
+  if (code & W_F32) return narrow8(dtype, _mm256_mul_ps(t, _mm256_loadu_ps((const float *)w)));
+  return narrow8(dtype, _mm256_mul_ps(load8(dtype, (const uint16_t *)w), round8(dtype, t)));
+}
+
+/* The RMSNorm of a 16-bit row x of n (its weight w 16-bit, or float32 with W_F32 in code; see
+ * norm8): the row in float32, inv = 1 / sqrt(mean(x^2) + eps), then 8 outputs at a time. */
+static void rms_row_16(int code, const uint16_t *xr, const void *w, uint16_t *yr, int64_t n, float eps) {
+  const int dtype = code & DT_MASK;
+  const int64_t full = n / 8 * 8, wsize = code & W_F32 ? 4 : 2;
+  const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum_squares_16(dtype, xr, n) / (float)n + eps));
+  for (int64_t j = 0; j < full; j += 8)
+    _mm_storeu_si128((__m128i *)(yr + j), norm8(code, xr + j, (const char *)w + j * wsize, inv));
   if (full < n) {
-    __m256 t = round8(dtype, _mm256_mul_ps(load8(dtype, xt), inv));
-    _mm_storeu_si128((__m128i *)yt, narrow8(dtype, _mm256_mul_ps(load8(dtype, wt), t)));
+    uint16_t xt[TAIL_PAD], yt[TAIL_PAD];
+    float wt[TAIL_PAD] = {0}; /* room for 8 float32 or 16-bit weights */
+    tail_in(xr + full, n - full, xt);
+    memcpy(wt, (const char *)w + full * wsize, (size_t)((n - full) * wsize));
+    _mm_storeu_si128((__m128i *)yt, norm8(code, xt, wt, inv));
     memcpy(yr + full, yt, (size_t)(n - full) * sizeof(uint16_t));
   }
 }
@@ -76,8 +92,9 @@ static void rms_rows_16(void *ctx, int64_t begin, int64_t end) {
     rms_row_16(a->dtype, (const uint16_t *)a->x + i * a->ldx, a->w, (uint16_t *)a->y + i * a->ldy, a->n, a->eps);
 }
 
-/* As batchgen_rms_norm_f32, for 16-bit x, w and y (dtype 1 = bfloat16, 2 = float16). */
-void batchgen_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y,
+/* As batchgen_rms_norm_f32, for 16-bit x and y (dtype 1 = bfloat16, 2 = float16) and a 16-bit w,
+ * or a float32 w with W_F32 or'ed into dtype (Gemma's norm; see norm8). */
+void batchgen_rms_norm_16(const uint16_t *x, int64_t ldx, const void *w, uint16_t *y,
                           int64_t ldy, int64_t m, int64_t n, float eps, int dtype) {
   struct rms_args a = {x, w, y, ldx, ldy, n, eps, dtype};
   bg_parallel_for(m, row_grain(n), rms_rows_16, &a);
@@ -121,13 +138,14 @@ static void add_rms_rows_16(void *ctx, int64_t begin, int64_t end) {
   const int64_t n = a->n;
   for (int64_t i = begin; i < end; ++i) {
     uint16_t *sr = (uint16_t *)a->s + i * n;
-    add_row_16(a->dtype, (const uint16_t *)a->x + i * a->ldx, (const uint16_t *)a->h + i * a->ldh, sr, n);
+    add_row_16(a->dtype & DT_MASK, (const uint16_t *)a->x + i * a->ldx, (const uint16_t *)a->h + i * a->ldh, sr, n);
     rms_row_16(a->dtype, sr, a->w, (uint16_t *)a->y + i * n, n, a->eps);
   }
 }
 
-/* As batchgen_add_rms_norm_f32, for 16-bit tensors (dtype 1 = bfloat16, 2 = float16). */
-void batchgen_add_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh, const uint16_t *w,
+/* As batchgen_add_rms_norm_f32, for 16-bit tensors (dtype 1 = bfloat16, 2 = float16), w as in
+ * batchgen_rms_norm_16. */
+void batchgen_add_rms_norm_16(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh, const void *w,
                               uint16_t *s, uint16_t *y, int64_t m, int64_t n, float eps, int dtype) {
   struct add_rms_args a = {x, h, w, s, y, ldx, ldh, n, eps, dtype};
   bg_parallel_for(m, row_grain(n), add_rms_rows_16, &a);
