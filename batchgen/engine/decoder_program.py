@@ -17,7 +17,8 @@ model's dtype (float32, or bfloat16 / float16 where the build has the fused ops'
 points) or, in float32, :class:`~batchgen.kernels.cpu.quant.QuantizedLinear` (or a
 ConcatLinear of them: a Q4_K_M file's mixed q/k/v), per-head q/k norms (Qwen3, Gemma 3) only
 as fused RMSNorms, and no LoRA (whose layers read the step's rows by position). Either layer
-form of :data:`~batchgen.engine.fused_decoder.LAYER_FORMS` (Gemma's sandwich norms too), any
+form of :data:`~batchgen.engine.fused_decoder.LAYER_FORMS` (Gemma's sandwich norms too, their
+``1 + w`` weights in float32 in a 16-bit model: the layer's norms all of one weight dtype), any
 activation of :data:`~batchgen.kernels.cpu.fused.ACTIVATIONS`, and up to four rotary tables
 (Gemma 3's local and global RoPE), each layer rotating by its own. :func:`install` builds it
 once, after the model's layers are final (the runner calls it after LoRA's wrapping); anything
@@ -49,20 +50,24 @@ def _parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     return list(module.parts) if type(module) is ConcatLinear else [module]
 
 
-def _norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> tuple[int, float] | None:
+def _norm(norm: torch.nn.Module, width: int, dtype: torch.dtype) -> tuple[int, float, bool] | None:
+    """A fused norm's ``(weight address, eps, float32 weight in a 16-bit model)``, or None where
+    its weight is not ``width`` wide, contiguous, and of ``dtype`` or (16-bit models: Gemma's
+    ``1 + w``, ``fused_layers.NORM_FORMS``) float32."""
     w = norm.weight
-    if w.dtype is not dtype or w.shape != (width,) or not w.is_contiguous():
+    w32 = dtype is not torch.float32 and w.dtype is torch.float32
+    if (w.dtype is not dtype and not w32) or w.shape != (width,) or not w.is_contiguous():
         return None
-    return w.data_ptr(), norm.variance_epsilon
+    return w.data_ptr(), norm.variance_epsilon, w32
 
 
-def _norms(layer: FusedDecoderLayer, hidden: int, dtype: torch.dtype) -> dict[str, tuple[int, float] | None] | None:
-    """Each norm role's ``(weight address, eps)`` (``(None, 0.0)`` where the form lacks it), or
-    None where one is not a fused norm of this width and dtype."""
-    found: dict[str, tuple[int, float] | None] = {}
+def _norms(layer: FusedDecoderLayer, hidden: int, dtype: torch.dtype) -> dict[str, tuple | None] | None:
+    """Each norm role's :func:`_norm` (``(None, 0.0, None)`` where the form lacks it), or None
+    where one is not a fused norm of this width and dtype."""
+    found: dict[str, tuple | None] = {}
     for role in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm"):
         norm = layer.role(role)
-        found[role] = (None, 0.0) if norm is None and role.endswith("out_norm") else (
+        found[role] = (None, 0.0, None) if norm is None and role.endswith("out_norm") else (
             _norm(norm, hidden, dtype) if type(norm) is FusedRMSNorm else None)
     return None if None in found.values() else found
 
@@ -81,12 +86,15 @@ def _layer(layer: FusedDecoderLayer, rope: int, kernels: dict, dtype: torch.dtyp
     qkv, o, gate_up, down = linears
     hidden = qkv.k
     norms = _norms(layer, hidden, dtype)
-    head_norms = (None, 0.0), (None, 0.0)
+    head_norms = (None, 0.0, None), (None, 0.0, None)
     if attn.qk_norms:
         head_norms = tuple(_norm(n, d, dtype) if type(n) is FusedRMSNorm else None for n in (attn.q_norm, attn.k_norm))
     shapes_fit = (qkv.n == (heads + 2 * kv) * d and o.k == heads * d and o.n == hidden and gate_up.k == hidden
                   and gate_up.n % 2 == 0 and down.k == gate_up.n // 2 and down.n == hidden)
     if norms is None or None in head_norms or not shapes_fit:
+        return None
+    w32 = {n[2] for n in (*norms.values(), *head_norms) if n[2] is not None}
+    if len(w32) > 1:  # one weight dtype for all the layer's norms (struct bg_layer's norm_w32)
         return None
     options = attn.options
     return cdecoder.Layer(norm1=norms["attn_norm"][0], norm2=norms["mlp_norm"][0], eps1=norms["attn_norm"][1],
@@ -96,7 +104,7 @@ def _layer(layer: FusedDecoderLayer, rope: int, kernels: dict, dtype: torch.dtyp
                           mlp_out_eps=norms["mlp_out_norm"][1], act=cpu_fused.ACTIVATIONS[mlp.activation][0],
                           rope=rope, qkv=qkv, o=o, gate_up=gate_up, down=down, heads=heads, kv_heads=kv,
                           head_dim=d, scale=options.scale, soft_cap=options.logits_soft_cap or 0.0,
-                          window=options.sliding_window or 0)
+                          window=options.sliding_window or 0, norm_w32=int(w32 == {True}))
 
 
 class DecoderProgram:

@@ -6,8 +6,8 @@ tokens, logprobs and cumulative logprobs are equal bit for bit, on tiny random L
 blocks (Q8_0 throughout; Q4_K with Q6_K attn_v and ffn_up, so that q/k/v and gate/up are
 ConcatLinears of two kinds), on Qwen3, Gemma 2, Gemma 3 and Phi-3 files in Q4_K and on HF Llama, Qwen2 (biases), Mistral (a sliding window), Phi-3
 (fused q/k/v and gate/up), Gemma 2 and Gemma 3 (sandwich norms, GELU-tanh, soft caps, two RoPE
-tables) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, and Llama in bfloat16
-and Qwen2 in float16; the program really ran the decode
+tables) in float32, Qwen3 (per-head q/k norms) in float32 and bfloat16, Llama and Gemma 2 in
+bfloat16, and Qwen2 and Gemma 3 in float16; the program really ran the decode
 steps; it is not installed where it cannot run a layer as Python does (LoRA, the torch
 attention backend); a kernel's refusal reaches the caller as the Python layer's error would.
 """
@@ -93,14 +93,18 @@ def test_the_program_gives_the_python_layers_bits_on_other_architectures_gguf(ca
     ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
                 "final_logit_softcapping": 8.0, "num_hidden_layers": 3}, "float32"),
     ("gemma3_text", {"sliding_window": 8, "num_hidden_layers": 3,
-                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}, "float32")])
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}, "float32"),
+    ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 8.0, "num_hidden_layers": 3}, "bfloat16"),
+    ("gemma3_text", {"sliding_window": 8, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}, "float16")])
 def test_the_program_gives_the_python_layers_bits_on_a_float_model(tiny_model, model_type, overrides, dtype,
                                                                    monkeypatch) -> None:
     """Llama; Qwen2 (q/k/v biases); Mistral with a window shorter than the prompts; Qwen3 (per-head
     q/k norms); Phi-3 (one qkv_proj, one gate_up_proj, dropouts around the residual adds); Gemma 2
     (the sandwich norms as ``1 + w``, GELU-tanh, soft caps, alternating windows) and Gemma 3
     (q/k norms, local and global RoPE tables); 16-bit rows (their norms, SiLU·up and residual
-    adds rounded as torch rounds them)."""
+    adds rounded as torch rounds them; a 16-bit Gemma's norms with their float32 ``1 + w``)."""
     if dtype != "float32" and not cpu_fused.load_fused().batchgen_fused_has_16():
         pytest.skip("this build of the fused ops has no 16-bit entry points (no AVX2 and F16C)")
     llm = LLM(tiny_model(model_type, head_dim=16, **overrides), linear_backend="cpu", block_size=16,

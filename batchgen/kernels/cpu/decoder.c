@@ -55,10 +55,10 @@ struct bg_entry {
   /* bfloat16 / float16 rows (dtype 1 / 2): the same ops' 16-bit entry points, and torch's add */
   int (*linear_16)(const uint16_t *x, int64_t ldx, const uint16_t *packed, const float *bias,
                    uint16_t *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int dtype);
-  void (*rms_norm_16)(const uint16_t *x, int64_t ldx, const uint16_t *w, uint16_t *y, int64_t ldy,
+  void (*rms_norm_16)(const uint16_t *x, int64_t ldx, const void *w, uint16_t *y, int64_t ldy,
                       int64_t m, int64_t n, float eps, int dtype);
   void (*add_rms_norm_16)(const uint16_t *x, int64_t ldx, const uint16_t *h, int64_t ldh,
-                          const uint16_t *w, uint16_t *s, uint16_t *y, int64_t m, int64_t n,
+                          const void *w, uint16_t *s, uint16_t *y, int64_t m, int64_t n,
                           float eps, int dtype);
   void (*gated_mul_16)(const uint16_t *gu, int64_t ldgu, uint16_t *y, int64_t ldy, int64_t m,
                        int64_t n, int dtype, int act);
@@ -97,6 +97,7 @@ struct bg_layer {
   void *k_cache, *v_cache; /* this layer's pools [num_blocks, block_size, kv_heads, d] */
   int64_t num_blocks, block_size;
   int32_t kv_dtype; /* kernels' dtype code of the cache (0 float32) */
+  int32_t norm_w32; /* a 16-bit step: every norm's weight is float32 (Gemma's 1 + w; fused.c's W_F32) */
 };
 
 /* The step: m decode rows, one per sequence, of `dtype` (0 float32, 1 bfloat16, 2 float16:
@@ -133,6 +134,12 @@ static int run_linear(const struct bg_entry *e, const struct bg_linear *l, const
   return 0;
 }
 
+/* fused.c's W_F32: or'ed into a 16-bit norm's dtype code, its weight is float32 */
+#define NORM_W32 16
+
+/* The dtype code of layer L's norms in a step of `dtype` (0 float32) */
+static int norm_code(const struct bg_layer *L, int dtype) { return dtype && L->norm_w32 ? dtype | NORM_W32 : dtype; }
+
 static void rms_norm(const struct bg_entry *e, const void *x, const void *w, void *y, int64_t m, int64_t n,
                      float eps, int dtype) {
   if (dtype) e->rms_norm_16(x, n, w, y, n, m, n, eps, dtype);
@@ -146,10 +153,10 @@ static void norm_heads(const struct bg_entry *e, const struct bg_layer *L, const
   const int64_t d = L->head_dim, W = L->qkv.n, es = s->dtype ? 2 : 4;
   for (int64_t i = 0; i < s->m; ++i) {
     char *row = q + es * i * W;
-    rms_norm(e, row, L->q_norm, tmp, L->heads, d, L->q_eps, (int)s->dtype);
+    rms_norm(e, row, L->q_norm, tmp, L->heads, d, L->q_eps, norm_code(L, (int)s->dtype));
     memcpy(row, tmp, (size_t)(es * L->heads * d));
     row += es * L->heads * d;
-    rms_norm(e, row, L->k_norm, tmp, L->kv_heads, d, L->k_eps, (int)s->dtype);
+    rms_norm(e, row, L->k_norm, tmp, L->kv_heads, d, L->k_eps, norm_code(L, (int)s->dtype));
     memcpy(row, tmp, (size_t)(es * L->kv_heads * d));
   }
 }
@@ -161,7 +168,7 @@ static int attention_half(const struct bg_entry *e, const struct bg_layer *L, co
   const int64_t m = s->m, H = L->qkv.k, W = L->qkv.n, d = L->head_dim;
   const int dt = (int)s->dtype;
   int rc;
-  rms_norm(e, h, L->norm1, a, m, H, L->eps1, dt);
+  rms_norm(e, h, L->norm1, a, m, H, L->eps1, norm_code(L, dt));
   if ((rc = run_linear(e, &L->qkv, a, m, q, dt))) return *where = AT_QKV, rc;
   if (L->q_norm) norm_heads(e, L, s, q, t); /* t: the attention's output, not written yet */
   rc = e->rope_cache(q, W, s->cos[L->rope], s->ldc, s->sin[L->rope], s->lds, L->k_cache, L->v_cache, s->slots,
@@ -173,7 +180,7 @@ static int attention_half(const struct bg_entry *e, const struct bg_layer *L, co
   if (rc) return *where = AT_ATTENTION, rc;
   if ((rc = run_linear(e, &L->o, t, m, o, dt))) return *where = AT_O, rc;
   if (L->attn_out_norm) {
-    rms_norm(e, o, L->attn_out_norm, a, m, H, L->attn_out_eps, dt);
+    rms_norm(e, o, L->attn_out_norm, a, m, H, L->attn_out_eps, norm_code(L, dt));
     memcpy(o, a, (size_t)(m * H * (dt ? 2 : 4)));
   }
   return 0;
@@ -186,14 +193,14 @@ static int mlp_half(const struct bg_entry *e, const struct bg_layer *L, const st
   const int64_t m = st->m, H = L->qkv.k, G = L->gate_up.n, I = G / 2;
   const int dt = (int)st->dtype;
   int rc;
-  if (dt) e->add_rms_norm_16(h, H, o, H, L->norm2, sum, a, m, H, L->eps2, dt);
+  if (dt) e->add_rms_norm_16(h, H, o, H, L->norm2, sum, a, m, H, L->eps2, norm_code(L, dt));
   else e->add_rms_norm(h, H, o, H, L->norm2, sum, a, m, H, L->eps2);
   if ((rc = run_linear(e, &L->gate_up, a, m, g, dt))) return *where = AT_GATE_UP, rc;
   if (dt) e->gated_mul_16(g, G, u, I, m, I, dt, L->act);
   else e->gated_mul(g, G, u, I, m, I, L->act);
   if ((rc = run_linear(e, &L->down, u, m, dn, dt))) return *where = AT_DOWN, rc;
   if (L->mlp_out_norm) {
-    rms_norm(e, dn, L->mlp_out_norm, o, m, H, L->mlp_out_eps, dt);
+    rms_norm(e, dn, L->mlp_out_norm, o, m, H, L->mlp_out_eps, norm_code(L, dt));
     dn = o;
   }
   if (dt) {
