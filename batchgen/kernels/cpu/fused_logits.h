@@ -1,6 +1,47 @@
 /* batchgen fused.c: the reductions over a row of logits, included by fused.c in place: the
  * greedy pick (batchgen_greedy_f32: first argmax, the row's max and logsumexp) and the prompt
  * logprobs' logsumexp and rank of a target (batchgen_token_logprobs_f32). */
+#if defined(__AVX512F__) && RLANES == 16
+/* row_lse's lanes over the whole vectors of a row (the first n rounded down to 16), written out
+ * for AVX-512: exp_f32(x) for x = row - top <= 0 is exp.h's batchgen_exp16_clamped of x (the
+ * same bits), 0 below the clamp and x itself for a NaN; lanes 0-7 and 8-15 widened to double
+ * and added in the same order. Returns the values taken. GCC's vectorised exp_f32 kept the
+ * overflow branches for every lane and reloaded its constants: with this and first_index_of the
+ * greedy pick of 32 rows of 49,152 logits went from 0.86-1.15 to 0.54-0.56 ms, the prompt
+ * logprobs of 64 rows from 1.42-1.60 to 1.10-1.18 ms (Zen 4, 2 threads, 3 interleaved runs). */
+static int64_t row_exp_sums16(const float *restrict row, int64_t n, float top, double *sums) {
+  const __m512 vtop = _mm512_set1_ps(top), lo = _mm512_set1_ps(-87.33654475f);
+  __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(row + k), vtop);
+    __m512 e = batchgen_exp16_clamped(_mm512_max_ps(x, lo));
+    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), e); /* x < lo: 0 */
+    e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* NaN: x */
+    s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+  }
+  _mm512_storeu_pd(sums, s0);
+  _mm512_storeu_pd(sums + 8, s1);
+  return k;
+}
+#endif
+
+/* The first k with row[k] == top, or 0 (an all -inf or NaN row, like torch.argmax of all -inf). */
+static int64_t first_index_of(const float *restrict row, int64_t n, float top) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  const __m512 vtop = _mm512_set1_ps(top);
+  for (; k + 16 <= n; k += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + k), vtop, _CMP_EQ_OQ);
+    if (eq) return k + __builtin_ctz((unsigned)eq);
+  }
+#endif
+  for (; k < n; ++k)
+    if (row[k] == top) return k;
+  return 0;
+}
+
 struct greedy_args {
   const float *logits;
   int64_t ld, n;
@@ -14,10 +55,14 @@ struct greedy_args {
 static float row_lse(const float *restrict row, int64_t n, float top) {
   double sums[RLANES] = {0}, total = 0.0;
   int64_t k = 0;
+#if defined(__AVX512F__) && RLANES == 16
+  k = row_exp_sums16(row, n, top, sums);
+#else
   for (; k + RLANES <= n; k += RLANES) {
 #pragma omp simd
     for (int l = 0; l < RLANES; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
   }
+#endif
   for (int l = 0; k + l < n; ++l) sums[l] += (double)exp_f32(row[k + l] - top);
   for (int l = 0; l < RLANES; ++l) total += sums[l];
   return (float)((double)top + log(total));
@@ -38,14 +83,7 @@ static void greedy_rows(void *ctx, int64_t begin, int64_t end) {
     }
     for (int l = 0; k + l < n; ++l) tops[l] = row[k + l] > tops[l] ? row[k + l] : tops[l];
     for (int l = 0; l < RLANES; ++l) top = tops[l] > top ? tops[l] : top;
-    int64_t arg = 0; /* an all -inf (or NaN) row: 0, like torch.argmax of all -inf */
-    for (int64_t k = 0; k < n; ++k) {
-      if (row[k] == top) {
-        arg = k;
-        break;
-      }
-    }
-    a->ids[i] = arg;
+    a->ids[i] = first_index_of(row, n, top);
     a->maxes[i] = top;
     a->lse[i] = top == -INFINITY || top == INFINITY ? top : row_lse(row, n, top);
   }

@@ -63,32 +63,6 @@ static inline __m512 scores16(const float *restrict q, const float *const *rows)
   return tree_last(half8(q, rows, KEY_A), half8(q, rows, KEY_B));
 }
 
-/* exp.h's batchgen_exp_clamped on 16 lanes, with the same bits (no contraction: see the
- * header); NaN in, NaN out, nothing undefined. Two of its steps take one AVX-512 instruction
- * each, with the same results: n, rounded to nearest even by adding and subtracting 1.5 * 2^23
- * there, by vrndscaleps (exact for |n| < 2^22, and the inputs are clamped far inside); and
- * p * 2^n1 * 2^n2 (n1 + n2 = nc, built in the exponent bits) by vscalefps(p, nc): the first
- * product there is exact (p is near 1, |n1| <= 64), so both round p * 2^nc once, to the
- * same float, subnormal or infinite included. On the Zen 4 the softmax's exps were 12 % of a
- * 2,048-token prefill's attention. */
-static inline __m512 exp16(__m512 c) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 (vmaxps returns its second
-   * operand where either is NaN) */
-  const __m512 nc = _mm512_min_ps(_mm512_max_ps(n, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(128.0f));
-  return _mm512_scalef_ps(p, nc);
-}
-
 /* Turn the n scores of a row into softmax numerators exp(s - max) in place; return their
  * sum. sc has room for n rounded up to 16. */
 static inline float softmax_row(float *restrict sc, int64_t n) {
@@ -109,7 +83,7 @@ static inline float softmax_row(float *restrict sc, int64_t n) {
     for (int u = 0; u < 4; ++u) {
       __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + i + 16 * u), mx);
       x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
-      e[u] = exp16(x);
+      e[u] = batchgen_exp16_clamped(x);
       _mm512_storeu_ps(sc + i + 16 * u, e[u]);
     }
 #pragma GCC unroll 4
@@ -118,7 +92,7 @@ static inline float softmax_row(float *restrict sc, int64_t n) {
   for (; i < nf; i += 16) {
     __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + i), mx);
     x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
-    const __m512 e = exp16(x);
+    const __m512 e = batchgen_exp16_clamped(x);
     _mm512_storeu_ps(sc + i, e);
     lanes = _mm512_add_ps(lanes, e);
   }
@@ -126,7 +100,7 @@ static inline float softmax_row(float *restrict sc, int64_t n) {
   if (tail) {
     __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sc + nf), mx);
     x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
-    _mm512_storeu_ps(sc + nf, exp16(x));
+    _mm512_storeu_ps(sc + nf, batchgen_exp16_clamped(x));
     for (int64_t i = nf; i < n; ++i) total += sc[i];
   }
   float l[LANES];
