@@ -27,10 +27,12 @@ WINDOW = 2048
 
 def window_fields(ops: int, attn: int, nbytes: int, seconds: float, roof: dict, ceiling: str) -> dict:
     """A window against the roof: the linear layers' rates (:func:`bench.roof_math.roof_fields`),
-    then the bound of linear and attention work together, and the fraction of it reached."""
+    then the whole step's bound, linear and attention work together
+    (:func:`bench.roof_math.step_roof_fields`, which reads no K/V here: the window computes it),
+    and the fraction of it reached."""
     fields = roof_fields(ops, nbytes, seconds, roof["bandwidth_gbs"], roof[f"{ceiling}_gops"])
-    bound = ops / (roof[f"{ceiling}_gops"] * 1e9) + attn / (roof["fp32_gops"] * 1e9)
-    fields.update(bound_s=bound, of_roof=bound / seconds, bound=f"{ceiling} + attention")
+    fields.update(step_roof_fields(ops, nbytes, 0, attn, seconds, roof, ceiling))
+    fields.update(bound_s=fields["step_bound_s"], of_roof=fields["of_step_roof"], bound=f"{ceiling} + attention")
     return fields
 
 
@@ -53,5 +55,4 @@ def rolling_row(llm: Any, weights: list[Weight], roof: dict, ceiling: str, repea
            "weight_bytes_per_step": nbytes, "ceiling": ceiling, "roof": roof}
     row.update(window_fields(ops, attn, nbytes, min(times), roof, ceiling))
     row["of_roof_median"] = window_fields(ops, attn, nbytes, median, roof, ceiling)["of_roof"]
-    row.update(step_roof_fields(ops, nbytes, 0, attn, min(times), roof, ceiling))
     return row

@@ -94,7 +94,7 @@ def _layer(layer: FusedDecoderLayer, rope: int, kernels: dict, dtype: torch.dtyp
     if norms is None or None in head_norms or not shapes_fit:
         return None
     w32 = {n[2] for n in (*norms.values(), *head_norms) if n[2] is not None}
-    if len(w32) > 1:  # one weight dtype for all the layer's norms (struct bg_layer's norm_w32)
+    if len(w32) > 1:  # one weight dtype for all the layer's norms (struct bg_layer's norm_flags)
         return None
     options = attn.options
     return cdecoder.Layer(norm1=norms["attn_norm"][0], norm2=norms["mlp_norm"][0], eps1=norms["attn_norm"][1],
@@ -104,7 +104,8 @@ def _layer(layer: FusedDecoderLayer, rope: int, kernels: dict, dtype: torch.dtyp
                           mlp_out_eps=norms["mlp_out_norm"][1], act=cpu_fused.ACTIVATIONS[mlp.activation][0],
                           rope=rope, qkv=qkv, o=o, gate_up=gate_up, down=down, heads=heads, kv_heads=kv,
                           head_dim=d, scale=options.scale, soft_cap=options.logits_soft_cap or 0.0,
-                          window=options.sliding_window or 0, norm_w32=int(w32 == {True}))
+                          window=options.sliding_window or 0,
+                          norm_flags=cpu_fused.W_F32 if w32 == {True} else 0)
 
 
 class DecoderProgram:

@@ -97,7 +97,8 @@ struct bg_layer {
   void *k_cache, *v_cache; /* this layer's pools [num_blocks, block_size, kv_heads, d] */
   int64_t num_blocks, block_size;
   int32_t kv_dtype; /* kernels' dtype code of the cache (0 float32) */
-  int32_t norm_w32; /* a 16-bit step: every norm's weight is float32 (Gemma's 1 + w; fused.c's W_F32) */
+  int32_t norm_flags; /* or'ed into a 16-bit step's dtype code for this layer's norms: fused.c's W_F32
+                        where every norm's weight is float32 (Gemma's 1 + w), else 0 */
 };
 
 /* The step: m decode rows, one per sequence, of `dtype` (0 float32, 1 bfloat16, 2 float16:
@@ -134,11 +135,8 @@ static int run_linear(const struct bg_entry *e, const struct bg_linear *l, const
   return 0;
 }
 
-/* fused.c's W_F32: or'ed into a 16-bit norm's dtype code, its weight is float32 */
-#define NORM_W32 16
-
 /* The dtype code of layer L's norms in a step of `dtype` (0 float32) */
-static int norm_code(const struct bg_layer *L, int dtype) { return dtype && L->norm_w32 ? dtype | NORM_W32 : dtype; }
+static int norm_code(const struct bg_layer *L, int dtype) { return dtype ? dtype | L->norm_flags : dtype; }
 
 static void rms_norm(const struct bg_entry *e, const void *x, const void *w, void *y, int64_t m, int64_t n,
                      float eps, int dtype) {

@@ -60,7 +60,7 @@ class Layer(ctypes.Structure):
                 ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("scale", F32), ("soft_cap", F32),
                 ("window", I64), ("k_cache", P), ("v_cache", P), ("num_blocks", I64), ("block_size", I64),
-                ("kv_dtype", I32), ("norm_w32", I32)]
+                ("kv_dtype", I32), ("norm_flags", I32)]
 
 
 class Step(ctypes.Structure):

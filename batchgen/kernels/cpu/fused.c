@@ -57,8 +57,9 @@ int batchgen_fused_has_16(void) { return HAVE_16; }
 /* exp(x) over the whole float range (exp.h), relative error about 2e-7: +inf above 88.72
  * (where expf overflows), 0 below -87.33 (where expf goes subnormal, too small to matter in a
  * sum or a denominator 1 + e); NaN stays NaN. */
+#define EXP_F32_LO -87.33654475f
 static inline float exp_f32(float x) {
-  const float lo = -87.33654475f, hi = 88.72283905f;
+  const float lo = EXP_F32_LO, hi = 88.72283905f;
   float e = batchgen_exp_clamped(x < lo ? lo : (x > hi ? hi : x));
   e = x < lo ? 0.0f : e;
   e = x > hi ? INFINITY : e;

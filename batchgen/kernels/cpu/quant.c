@@ -231,8 +231,9 @@ static void run_items(void *ctx, int64_t begin, int64_t end) {
     int64_t r0 = rb * MC, rows = J->m - r0 < MC ? J->m - r0 : MC;
     const float *xd = J->xd + rg_at(r0, 0, nb);
     const int32_t *xs = J->xs + rg_at(r0, 0, k / 16);
-    prefetch_out(J, p, r0, rows, pairs && p + 1 < J->npanels);
-    if (pairs && p + 1 < J->npanels) {
+    const int two = pairs && p + 1 < J->npanels;
+    prefetch_out(J, p, r0, rows, two);
+    if (two) {
       J->f->pair(rows, J->packed + p * pbytes, J->packed + (p + 1) * pbytes, nb, J->q + r0 * ldq, ldq, xd, xs, out, out1);
       store_out(J, p + 1, r0, rows, out1);
     } else {
