@@ -89,9 +89,10 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def main() -> None:
-    from batchgen.kernels.cpu import c_build
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--old-rev", required=True, help="git revision of the old kernel source")
@@ -103,7 +104,51 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--cases", default=",".join(cases()))
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
-    args = ap.parse_args()
+    return ap
+
+
+def _time_case(args: argparse.Namespace, case: dict, fns: dict, clock) -> dict[str, list[list[float]]]:
+    """Each build and dtype's call times, one list per block (the builds alternate block by
+    block); every build's output is checked against the first build's, bit for bit."""
+    flush = torch.zeros(16 * 2**20)
+    outs = {d: torch.empty(case["q"].shape, dtype=dt) for d, dt in DTYPES.items()}
+    same = {}
+    times: dict[str, list[list[float]]] = {f"{b}_{d}": [] for b in fns for d in DTYPES}
+    for _ in range(args.blocks):
+        for bname, fn in fns.items():
+            for dname, dtype in DTYPES.items():
+                call(fn, case, dtype, outs[dname])  # warm-up
+                ref = same.setdefault(dname, outs[dname].clone())
+                assert torch.equal(outs[dname], ref), f"{bname} {dname}: other bits than the first build"
+            block: dict[str, list[float]] = {d: [] for d in DTYPES}
+            for _ in range(args.rounds):
+                for dname, dtype in DTYPES.items():
+                    flush.add_(1.0)
+                    t0 = clock()
+                    call(fn, case, dtype, outs[dname])
+                    block[dname].append(clock() - t0)
+            for dname, ts in block.items():
+                times[f"{bname}_{dname}"].append(ts)
+    return times
+
+
+def _case_row(name: str, times: dict[str, list[list[float]]]) -> dict:
+    """One case's row: each variant's median and its speed against the old AVX2 build of the
+    same dtype, block by block (median and spread)."""
+    row = {"case": name, "variants": {}}
+    for vname, blocks in times.items():
+        base = times["old_avx2_" + vname.rsplit("_", 1)[1]]
+        ratios = [statistics.median(b0) / statistics.median(b) for b0, b in zip(base, blocks)]
+        row["variants"][vname] = {"median_ms": statistics.median([x for b in blocks for x in b]) * 1e3,
+                                  "speed_vs_old_avx2": statistics.median(ratios),
+                                  "ratio_spread": [min(ratios), max(ratios)]}
+    return row
+
+
+def main() -> None:
+    from batchgen.kernels.cpu import c_build
+
+    args = _parser().parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return
@@ -121,8 +166,6 @@ def main() -> None:
         }
     fns = {name: lib.batchgen_paged_attention for name, lib in builds.items()}
     isa = {name: int(getattr(lib, "batchgen_attention_isa", lambda: -1)()) for name, lib in builds.items()}
-    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
-    flush = torch.zeros(16 * 2**20)
     result = {"cpu": cpu_name(), "threads": args.threads, "clock": args.clock, "blocks": args.blocks, "rounds": args.rounds,
               "old_rev": args.old_rev, "isa_reported": isa, "loadavg_start": os.getloadavg(), "results": []}
     wanted = args.cases.split(",")
@@ -131,34 +174,10 @@ def main() -> None:
             continue
         case = make_case(lens, q_lens, seed=len(name))
         case["block"] = case["k"].shape[1]
-        for dtype in dtypes.values():
+        for dtype in DTYPES.values():
             for key in "qkv":
                 case[f"{key}_{dtype}"] = case[key].to(dtype)
-        outs = {d: torch.empty(case["q"].shape, dtype=dt) for d, dt in dtypes.items()}
-        same = {}
-        times: dict[str, list[list[float]]] = {f"{b}_{d}": [] for b in fns for d in dtypes}
-        for _ in range(args.blocks):
-            for bname, fn in fns.items():
-                for dname, dtype in dtypes.items():
-                    call(fn, case, dtype, outs[dname])  # warm-up
-                    ref = same.setdefault(dname, outs[dname].clone())
-                    assert torch.equal(outs[dname], ref), f"{bname} {dname}: other bits than the first build"
-                block: dict[str, list[float]] = {d: [] for d in dtypes}
-                for _ in range(args.rounds):
-                    for dname, dtype in dtypes.items():
-                        flush.add_(1.0)
-                        t0 = clock()
-                        call(fn, case, dtype, outs[dname])
-                        block[dname].append(clock() - t0)
-                for dname, ts in block.items():
-                    times[f"{bname}_{dname}"].append(ts)
-        row = {"case": name, "variants": {}}
-        for vname, blocks in times.items():
-            base = times["old_avx2_" + vname.rsplit("_", 1)[1]]
-            ratios = [statistics.median(b0) / statistics.median(b) for b0, b in zip(base, blocks)]
-            row["variants"][vname] = {"median_ms": statistics.median([x for b in blocks for x in b]) * 1e3,
-                                      "speed_vs_old_avx2": statistics.median(ratios),
-                                      "ratio_spread": [min(ratios), max(ratios)]}
+        row = _case_row(name, _time_case(args, case, fns, clock))
         result["results"].append(row)
         print(f"{name:12s} " + "  ".join(f"{v} {d['median_ms']:.3f} ms ({d['speed_vs_old_avx2']:.2f}x)"
                                          for v, d in row["variants"].items()), flush=True)

@@ -87,10 +87,11 @@ def cases() -> dict[str, tuple[list[int], list[int] | None]]:
     }
 
 
-def main() -> None:
-    from batchgen.kernels import get_ops, torch_attention
-    from batchgen.kernels.cpu import c_build, unsupported_reason
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+BASE = "cpu_f32_t1"  # the variant every speed is relative to
 
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=2)
@@ -99,20 +100,72 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(cases()))
     ap.add_argument("--no-flush", action="store_true", help="leave K/V in the caches between calls")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
-    args = ap.parse_args()
+    return ap
+
+
+def _time_case(args: argparse.Namespace, case: dict, paths: dict, thread_counts: list[int],
+               workspace: object) -> tuple[dict[str, list[list[float]]], dict[str, torch.Tensor]]:
+    """Each variant's call times (one list per block: the paths and thread counts alternate
+    block by block) and each path and dtype's output."""
+    from batchgen.kernels.cpu import c_build
+
+    flush = torch.zeros(16 * 2**20)
+    times: dict[str, list[list[float]]] = {f"{p}_{d}_t{t}": [] for t in thread_counts for p in paths for d in DTYPES}
+    outs = {}
+    with torch.inference_mode():
+        for _ in range(args.blocks):
+            for t in thread_counts:
+                for pname, ops in paths.items():
+                    c_build.set_num_threads(t if pname == "cpu" else 1)
+                    torch.set_num_threads(1 if pname == "cpu" else t)
+                    time.sleep(0.05)  # let the other path's idle workers go to sleep
+                    for dname, dtype in DTYPES.items():
+                        outs[f"{pname}_{dname}"] = call(ops, case, dtype, workspace).float()
+                    block: dict[str, list[float]] = {d: [] for d in DTYPES}
+                    for _ in range(args.rounds):
+                        for dname, dtype in DTYPES.items():
+                            if not args.no_flush:
+                                flush.add_(1.0)
+                            t0 = time.perf_counter()
+                            call(ops, case, dtype, workspace)
+                            block[dname].append(time.perf_counter() - t0)
+                    for dname, ts in block.items():
+                        times[f"{pname}_{dname}_t{t}"].append(ts)
+    return times, outs
+
+
+def _case_row(name: str, lens: list[int], q_lens: list[int] | None, times: dict[str, list[list[float]]],
+              outs: dict[str, torch.Tensor]) -> dict:
+    """One case's row: every variant's median and fastest call, its speed against BASE block by
+    block (median and spread) and its largest difference from the torch path in float32."""
+    truth = outs["torch_f32"]
+    row = {"case": name, "num_seqs": len(lens), "query_tokens": len(lens) if q_lens is None else sum(q_lens),
+           "context_tokens": sum(lens), "variants": {}}
+    for vname, blocks in times.items():
+        flat = [x for b in blocks for x in b]
+        ratios = [statistics.median(b0) / statistics.median(b) for b0, b in zip(times[BASE], blocks)]
+        row["variants"][vname] = {
+            "median_ms": statistics.median(flat) * 1e3, "min_ms": min(flat) * 1e3,
+            "speed_vs_cpu_f32_t1": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
+            "max_abs_diff_vs_torch_f32": (outs[vname.rsplit("_", 1)[0]] - truth).abs().max().item(),
+        }
+    return row
+
+
+def main() -> None:
+    from batchgen.kernels import get_ops, torch_attention
+    from batchgen.kernels.cpu import unsupported_reason
+
+    args = _parser().parse_args()
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return
     why = unsupported_reason(torch.float32, HEAD_SIZE, HEADS, KV_HEADS)
     if why is not None:
         raise SystemExit(f"the CPU attention kernel cannot run here: {why}")
-    cpu, ref = get_ops("cpu"), torch_attention
+    paths = {"torch": torch_attention, "cpu": get_ops("cpu")}
     workspace = torch_attention.Workspace()
-    paths = {"torch": ref, "cpu": cpu}
-    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     thread_counts = sorted({1, args.threads})
-    base = "cpu_f32_t1"
-    flush = torch.zeros(16 * 2**20)
     result: dict = {"threads": args.threads, "blocks": args.blocks, "rounds": args.rounds,
                     "flush": not args.no_flush,
                     "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
@@ -122,43 +175,11 @@ def main() -> None:
         if name not in wanted:
             continue
         case = make_case(lens, q_lens, seed=len(name))
-        for dtype in dtypes.values():
+        for dtype in DTYPES.values():
             for key in "qkv":
                 case[f"{key}_{dtype}"] = case[key].to(dtype)
-        # per variant, one list of call times per block
-        times: dict[str, list[list[float]]] = {f"{p}_{d}_t{t}": [] for t in thread_counts for p in paths
-                                               for d in dtypes}
-        outs = {}
-        with torch.inference_mode():
-            for _ in range(args.blocks):
-                for t in thread_counts:
-                    for pname, ops in paths.items():
-                        c_build.set_num_threads(t if pname == "cpu" else 1)
-                        torch.set_num_threads(1 if pname == "cpu" else t)
-                        time.sleep(0.05)  # let the other path's idle workers go to sleep
-                        for dname, dtype in dtypes.items():
-                            outs[f"{pname}_{dname}"] = call(ops, case, dtype, workspace).float()
-                        block: dict[str, list[float]] = {d: [] for d in dtypes}
-                        for _ in range(args.rounds):
-                            for dname, dtype in dtypes.items():
-                                if not args.no_flush:
-                                    flush.add_(1.0)
-                                t0 = time.perf_counter()
-                                call(ops, case, dtype, workspace)
-                                block[dname].append(time.perf_counter() - t0)
-                        for dname, ts in block.items():
-                            times[f"{pname}_{dname}_t{t}"].append(ts)
-        truth = outs["torch_f32"]
-        row = {"case": name, "num_seqs": len(lens), "query_tokens": len(lens) if q_lens is None else sum(q_lens),
-               "context_tokens": sum(lens), "variants": {}}
-        for vname, blocks in times.items():
-            flat = [x for b in blocks for x in b]
-            ratios = [statistics.median(b0) / statistics.median(b) for b0, b in zip(times[base], blocks)]
-            row["variants"][vname] = {
-                "median_ms": statistics.median(flat) * 1e3, "min_ms": min(flat) * 1e3,
-                "speed_vs_cpu_f32_t1": statistics.median(ratios), "ratio_spread": [min(ratios), max(ratios)],
-                "max_abs_diff_vs_torch_f32": (outs[vname.rsplit("_", 1)[0]] - truth).abs().max().item(),
-            }
+        times, outs = _time_case(args, case, paths, thread_counts, workspace)
+        row = _case_row(name, lens, q_lens, times, outs)
         result["results"].append(row)
         print(f"{name:12s} " + "  ".join(f"{v} {d['median_ms']:.3f} ms ({d['speed_vs_cpu_f32_t1']:.2f}x)"
                                          for v, d in row["variants"].items()), flush=True)

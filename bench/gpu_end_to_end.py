@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,11 +259,67 @@ def _left_padded(prompts: list[list[int]]):
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
-def stage_throughput(stage, args, env: dict[str, Any]) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def _recorder(stage, rows: list[dict[str, Any]]) -> Callable[[str, str, Callable[[], int]], None]:
+    """``record(peer, workload, fn)``: one row of ``rows`` for ``fn`` timed (or why not), saved."""
+    def record(peer: str, name: str, fn: Callable[[], int]) -> None:
+        if stage.left() < 15:
+            rows.append({"peer": peer, "workload": name, "skipped": "time budget"})
+            return
+        try:
+            rows.append({"peer": peer, "workload": name, **_time_peer(stage, fn, REPEATS)})
+        except Exception as exc:  # noqa: BLE001 - one peer's failure is recorded, the others run
+            rows.append({"peer": peer, "workload": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+        stage.save()
+    return record
 
+
+def _batchgen_rows(record, data: dict[str, Any], folder: Path, workloads: dict[str, list[list[int]]]) -> None:
+    """batchgen's rows: greedy with EOS ignored on each workload, after a warm-up (its attention
+    backend into ``data``). The engine lives as long as the call; the caller releases its memory."""
     from batchgen import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype="bfloat16", device=DEVICE, attention_backend=ATTENTION_BACKEND, seed=0,
+              kv_cache_memory=16 * 2**30)  # W256 needs under 1 GiB; the HF peers get the rest
+    data["attention_backend"] = llm.runner.attention_backend
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(workloads["W32"][:4], SamplingParams(temperature=0.0, max_tokens=4))  # kernels built, warm
+    for name in WORKLOADS:
+        record("batchgen", name, lambda p=workloads[name]: sum(len(o.outputs[0].token_ids)
+                                                               for o in llm.generate(p, params)))
+
+
+def _hf_rows(record, rows: list[dict[str, Any]], folder: Path, workloads: dict[str, list[list[int]]]) -> None:
+    """HF's rows: ``generate`` on left-padded batches, and ``generate_batch`` where this
+    transformers has it (continuous batching), MAX_TOKENS new tokens each. The model lives as
+    long as the call; the caller releases its memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEVICE).eval()
+
+    def hf_generate(prompts: list[list[int]]) -> int:
+        ids, mask = _left_padded(prompts)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=EOS)
+        return (out.shape[1] - ids.shape[1]) * len(prompts)
+
+    hf_generate(workloads["W32"][:4])  # warm
+    for name in WORKLOADS:
+        record("hf_generate", name, lambda p=workloads[name]: hf_generate(p))
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=EOS)
+    if not hasattr(model, "generate_batch"):
+        rows.append({"peer": "hf_generate_batch", "error": "this transformers has no generate_batch"})
+    else:
+        for name in WORKLOADS:
+            record("hf_generate_batch", name, lambda p=workloads[name]: sum(
+                len(r.generated_tokens) for r in model.generate_batch(inputs=p, generation_config=config).values()))
+
+
+def stage_throughput(stage, args, env: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
     from bench.gpu_models import build, num_parameters, write_tokenizer
     from bench.workload import w256_prompts
 
@@ -282,48 +339,10 @@ def stage_throughput(stage, args, env: dict[str, Any]) -> None:
     t = time.perf_counter()
     build(THROUGHPUT_MODEL, folder, dtype="bfloat16", device=DEVICE, seed=0, overrides=MODEL_OVERRIDES)
     d["build_s"] = time.perf_counter() - t
-
-    def record(peer: str, name: str, fn) -> None:
-        if stage.left() < 15:
-            rows.append({"peer": peer, "workload": name, "skipped": "time budget"})
-            return
-        try:
-            rows.append({"peer": peer, "workload": name, **_time_peer(stage, fn, REPEATS)})
-        except Exception as exc:  # noqa: BLE001 - one peer's failure is recorded, the others run
-            rows.append({"peer": peer, "workload": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
-        stage.save()
-
-    llm = LLM(model=str(folder), dtype="bfloat16", device=DEVICE, attention_backend=ATTENTION_BACKEND, seed=0,
-              kv_cache_memory=16 * 2**30)  # W256 needs under 1 GiB; the HF peers get the rest
-    d["attention_backend"] = llm.runner.attention_backend
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm.generate(w256[:4], SamplingParams(temperature=0.0, max_tokens=4))  # kernels built, warm
-    for name in WORKLOADS:
-        record("batchgen", name, lambda p=workloads[name]: sum(len(o.outputs[0].token_ids)
-                                                               for o in llm.generate(p, params)))
-    del llm
-    _release()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEVICE).eval()
-
-    def hf_generate(prompts: list[list[int]]) -> int:
-        ids, mask = _left_padded(prompts)
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=EOS)
-        return (out.shape[1] - ids.shape[1]) * len(prompts)
-
-    hf_generate(w256[:4])  # warm
-    for name in WORKLOADS:
-        record("hf_generate", name, lambda p=workloads[name]: hf_generate(p))
-    config = GenerationConfig(max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=EOS, pad_token_id=EOS)
-    if not hasattr(model, "generate_batch"):
-        rows.append({"peer": "hf_generate_batch", "error": "this transformers has no generate_batch"})
-    else:
-        for name in WORKLOADS:
-            record("hf_generate_batch", name, lambda p=workloads[name]: sum(
-                len(r.generated_tokens) for r in model.generate_batch(inputs=p, generation_config=config).values()))
-    del model
+    record = _recorder(stage, rows)
+    _batchgen_rows(record, d, folder, workloads)
+    _release()  # the engine went with the call's frame
+    _hf_rows(record, rows, folder, workloads)
     _release()
     d["ratios"] = ratios(rows)
     ok = [r for r in rows if "tok_per_s" in r]

@@ -82,29 +82,27 @@ def _decode_case(batch_lens: list[int], num_heads: int, num_kv_heads: int, head_
     return [q, k, v, tables.to(device), torch.tensor(batch_lens, dtype=torch.int32, device=device)]
 
 
-def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
-    import torch
-
-    from batchgen.kernels import torch_attention as reference
-    from batchgen.kernels.cuda.cuda_attention import KernelInputError, get_cuda_ops
-
-    dev = torch.device(DEVICE)
+def _check_cases() -> list[tuple[str, int, int, list[int], int]]:
+    """The decode cases of the correctness stage: (dtype, head size, group, context lens, block size)."""
     cases = []
     for dtype_name in CHECK_DTYPES:
         for head in CHECK_HEAD_SIZES:
             for group in CHECK_GROUPS:
                 cases.append((dtype_name, head, group, list(RAGGED_LENS), 16))
         cases += [(dtype_name, head, group, list(lens), bs) for head, group, lens, bs in EXTRA_CASES]
-    rows: list[dict[str, Any]] = []
-    stage.data.update(rows=rows, cases=len(cases))
-    gpu_point(f"cupy and the first of {len(cases)} decode cases on {DEVICE}", DEVICE)
-    ops = get_cuda_ops()
+    return cases
+
+
+def _decode_rows(stage: Stage, ops: Any, dev: Any, cases: list, rows: list[dict[str, Any]]) -> None:
+    """Each decode case against the torch reference in float32, one row each into ``rows``
+    (saved as it goes; skipped once the stage's time is nearly spent)."""
+    from batchgen.kernels import torch_attention as reference
+
     for i, (dtype_name, head, group, lens, bs) in enumerate(cases):
         if stage.left() < 5:
             rows.append({"dtype": dtype_name, "head_size": head, "group": group, "skipped": "time budget"})
             continue
-        dtype = _dtype(dtype_name)
-        q, k, v, tables, lens_t = _decode_case(lens, 2 * group, 2, head, bs, dtype, dev, seed=i)
+        q, k, v, tables, lens_t = _decode_case(lens, 2 * group, 2, head, bs, _dtype(dtype_name), dev, seed=i)
         scale = head ** -0.5
         out = ops.paged_decode_attention(q, k, v, tables, lens_t, scale)
         want = reference.paged_decode_attention(q.float(), k.float(), v.float(), tables, lens_t, scale)
@@ -115,7 +113,14 @@ def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any
                      "context_lens": lens, "max_abs_diff": diff.max().item(), "atol_rtol": tol,
                      "passed": within})
         stage.save()
-    # the cache ops, one shape per dtype
+
+
+def _cache_ops_exact(ops: Any, dev: Any) -> bool:
+    """The cache ops (reshape_and_cache, copy_blocks) equal the reference's, one shape per dtype."""
+    import torch
+
+    from batchgen.kernels import torch_attention as reference
+
     cache_ok = []
     for dtype_name in CHECK_DTYPES:
         dtype = _dtype(dtype_name)
@@ -134,8 +139,15 @@ def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any
         ops.copy_blocks(got_kv, mapping)
         reference.copy_blocks(want_kv, mapping)
         cache_ok.append(torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and torch.equal(got_kv, want_kv))
-    stage.data["cache_ops_exact"] = all(cache_ok)
-    # the index checks on the device: bad values raise, and the context is still usable after
+    return all(cache_ok)
+
+
+def _index_checks(ops: Any, dev: Any) -> dict[str, Any]:
+    """The index checks on the device: bad values raise, and the context is still usable after."""
+    import torch
+
+    from batchgen.kernels.cuda.cuda_attention import KernelInputError
+
     q, k, v, tables, lens_t = _decode_case([40, 9], 8, 2, 128, 16, torch.float16, dev, seed=99)
     raised = []
     for bad_tables, bad_lens in ((tables.clone().index_fill_(1, torch.tensor([0], device=dev), k.shape[0]), lens_t),
@@ -152,9 +164,13 @@ def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any
         raised.append(str(exc))
     after = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.1)
     _sync()
-    stage.data["index_checks"] = {"messages": raised, "all_raised": all(raised),
-                                  "gpu_usable_after": bool(torch.isfinite(after).all().item())}
-    # the cost of one check on the largest tables of the sweep (one host sync)
+    return {"messages": raised, "all_raised": all(raised), "gpu_usable_after": bool(torch.isfinite(after).all().item())}
+
+
+def _check_cost_us(dev: Any) -> float:
+    """The median cost of one index check on the largest tables of the sweep (one host sync)."""
+    import torch
+
     from batchgen.kernels.cuda import checks
 
     big_tables = torch.randint(0, 2**20, (256, 1024), dtype=torch.int32, device=dev)
@@ -165,7 +181,24 @@ def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any
         t = time.perf_counter()
         checks.context_violation(big_tables, big_lens, 2**20, 16)
         times.append(time.perf_counter() - t)
-    stage.data["index_check_us_256x16K"] = sorted(times)[len(times) // 2] * 1e6
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def stage_correctness(stage: Stage, args: argparse.Namespace, env: dict[str, Any]) -> None:
+    import torch
+
+    from batchgen.kernels.cuda.cuda_attention import get_cuda_ops
+
+    dev = torch.device(DEVICE)
+    cases = _check_cases()
+    rows: list[dict[str, Any]] = []
+    stage.data.update(rows=rows, cases=len(cases))
+    gpu_point(f"cupy and the first of {len(cases)} decode cases on {DEVICE}", DEVICE)
+    ops = get_cuda_ops()
+    _decode_rows(stage, ops, dev, cases, rows)
+    stage.data["cache_ops_exact"] = _cache_ops_exact(ops, dev)
+    stage.data["index_checks"] = _index_checks(ops, dev)
+    stage.data["index_check_us_256x16K"] = _check_cost_us(dev)
     measured = [r for r in rows if "passed" in r]
     failed = [r for r in measured if not r["passed"]]
     stage.data["passed"] = (bool(measured) and not failed and len(measured) == len(cases)

@@ -171,40 +171,47 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dict[str, Any]:
-    """One timed run of a batch file on the instant engine (in this fresh process).
+def _per_line_fsync() -> None:
+    """Make the run's writer fsync every line instead of the default group commit."""
+    import batchgen.run.execute
+    from batchgen.io.output_file import JsonlWriter
 
-    ``per_line_fsync`` writes with one fsync per line instead of the default group commit.
-    """
-    if per_line_fsync:
-        import batchgen.run.execute
-        from batchgen.io.output_file import JsonlWriter
+    class PerLineWriter(JsonlWriter):
+        def __init__(self, path: Any, *, group_commit: bool = False) -> None:
+            super().__init__(path, group_commit=False)
 
-        class PerLineWriter(JsonlWriter):
-            def __init__(self, path: Any, *, group_commit: bool = False) -> None:
-                super().__init__(path, group_commit=False)
+    batchgen.run.execute.JsonlWriter = PerLineWriter  # type: ignore[misc]
 
-        batchgen.run.execute.JsonlWriter = PerLineWriter  # type: ignore[misc]
-    from transformers import AutoTokenizer
 
+def _batch_job(path: str, out: str) -> Any:
+    """The planned job of a batch file on SmolLM2, its output overwritten."""
     from batchgen.config import validate_config
-    from batchgen.model_resolver import resolve_model
-    from batchgen.run.execute import execute
     from batchgen.run.plan import plan
 
-    def job(path: str, out: str) -> Any:
-        return plan(validate_config({"model": {"name": "smollm2-135m-instruct"},
-                                     "data": {"source": path, "format": "openai_batch"},
-                                     "output": {"path": out, "if_exists": "overwrite"}}))
+    return plan(validate_config({"model": {"name": "smollm2-135m-instruct"},
+                                 "data": {"source": path, "format": "openai_batch"},
+                                 "output": {"path": out, "if_exists": "overwrite"}}))
 
-    model = resolve_model("smollm2-135m-instruct").path
-    engine = InstantEngine(AutoTokenizer.from_pretrained(model))
+
+def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dict[str, Any]:
+    """One timed run of a batch file on the instant engine (in this fresh process), its memory
+    sampled every 50 ms. ``per_line_fsync`` writes with one fsync per line instead of the
+    default group commit.
+    """
+    if per_line_fsync:
+        _per_line_fsync()
+    from transformers import AutoTokenizer
+
+    from batchgen.model_resolver import resolve_model
+    from batchgen.run.execute import execute
+
+    engine = InstantEngine(AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct").path))
     # Warm-up, not timed: a small file through the same path loads every lazy import and cache.
     warm = Path(output).with_suffix(".warm.jsonl")
     make_batch_file(warm, 500, seed=1)
-    execute(job(str(warm), str(warm.with_suffix(".out"))), quiet=True, llm=engine)
+    execute(_batch_job(str(warm), str(warm.with_suffix(".out"))), quiet=True, llm=engine)
     engine.answered = 0
-    measured = job(source, output)
+    measured = _batch_job(source, output)
     baseline = rss_mib()
     samples: list[tuple[float, int, float]] = []
     stop = threading.Event()
@@ -224,13 +231,9 @@ def stream_worker(source: str, output: str, per_line_fsync: bool = False) -> dic
     samples.append((seconds, engine.answered, rss_mib()))
     lines = summary["records"]["total"]
     return {
-        "lines": lines,
-        "failed": summary["request_counts"]["failed"],
-        "seconds": seconds,
-        "lines_per_s": lines / seconds,
-        "rss_baseline_mib": baseline,
-        "rss_peak_sampled_mib": max(s[2] for s in samples),
-        "ru_maxrss_mib": peak_rss_mib(),
+        "lines": lines, "failed": summary["request_counts"]["failed"], "seconds": seconds,
+        "lines_per_s": lines / seconds, "rss_baseline_mib": baseline,
+        "rss_peak_sampled_mib": max(s[2] for s in samples), "ru_maxrss_mib": peak_rss_mib(),
         "rss_samples": [[round(t, 3), n, round(r, 2)] for t, n, r in samples],
         "output_bytes": Path(output).stat().st_size,
         "fsync": "per line" if per_line_fsync else "group commit",

@@ -99,7 +99,7 @@ def wrap(obj: Any, attr: str, clock: dict[str, float], key: str) -> None:
     setattr(obj, attr, timed)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
@@ -115,45 +115,38 @@ def main() -> None:
     ap.add_argument("--decoder-program", action="store_true",
                     help="keep the decoder program (a decode step's layers in one C call), timed whole as "
                          "decoder_program; by default it is set aside, so that the layers' parts can be timed")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = dict(dtype=args.dtype, block_size=16, kv_cache_memory=2**30, max_num_seqs=256,
-                  max_num_batched_tokens=2048, num_threads=args.threads)
-    if args.quantization:
-        engine["quantization"] = args.quantization
-    from batchgen import LLM, BeamSearchParams, SamplingParams
-    from bench.workload import w32_prompts
+    return ap
 
-    def params_for(max_tokens: int) -> SamplingParams | BeamSearchParams:
-        if args.mode == "beam4":
-            return BeamSearchParams(beam_width=4, max_tokens=max_tokens)
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
-    prompts = w32_prompts()[: args.num_prompts]
-    llm = LLM(args.model, **engine)
-    # another model's vocabulary may be smaller than SmolLM2's: W32's ids wrap into it
-    prompts = [[t % llm.runner.vocab_size for t in p] for p in prompts]
+def _params_for(mode: str, max_tokens: int) -> Any:
+    from batchgen import BeamSearchParams, SamplingParams
+
+    if mode == "beam4":
+        return BeamSearchParams(beam_width=4, max_tokens=max_tokens)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def _watch(llm: Any, keep_program: bool) -> tuple[dict[str, float], list[dict[str, Any]], Any]:
+    """Wrap ``llm``'s parts in timers (pass 1): the clock of the step in flight, the list each
+    step's record is appended to, and the decoder program (None when the model has none)."""
+    from batchgen.engine import core
+
     clock: dict[str, float] = defaultdict(float)
     lean = llm.runner.model.model.forward
     program = getattr(lean, "program", None)
-    if program is not None and not args.decoder_program:
+    if program is not None and not keep_program:
         lean.program = None
     elif program is not None:
         wrap(program, "run", clock, "decoder_program")
     llm.runner.ops = TimedOps(llm.runner.ops, clock)
     time_linears(llm.runner.model, clock)
-    wrap(llm.scheduler, "schedule", clock, "schedule")
-    wrap(llm.runner, "prepare", clock, "prepare")
-    wrap(llm.runner, "copy_blocks", clock, "copy_blocks")
-    wrap(llm.runner, "_forward", clock, "forward")
-    wrap(llm.engine, "sampler", clock, "sampling")  # the Sampler instance the engine core calls
-    from batchgen.engine import core
-
-    wrap(core, "beam_step", clock, "sampling")  # beam search's top-k, forks and frees
-
-    steps: list[dict[str, float]] = []
-    inner_step = llm.step
-    inner_schedule = llm.scheduler.schedule
+    for obj, attr, key in ((llm.scheduler, "schedule", "schedule"), (llm.runner, "prepare", "prepare"),
+                           (llm.runner, "copy_blocks", "copy_blocks"), (llm.runner, "_forward", "forward"),
+                           (llm.engine, "sampler", "sampling"),  # the Sampler instance the engine core calls
+                           (core, "beam_step", "sampling")):  # beam search's top-k, forks and frees
+        wrap(obj, attr, clock, key)
+    steps: list[dict[str, Any]] = []
+    inner_step, inner_schedule = llm.step, llm.scheduler.schedule
     last_plan: dict[str, Any] = {}
 
     def schedule_spy() -> Any:
@@ -161,127 +154,142 @@ def main() -> None:
         last_plan["decode"] = bool(plan.scheduled) and all(n == 1 for _, n in plan.scheduled)
         last_plan["seqs"] = len(plan.scheduled)
         return plan
-    llm.scheduler.schedule = schedule_spy
-
-    profile_state = {"left": 0, "prof": None}
 
     def step() -> Any:
         clock.clear()
         t0 = time.perf_counter()
         result = inner_step()
-        total = time.perf_counter() - t0
-        rec = dict(clock)
-        rec["total"] = total
-        rec["decode"] = last_plan.get("decode", False)
-        rec["seqs"] = last_plan.get("seqs", 0)
+        rec: dict[str, Any] = dict(clock)
+        rec.update(total=time.perf_counter() - t0, decode=last_plan.get("decode", False),
+                   seqs=last_plan.get("seqs", 0))
         steps.append(rec)
         return result
+    llm.scheduler.schedule = schedule_spy
     llm.step = step
-    params = params_for(args.max_tokens)
-    llm.generate([list(range(1000, 1024))], params_for(4))
-    steps.clear()
-    llm.generate(prompts, params)
+    return clock, steps, program
 
-    decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
-    # The whole run, split by step kind: steps that only decode, and steps holding a prefill.
+
+TIMER_KEYS = ["schedule", "prepare", "copy_blocks", "attention", "linear", "decoder_program", "model_other",
+              "sampling", "python_other"]
+
+
+def _step_parts(s: dict[str, Any]) -> dict[str, float]:
+    """One decode step's record split into TIMER_KEYS (model_other and python_other by difference)."""
+    parts = {k: s.get(k, 0.0) for k in ("schedule", "prepare", "copy_blocks", "attention", "linear",
+                                        "decoder_program")}
+    parts["model_other"] = s.get("forward", 0.0) - parts["attention"] - parts["linear"] - parts["decoder_program"]
+    parts["sampling"] = s.get("sampling", 0.0)
+    parts["python_other"] = s["total"] - sum(parts.values())
+    return parts
+
+
+def _whole_run(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The whole run, split by step kind: steps that only decode, and steps holding a prefill."""
     whole: dict[str, dict[str, float]] = {}
     for kind, chosen in (("decode_steps", [s for s in steps if s["decode"]]),
                          ("prefill_steps", [s for s in steps if not s["decode"]])):
         whole[kind] = {"steps": len(chosen), **{k: sum(s.get(k, 0.0) for s in chosen)
                                                 for k in ("total", "forward", "linear", "attention", "sampling")}}
-    keys = ["schedule", "prepare", "copy_blocks", "attention", "linear", "decoder_program", "model_other",
-            "sampling", "python_other"]
-    per_step: dict[str, list[float]] = {k: [] for k in keys}
-    totals = []
-    for s in decode:
-        fwd = s.get("forward", 0.0)
-        att = s.get("attention", 0.0)
-        lin = s.get("linear", 0.0)
-        prog = s.get("decoder_program", 0.0)
-        parts = {"schedule": s.get("schedule", 0.0), "prepare": s.get("prepare", 0.0),
-                 "copy_blocks": s.get("copy_blocks", 0.0), "attention": att, "linear": lin,
-                 "decoder_program": prog, "model_other": fwd - att - lin - prog, "sampling": s.get("sampling", 0.0)}
-        parts["python_other"] = s["total"] - sum(parts.values())
-        for k in keys:
-            per_step[k].append(parts[k])
-        totals.append(s["total"])
-    timers = {k: statistics.median(v) for k, v in per_step.items() if v}
+    return whole
+
+
+def _profiled_shares(llm: Any, prompts: list[list[int]], args: argparse.Namespace) -> tuple[dict, dict]:
+    """Pass 2: torch.profiler over a few decode steps of a fresh run on ``llm`` (an identical
+    engine): self CPU time by category, and by op."""
+    llm.runner.ops = TimedOps(llm.runner.ops, defaultdict(float))
+    time_linears(llm.runner.model, defaultdict(float))
+    inner = llm.step
+    count = {"n": 0}
+    events: list[Any] = []
+
+    def step() -> Any:
+        count["n"] += 1
+        if 3 <= count["n"] < 3 + args.profiled_steps:  # step 1 is the prefill, then decodes
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                r = inner()
+            events.extend(prof.events())
+            return r
+        return inner()
+    llm.step = step
+    llm.generate(prompts, _params_for(args.mode, 3 + args.profiled_steps))
+    by_cat: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.name == LINEAR_RANGE:  # the range's own time: a C GEMM (or the wrapper's overhead)
+            top["linear layers outside aten"] += e.self_cpu_time_total
+            by_cat["matmuls (linear layers, lm_head)"] += e.self_cpu_time_total
+        elif e.name.startswith("aten::"):
+            top[e.name] += e.self_cpu_time_total
+            by_cat[_category(e)] += e.self_cpu_time_total
+    return by_cat, top
+
+
+def _category(event: Any) -> str:
+    """An aten op's category by the ranges around it."""
+    ranges = set()
+    p = event.cpu_parent
+    while p is not None:
+        ranges.add(p.name)
+        p = p.cpu_parent
+    if ATTENTION_RANGE in ranges:
+        return "attention ops"
+    if event.name in MATMUL_OPS or LINEAR_RANGE in ranges:
+        return "matmuls (linear layers, lm_head)"
+    return "other model ops (norms, RoPE, activations, copies)"
+
+
+NOTES = ("timers: medians over decode steps with at least half the prompts running; "
+         "linear = the model's linear layers incl. lm_head (only lm_head with the decoder program kept); "
+         "decoder_program = the C call that runs every decoder layer of a decode step; "
+         "model_other = forward minus attention ops, linear layers and the program; python_other = step minus all "
+         "timed parts. Profiler shares are self CPU time of aten ops and of the linear-layer ranges (profiler "
+         "overhead included).")
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    torch.set_num_threads(args.threads)
+    engine: dict[str, Any] = dict(dtype=args.dtype, block_size=16, kv_cache_memory=2**30, max_num_seqs=256,
+                                  max_num_batched_tokens=2048, num_threads=args.threads)
+    if args.quantization:
+        engine["quantization"] = args.quantization
+    from batchgen import LLM
+    from bench.workload import w32_prompts
+
+    llm = LLM(args.model, **engine)
+    # another model's vocabulary may be smaller than SmolLM2's: W32's ids wrap into it
+    prompts = [[t % llm.runner.vocab_size for t in p] for p in w32_prompts()[: args.num_prompts]]
+    _, steps, program = _watch(llm, args.decoder_program)
+    llm.generate([list(range(1000, 1024))], _params_for(args.mode, 4))
+    steps.clear()
+    llm.generate(prompts, _params_for(args.mode, args.max_tokens))
+    decode = [s for s in steps if s["decode"] and s["seqs"] >= max(1, len(prompts) // 2)]
+    per_step = [_step_parts(s) for s in decode]
+    timers = {k: statistics.median(p[k] for p in per_step) for k in TIMER_KEYS} if per_step else {}
     # The linear layers' rate in a decode step: 2 x rows x (in x out) summed over the layers
     # (every row reaches lm_head in a decode step), over the layers' measured time.
     weights = linear_weights(llm.runner.model)
     gflops = [2 * s["seqs"] * weights / s["linear"] / 1e9 for s in decode
               if s.get("linear") and not s.get("decoder_program")]  # the program's layers are not timed apart
-    total_med = statistics.median(totals) if totals else 0.0
-
-    # Pass 2: torch.profiler over a few decode steps of a fresh, identical run.
-    llm2 = LLM(args.model, **engine)
-    llm2.runner.ops = TimedOps(llm2.runner.ops, defaultdict(float))
-    time_linears(llm2.runner.model, defaultdict(float))
-    inner2 = llm2.step
-    count = {"n": 0}
-    events: list[Any] = []
-
-    def step2() -> Any:
-        count["n"] += 1
-        if 3 <= count["n"] < 3 + args.profiled_steps:  # step 1 is the prefill, then decodes
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                r = inner2()
-            events.extend(prof.events())
-            return r
-        return inner2()
-    llm2.step = step2
-    llm2.generate(prompts, params_for(3 + args.profiled_steps))
-    by_cat: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
-    for e in events:
-        self_us = e.self_cpu_time_total
-        if e.name == LINEAR_RANGE:  # the range's own time: a C GEMM (or the wrapper's overhead)
-            top["linear layers outside aten"] += self_us
-            by_cat["matmuls (linear layers, lm_head)"] += self_us
-            continue
-        if not e.name.startswith("aten::"):
-            continue
-        ranges = set()
-        p = e.cpu_parent
-        while p is not None:
-            ranges.add(p.name)
-            p = p.cpu_parent
-        top[e.name] += self_us
-        if ATTENTION_RANGE in ranges:
-            by_cat["attention ops"] += self_us
-        elif e.name in MATMUL_OPS or LINEAR_RANGE in ranges:
-            by_cat["matmuls (linear layers, lm_head)"] += self_us
-        else:
-            by_cat["other model ops (norms, RoPE, activations, copies)"] += self_us
+    total_med = statistics.median(s["total"] for s in decode) if decode else 0.0
+    by_cat, top = _profiled_shares(LLM(args.model, **engine), prompts, args)
     prof_total = sum(by_cat.values())
     result = {
         "workload": f"W32 ({len(prompts)} prompts) {'beam width 4' if args.mode == 'beam4' else 'greedy'}, "
                     f"max_tokens {args.max_tokens}",
-        "mode": args.mode,
-        "attention_backend": llm.runner.attention_backend,
-        "linear_backend": llm.runner.linear_backend,
-        "threads": args.threads,
-        "dtype": args.dtype,
-        "model": args.model,
-        "quantization": llm.runner.source.quantization,
-        "decode_steps_timed": len(decode),
+        "mode": args.mode, "attention_backend": llm.runner.attention_backend,
+        "linear_backend": llm.runner.linear_backend, "threads": args.threads, "dtype": args.dtype,
+        "model": args.model, "quantization": llm.runner.source.quantization, "decode_steps_timed": len(decode),
         "decode_rows_median": statistics.median(s["seqs"] for s in decode) if decode else 0,
-        "linear_weights": weights,
-        "linear_gflops_median": statistics.median(gflops) if gflops else None,
-        "whole_run_seconds": whole,
-        "step_seconds_median": total_med,
-        "timers_median_seconds": timers,
+        "linear_weights": weights, "linear_gflops_median": statistics.median(gflops) if gflops else None,
+        "whole_run_seconds": _whole_run(steps), "step_seconds_median": total_med, "timers_median_seconds": timers,
         "timers_share": {k: v / total_med for k, v in timers.items()} if total_med else {},
         "profiler_steps": args.profiled_steps,
         "profiler_self_cpu_share": {k: v / prof_total for k, v in by_cat.items()} if prof_total else {},
         "profiler_top_ops_ms": dict(sorted(((k, v / 1000) for k, v in top.items()), key=lambda kv: -kv[1])[:15]),
         "decoder_program": "kept, timed whole" if program is not None and args.decoder_program
         else ("set aside" if program is not None else "none for this model"),
-        "notes": "timers: medians over decode steps with at least half the prompts running; "
-                 "linear = the model's linear layers incl. lm_head (only lm_head with the decoder program kept); "
-                 "decoder_program = the C call that runs every decoder layer of a decode step; "
-                 "model_other = forward minus attention ops, linear layers and the program; python_other = step minus all timed parts. "
-                 "Profiler shares are self CPU time of aten ops and of the linear-layer ranges (profiler overhead included).",
+        "notes": NOTES,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -302,6 +302,8 @@ def plot(result: dict, out: Path) -> None:
     ax1.set_title(f"MC: {result['workload']['questions']} questions x 4 choices, 5-shot prefix")
     if dtypes:
         ax1.legend(fontsize=8)
+    else:
+        ax1.text(0.5, 0.5, "not in this run", ha="center", va="center", transform=ax1.transAxes)
     for dtype, sizes in result["ppl"].items():
         for peer in sorted({p for rows in sizes.values() for p in rows}):
             pts = sorted((v["tokens"], v["tokens_per_s"]) for rows in sizes.values()
@@ -309,6 +311,10 @@ def plot(result: dict, out: Path) -> None:
             if pts:
                 ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{peer} {dtype}")
     ax2.set_xscale("log")
+    sizes_run = sorted({v["tokens"] for d in result["ppl"].values() for rows in d.values() for v in rows.values()
+                        if "tokens" in v})
+    ax2.set_xticks(sizes_run, [f"{n:,}" for n in sizes_run], minor=False)
+    ax2.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax2.set_xlabel("tokens scored (rolling, windows of 2048)")
     ax2.set_ylabel("tokens/s (fastest repeat)")
     ax2.set_title("rolling perplexity")

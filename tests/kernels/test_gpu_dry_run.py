@@ -156,6 +156,26 @@ def test_the_end_to_end_stage_passes_on_a_correct_engine(monkeypatch, tmp_path: 
     assert row["n4_seeded"]["distinct_completions"] > 1  # peaked but not degenerate weights
 
 
+def test_the_throughput_stage_times_every_peer_on_the_cpu(monkeypatch, tmp_path: Path) -> None:
+    # The stage past its first CUDA call, on the CPU with a tiny model and W32 alone: every peer
+    # gets its row, and the ratios are batchgen's rate over each HF peer's.
+    for name, value in (("DEVICE", "cpu"), ("ATTENTION_BACKEND", "torch"), ("MODEL_OVERRIDES", TINY),
+                        ("MAX_TOKENS", 3), ("WORKLOADS", ("W32",)), ("REPEATS", 1)):
+        monkeypatch.setattr(e2e, name, value)
+    stage = gc.Stage(tmp_path / "s.json", budget_s=300)
+    e2e.stage_throughput(stage, gc.parse_args([]), {})
+    data = stage.data
+    peers = [r["peer"] for r in data["rows"]]
+    assert peers[:2] == ["batchgen", "hf_generate"] and len(peers) == 3, data["rows"]
+    assert data["attention_backend"] == "torch"
+    rates = {r["peer"]: r["tok_per_s"] for r in data["rows"] if "tok_per_s" in r}
+    assert {"batchgen", "hf_generate"} <= rates.keys(), data["rows"]
+    assert all(r["tokens"] == 32 * 3 for r in data["rows"] if "tok_per_s" in r)
+    assert data["passed"] == (len(rates) == 3), data["rows"]
+    assert data["ratios"] == {f"W32 vs {peer}": pytest.approx(rates["batchgen"] / rate)
+                              for peer, rate in rates.items() if peer != "batchgen"}
+
+
 def test_the_checks_fail_on_wrong_tokens_and_logprobs(tiny_folder: Path, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
 
