@@ -15,6 +15,14 @@ Model
   engine runs all pairs of a step as one batched copy before the forward pass.
 * Prefix caching (:class:`~batchgen.engine.prefix_cache.PrefixCache`, whose methods the
   manager has): full blocks of tokens shared across requests by prefix hash.
+* Sliding windows (``window``: a model whose every layer attends over at most ``window``
+  positions, itself included: Mistral, Phi-3): a block wholly before the window of a
+  sequence's next token is never read again, so ``release_behind_window`` drops it from the
+  table, whose entry then names the *null block* (``NULL_BLOCK``, id 0: reserved, never handed
+  out, never written, all zeros), as vLLM's sliding-window manager does. The table keeps one
+  entry per logical block, so positions still map to ``i * block_size``; a sequence holds about
+  ``window / block_size`` blocks however long it grows, and a full released block stays in the
+  prefix cache (evictable) like any other.
 """
 
 from __future__ import annotations
@@ -22,10 +30,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from batchgen.engine.config import MAX_BLOCK_SIZE
-from batchgen.engine.prefix_cache import Block, PrefixCache
+from batchgen.engine.prefix_cache import NULL_BLOCK, Block, PrefixCache
 from batchgen.engine.sequence import Sequence
 
-__all__ = ["Block", "BlockManager"]
+__all__ = ["Block", "BlockManager", "NULL_BLOCK"]
 
 
 class BlockManager(PrefixCache):
@@ -37,6 +45,9 @@ class BlockManager(PrefixCache):
         enable_prefix_caching: share full blocks across requests by prefix hash.
         watermark: fraction of blocks kept free when *admitting* new sequences, so that running
             sequences can keep growing without immediate preemption.
+        window: the positions every layer attends over (None: some layer sees the whole
+            context); with a window, block ``NULL_BLOCK`` is reserved and blocks behind it are
+            released (see the module docstring).
     """
 
     def __init__(
@@ -45,17 +56,22 @@ class BlockManager(PrefixCache):
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        window: int | None = None,
     ) -> None:
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be between 1 and {MAX_BLOCK_SIZE}, got {block_size}")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {window}")
+        self.window = window
+        self.num_reserved = 1 if window else 0  # the null block
+        if num_blocks < 1 + self.num_reserved:
+            raise ValueError(f"num_blocks must be >= {1 + self.num_reserved}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        self._free: deque[int] = deque(range(self.num_reserved, num_blocks))  # ref 0, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._pending: dict[int, int] = {}  # block hash -> block id, filled by this step
@@ -66,6 +82,7 @@ class BlockManager(PrefixCache):
         self.prefix_cache_hits = 0  # prompt tokens found (cached or pending)
         self.prefix_cache_hit_blocks = 0  # blocks found
         self.num_evictions = 0  # cached blocks taken back for other contents
+        self.num_released_blocks = 0  # table entries released behind a sliding window
 
     # ------------------------------------------------------------------ queries
     @property
@@ -74,11 +91,25 @@ class BlockManager(PrefixCache):
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that sequences can hold: all but the null block."""
+        return self.num_blocks - self.num_reserved
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_usable_blocks - self.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def most_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` tokens holds at once when each step
+        computes at most ``max_chunk`` of them: all of them without a window; with one, the
+        blocks from its oldest query's window start to its newest token."""
+        full = self.num_blocks_for(num_tokens)
+        if not self.window:
+            return full
+        return min(full, (self.window - 1 + min(max_chunk, num_tokens)) // self.block_size + 2)
 
     def can_allocate(self, num_new_blocks: int, *, admit: bool) -> bool:
         """Whether ``num_new_blocks`` can be taken now; admissions keep the watermark free."""
@@ -221,22 +252,44 @@ class BlockManager(PrefixCache):
         assert not child.block_table
         shared = parent.block_table if num_tokens is None else parent.block_table[: self.num_blocks_for(num_tokens)]
         for block_id in shared:
-            self._ref(block_id)
+            if block_id != NULL_BLOCK or not self.num_reserved:
+                self._ref(block_id)
         child.block_table = list(shared)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, last block first, so that a prefix's tail is evicted
         before its head (the head is the part most likely to be shared again)."""
         for block_id in reversed(seq.block_table):
-            self._unref(block_id)
+            if block_id != NULL_BLOCK or not self.num_reserved:
+                self._unref(block_id)
         seq.block_table = []
+
+    def release_behind_window(self, seq: Sequence) -> int:
+        """Release ``seq``'s blocks that no later token can attend to (every position before
+        the window of its next token, ``num_computed_tokens``), their entries becoming
+        ``NULL_BLOCK``; returns how many. Without a window, nothing."""
+        if not self.window:
+            return 0
+        first_needed = seq.num_computed_tokens - self.window + 1
+        end = min(max(first_needed, 0) // self.block_size, len(seq.block_table))
+        released = 0
+        for i in range(end - 1, -1, -1):  # newest first: the older ones went in earlier steps
+            block_id = seq.block_table[i]
+            if block_id == NULL_BLOCK:
+                break
+            self._unref(block_id)
+            seq.block_table[i] = NULL_BLOCK
+            released += 1
+        self.num_released_blocks += released
+        return released
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
         """Assert the block manager's invariants against the live sequences.
 
         * each block's ref count equals the number of table entries naming it;
-        * a block is in exactly one of: used (ref > 0), plain free, evictable;
+        * a block is in exactly one of: used (ref > 0), plain free, evictable; but the null
+          block (with a window), in none, with ref count 0 and no hash;
         * free blocks carry no hash; evictable ones are cached under their own hash;
         * every cached or pending hash maps to a block that carries that hash; a pending block
           is in use (its writer holds it) and not cached.
@@ -249,7 +302,11 @@ class BlockManager(PrefixCache):
         evictable = set(self._evictable)
         assert len(free) == len(self._free), "duplicate block in the free list"
         assert not free & evictable, "block both free and evictable"
-        for block in self.blocks:
+        if self.num_reserved:
+            null = self.blocks[NULL_BLOCK]
+            assert null.ref_count == 0 and null.block_hash is None, "the null block was taken or hashed"
+            assert NULL_BLOCK not in free and NULL_BLOCK not in evictable, "the null block is on a free list"
+        for block in self.blocks[self.num_reserved:]:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} references")
             in_use = block.ref_count > 0

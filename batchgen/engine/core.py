@@ -21,7 +21,7 @@ import torch
 
 from batchgen.engine import prompt_logprobs, prompts
 from batchgen.engine.beam_step import beam_step
-from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.block_manager import NULL_BLOCK, BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.model_runner import ModelRunner
@@ -54,7 +54,8 @@ class EngineCore:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = runner.max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=runner.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy)
         self.scheduler.max_loras = config.max_loras if config.enable_lora else 0
@@ -315,8 +316,10 @@ class EngineCore:
         live = [s for s in group.seqs if s.block_table]
         if not live:
             return
-        logical = sum(len(s.block_table) for s in live)
-        physical = len({b for s in live for b in s.block_table}) if len(live) > 1 else logical
+        held = [[b for b in s.block_table if b != NULL_BLOCK] if self.block_manager.num_reserved else s.block_table
+                for s in live]  # not the entries released behind a sliding window
+        logical = sum(map(len, held))
+        physical = len({b for table in held for b in table}) if len(live) > 1 else logical
         st = group.stats
         if logical > st.num_logical_blocks:
             st.num_logical_blocks = logical

@@ -119,6 +119,15 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.cache_shape.block_size
 
+    @property
+    def kv_window(self) -> int | None:
+        """The positions every layer attends over when every layer slides (Mistral, Phi-3):
+        the widest of their windows; None when some layer sees the whole context. The block
+        manager releases what lies behind it."""
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        windows = expected_windows(cfg)
+        return max(windows) if windows and None not in windows else None
+
     def eos_token_ids(self) -> list[int]:
         """EOS ids from the generation config (falling back to the model config)."""
         for source in (self.generation_config, self.config):

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 
 from batchgen.engine.sequence import Sequence
 
-__all__ = ["Block", "PrefixCache"]
+__all__ = ["Block", "NULL_BLOCK", "PrefixCache"]
+
+NULL_BLOCK = 0
+"""The table entry of a block released behind a sliding window: a reserved block, never handed
+out or written (see :mod:`batchgen.engine.block_manager`)."""
 
 
 @dataclass
@@ -152,7 +156,9 @@ class PrefixCache:
         for i in range(first, num_full):
             h = chain[i]
             block = self.blocks[seq.block_table[i]]
-            if self._pending.get(h) == block.block_id:
+            if self.num_reserved and block.block_id == NULL_BLOCK:
+                pass  # released behind a sliding window (the null block): nothing to cache
+            elif self._pending.get(h) == block.block_id:
                 del self._pending[h]
                 self._cached[h] = block.block_id
             elif block.block_hash is None and h not in self._cached and h not in self._pending:

@@ -27,6 +27,9 @@ Policy
   later. The first admitted group therefore always progresses: no deadlock, and never an
   out-of-memory crash.
 * A request that can never fit gets a per-request error; the rest goes on.
+* With a sliding window on every layer, each running sequence releases the blocks behind its
+  next token's window before it is planned (``BlockManager.release_behind_window``), so a long
+  sequence holds about a window of blocks, and a prompt fits when a window and a step's chunk do.
 """
 
 from __future__ import annotations
@@ -123,8 +126,8 @@ class Scheduler:
         if _max_seqs(group) > self.max_num_seqs:
             return (f"the request runs {_max_seqs(group)} sequences (n, best_of or beam_width) "
                     f"but max_num_seqs is {self.max_num_seqs}; raise max_num_seqs")
-        usable = self.bm.num_blocks - self.bm.watermark_blocks
-        need = self.bm.num_blocks_for(num_tokens + 1)
+        usable = self.bm.num_usable_blocks - self.bm.watermark_blocks
+        need = self.bm.most_blocks_held(num_tokens + 1, self.max_num_batched_tokens)
         if need > usable:
             return (f"the prompt has {num_tokens} tokens and needs {need} KV blocks of "
                     f"{self.bm.block_size} tokens, but the cache has only {usable} usable; "
@@ -202,6 +205,8 @@ class Scheduler:
         while i < len(self.running):
             group = self.running[i]
             self._share_recomputed_prompt(group)
+            for seq in group.live_seqs():
+                self.bm.release_behind_window(seq)
             plan = self._plan(group, budget)
             if plan is None:  # no budget for it this step
                 i += 1
@@ -211,7 +216,7 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim is group and len(self.running) == 1:
                     group.error = ("the request needs more KV cache than the whole cache holds "
-                                   f"({self.bm.num_blocks} blocks of {self.bm.block_size} tokens); "
+                                   f"({self.bm.num_usable_blocks} blocks of {self.bm.block_size} tokens); "
                                    "raise kv_cache_memory, or lower n / beam_width / max_tokens")
                     self.finish_group(group)
                     out.errored.append(group)

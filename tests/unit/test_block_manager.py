@@ -13,7 +13,7 @@ import builtins
 import pytest
 
 import batchgen.engine.prefix_cache as prefix_cache_module  # where the block hashes are taken
-from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.block_manager import NULL_BLOCK, BlockManager
 from batchgen.engine.sequence import Sequence
 
 
@@ -493,3 +493,56 @@ def test_check_invariants_detects_corruption() -> None:
     bm._free.append(cached)  # a cached free block also on the plain free list
     with pytest.raises(AssertionError, match="block both free and evictable"):
         bm.check_invariants([])
+
+
+# ---------------------------------------------------------------------- sliding windows
+def test_a_window_reserves_the_null_block_and_releases_what_no_later_token_reads() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, window=6)
+    assert bm.num_usable_blocks == bm.num_free_blocks == 9 and bm.num_used_blocks == 0
+    seq = Sequence(list(range(17)))
+    step(bm, seq, 17)  # blocks for positions 0..19; the next token (17) sees 12..17
+    held = list(seq.block_table)
+    assert NULL_BLOCK not in held and len(held) == 5
+    assert bm.release_behind_window(seq) == 3  # blocks of 0..3, 4..7, 8..11
+    assert seq.block_table == [NULL_BLOCK] * 3 + held[3:]
+    assert bm.num_used_blocks == 2 and bm.num_released_blocks == 3
+    assert bm.release_behind_window(seq) == 0  # nothing more until the window moves
+    bm.check_invariants([seq])
+    for token in range(17, 21):
+        decode(bm, seq, token)
+    assert bm.release_behind_window(seq) == 1  # the next token (21) sees 16..21: 12..15 goes
+    bm.check_invariants([seq])
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_invariants([])
+
+
+def test_released_blocks_are_shared_by_forks_and_stay_in_the_prefix_cache() -> None:
+    bm = BlockManager(num_blocks=12, block_size=4, window=4)
+    prompt = list(range(13))
+    parent = admit(bm, prompt)
+    first = parent.block_table[0]
+    bm.release_behind_window(parent)  # the next token (13) sees 10..13: blocks 0 and 1 go
+    assert parent.block_table[:2] == [NULL_BLOCK] * 2
+    child = parent.fork(index=1)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    bm.check_invariants([parent, child])
+    other = Sequence(prompt[:8] + [99, 98])  # the released, full blocks are still cached
+    hits, hit_tokens = bm.get_computed_blocks(other)
+    assert hit_tokens == 8 and hits[0] == first
+    for seq in (parent, child):
+        bm.free(seq)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_most_blocks_held_is_a_window_and_a_chunk_with_one() -> None:
+    plain, windowed = BlockManager(64, 4), BlockManager(64, 4, window=8)
+    assert plain.most_blocks_held(1000, 16) == 250
+    assert windowed.most_blocks_held(1000, 16) == (7 + 16) // 4 + 2
+    assert windowed.most_blocks_held(5, 16) == 2  # never more than the tokens' own blocks
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        BlockManager(8, 4, window=0)
+    with pytest.raises(ValueError, match="num_blocks must be >= 2"):
+        BlockManager(1, 4, window=4)

@@ -8,7 +8,11 @@ n-sampling groups after their prompt and runs beam steps (fork survivors, free d
 and finishes sequences and groups after ``max_tokens``. After every step it checks the
 scheduler's contracts (token budget, ``max_num_seqs``, decodes first, FCFS order, whole-group
 preemption) and the block manager's invariants, and reads every sequence's computed tokens
-back through its block table.
+back through its block table. With a sliding ``window``, once a step's K/V is written (a step
+writes all of it before attention reads any: a prefix hit may be a block that a sequence
+scheduled before it fills in the same step) it reads back, for every scheduled chunk, the
+positions its first token attends to (the window behind it), and after the step those of every
+sequence's next token; the released entries name the null block, which is never written.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.block_manager import NULL_BLOCK, BlockManager
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.sampling.params import BeamSearchParams, SamplingParams
@@ -49,8 +53,10 @@ class FakeEngine:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  watermark: float = 0.0, enable_prefix_caching: bool = True,
-                 check_max_num_seqs: bool = True, scheduling_policy: str = "prefix") -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, watermark)
+                 check_max_num_seqs: bool = True, scheduling_policy: str = "prefix",
+                 window: int | None = None) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, watermark, window=window)
+        self.window = window
         self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_model_len,
                                scheduling_policy)
         self.kv: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
@@ -127,7 +133,13 @@ class FakeEngine:
             self.kv[dst] = list(self.kv[src])
         for seq, n in out.scheduled:
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                self.kv[seq.block_table[pos // bm.block_size]][pos % bm.block_size] = seq.token_ids[pos]
+                block = seq.block_table[pos // bm.block_size]
+                assert not (self.window and block == NULL_BLOCK), f"{seq}: position {pos} written to the null block"
+                self.kv[block][pos % bm.block_size] = seq.token_ids[pos]
+        if self.window:  # the step's K/V all written, what each chunk's first token attends to is there
+            for seq, _ in out.scheduled:
+                self._check_read(seq, max(0, seq.num_computed_tokens - self.window + 1), seq.num_computed_tokens)
+        for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
         self._check_kv()
@@ -219,16 +231,23 @@ class FakeEngine:
         raise AssertionError(f"{seq} belongs to no group")
 
     def _check_kv(self) -> None:
-        """Every sequence holding blocks reads its computed tokens back from the KV model."""
-        bs = self.bm.block_size
+        """Every sequence holding blocks reads its computed tokens back from the KV model (with
+        a window, those its next token attends to)."""
         for group in self.sched.running:
             for seq in group.seqs:
-                if not seq.block_table:
-                    continue
-                read = [self.kv[seq.block_table[p // bs]][p % bs] for p in range(seq.num_computed_tokens)]
-                assert read == seq.token_ids[: seq.num_computed_tokens], (
-                    f"request {group.request_id} sample {seq.index} reads {read}, "
-                    f"expected {seq.token_ids[: seq.num_computed_tokens]}")
+                if seq.block_table:
+                    end = seq.num_computed_tokens
+                    self._check_read(seq, max(0, end - self.window + 1) if self.window else 0, end)
+
+    def _check_read(self, seq: Sequence, start: int, end: int) -> None:
+        """``seq``'s positions ``start .. end`` read back through its block table."""
+        bs = self.bm.block_size
+        blocks = [seq.block_table[p // bs] for p in range(start, end)]
+        assert not (self.window and NULL_BLOCK in blocks), f"{seq}: positions {start}..{end} released"
+        read = [self.kv[b][p % bs] for b, p in zip(blocks, range(start, end))]
+        assert read == seq.token_ids[start:end], (
+            f"request {self._group_of(seq).request_id} sample {seq.index} reads {read} at {start}..{end}, "
+            f"expected {seq.token_ids[start:end]}")
 
     def _check_preemptions(self, running_before: list[SequenceGroup], out: SchedulerOutput) -> None:
         """Preemption takes the most recently admitted running group each time, and all of
@@ -272,7 +291,8 @@ class FakeEngine:
 
     def assert_all_done(self) -> None:
         assert not self.sched.has_unfinished
-        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked"
+        assert self.bm.num_free_blocks == self.bm.num_usable_blocks, "blocks leaked"
+        assert not self.window or self.kv[NULL_BLOCK] == [None] * self.bm.block_size, "the null block was written"
         self.bm.check_invariants([])
         assert sorted(self.finished) == sorted(self.groups)
 
@@ -458,13 +478,15 @@ def test_preemption_of_beam_groups_under_a_tiny_cache() -> None:
         assert [s.num_output_tokens for s in group.seqs] == [4, 4, 4]
 
 
-def _random_engine(seed: int, *, groups: bool, enable_prefix_caching: bool) -> FakeEngine:
-    """A random workload of 16 requests on a cache only a few prompts wide."""
+def _random_engine(seed: int, *, groups: bool, enable_prefix_caching: bool, windowed: bool = False) -> FakeEngine:
+    """A random workload of 16 requests on a cache only a few prompts wide (``windowed``: with
+    a random sliding window of 1 to 9 tokens)."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     engine = FakeEngine(num_blocks=rng.randint(24, 40) // block_size + 6, block_size=block_size,
                         max_num_seqs=rng.choice([4, 8, 32]), max_num_batched_tokens=rng.choice([8, 16, 64]),
-                        watermark=0.05, enable_prefix_caching=enable_prefix_caching)
+                        watermark=0.05, enable_prefix_caching=enable_prefix_caching,
+                        window=rng.randint(1, 9) if windowed else None)
     for r in range(16):
         kind = rng.random() if groups else 1.0
         if kind < 0.2:
@@ -506,6 +528,40 @@ def test_no_deadlock_under_a_tiny_cache_with_groups(enable_prefix_caching: bool)
         engine.assert_all_done()
         for error in engine.errors.values():
             assert error.startswith("the request needs more KV cache than the whole cache holds"), error
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_windowed_workloads_release_what_no_token_reads_again(groups: bool) -> None:
+    """Random workloads under a sliding window: every chunk still reads the window behind it
+    (checked before each step's writes), everything finishes and every block is free at the
+    end; blocks are released, and the null block is never written."""
+    released = 0
+    for seed in range(60):
+        engine = _random_engine(seed, groups=groups, enable_prefix_caching=seed % 2 == 0, windowed=True)
+        engine.run()
+        engine.assert_all_done()
+        for error in engine.errors.values():
+            assert error.startswith("the request needs more KV cache than the whole cache holds"), error
+        released += engine.bm.num_released_blocks
+    assert released > 0
+
+
+def test_a_windowed_sequence_outgrows_the_cache_without_preemption() -> None:
+    """90 tokens need 23 blocks of 4 and the cache has 8: without a window the prompt alone
+    cannot fit; with a window of 8 (7 blocks and the null block) the sequence holds a few."""
+    prompt, params = _prompt(40, 1), SamplingParams(max_tokens=50)
+    assert FakeEngine(num_blocks=8, block_size=4, max_num_batched_tokens=8).add("long", prompt, params) == (
+        "the prompt has 40 tokens and needs 11 KV blocks of 4 tokens, but the cache has only 8 usable; "
+        "raise kv_cache_memory or shorten the prompt")
+    engine = FakeEngine(num_blocks=8, block_size=4, max_num_batched_tokens=8, window=8)
+    assert engine.add("long", prompt, params) is None
+    engine.run()
+    engine.assert_all_done()
+    assert not engine.errors and engine.sched.num_preemptions == 0
+    assert engine.groups["long"].seqs[0].num_output_tokens == 50
+    most = engine.bm.most_blocks_held(90, 8)
+    assert engine.bm.peak_blocks_used <= most < 7
+    assert engine.bm.num_released_blocks >= 23 - most
 
 
 def test_group_that_outgrows_the_whole_cache_fails_alone() -> None:
