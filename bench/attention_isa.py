@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.attention_kernel import HEAD_SIZE, HEADS, KV_HEADS, cases, make_case
+from bench.quant_kernel import cpu_name
 
 SOURCE = "paged_attention.c"
 KERNEL_DIR = "batchgen/kernels/cpu"
@@ -81,12 +82,6 @@ def call(fn, case: dict, dtype: torch.dtype, out: torch.Tensor) -> None:
     # a revision in float32 only, where the code is 0)
     assert rc == 0, rc
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return "unknown"
 
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
