@@ -345,6 +345,7 @@ class EngineCore:
             kv_cache_bytes=self.runner.kv_cache.num_bytes, peak_blocks_used=bm.peak_blocks_used,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_hit_blocks=bm.prefix_cache_hit_blocks, num_evictions=bm.num_evictions,
+            num_released_blocks=bm.num_released_blocks,
             num_preemptions=self.scheduler.num_preemptions, num_cow_copies=bm.num_cow_copies,
             num_prompt_tokens=self._num_prompt_tokens, num_generated_tokens=self._num_generated_tokens,
             num_prefill_tokens=self._num_prefill_tokens, num_steps=self._num_steps,

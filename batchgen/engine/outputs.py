@@ -150,6 +150,7 @@ class EngineStats:
     logical_blocks: int
     prefix_cache_hit_blocks: int = 0
     num_evictions: int = 0
+    num_released_blocks: int = 0  # released behind a sliding window (a model whose every layer slides)
 
     @property
     def saving(self) -> float:

@@ -152,6 +152,7 @@ def test_a_model_whose_every_layer_slides_releases_the_blocks_behind_its_window(
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert [o.outputs[0].token_ids for o in outs] == greedy, model_type
     assert bm.num_released_blocks > 0 and bm.peak_blocks_used <= 4
+    assert llm.stats().num_released_blocks == bm.num_released_blocks
     assert max(len(p) + len(g) for p, g in zip(prompts, greedy)) > 4 * 16  # more than the cache holds
 
 

@@ -82,7 +82,7 @@ class EngineReplica:
 _SUMMED = ("num_blocks", "kv_cache_bytes", "peak_blocks_used", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "num_cow_copies", "num_prompt_tokens", "num_generated_tokens",
            "num_prefill_tokens", "num_steps", "physical_blocks", "logical_blocks",
-           "prefix_cache_hit_blocks", "num_evictions")
+           "prefix_cache_hit_blocks", "num_evictions", "num_released_blocks")
 # Counters that restart at zero with a new incarnation and add up over its life.
 COUNTERS = tuple(k for k in _SUMMED if k not in ("num_blocks", "kv_cache_bytes", "peak_blocks_used"))
 
