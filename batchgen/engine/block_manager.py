@@ -178,7 +178,7 @@ class BlockManager(PrefixCache):
             table_len = len(hits) if hits else len(seq.block_table)
             end = start + num_new_tokens
             total += max(0, self.num_blocks_for(end) - table_len)
-            reused_free.update(b for b in hits if self.blocks[b].ref_count == 0)
+            reused_free.update(b for b in hits[self._hits_behind_window(len(hits)):] if self.blocks[b].ref_count == 0)
             if num_new_tokens > 0 and not hits:
                 for i in range(start // bs, min((end - 1) // bs + 1, len(seq.block_table))):
                     block_id = seq.block_table[i]
@@ -193,13 +193,23 @@ class BlockManager(PrefixCache):
         """Head ``seq``'s (empty) table with its prefix-cache hits and count them computed.
 
         Taking the references first pins the hits, so that later allocations of the same
-        step cannot evict them.
+        step cannot evict them. Hits wholly behind the window of the first token computed are
+        not taken: their entries are ``NULL_BLOCK`` at once (a cached prefix may be longer than
+        the whole cache holds beside the first chunk).
         """
         assert not seq.block_table, "prefix hits only for a fresh sequence"
-        for block_id in computed_blocks:
+        behind = self._hits_behind_window(len(computed_blocks))
+        for block_id in computed_blocks[behind:]:
             self._ref(block_id)
-        seq.block_table = list(computed_blocks)
+        seq.block_table = [NULL_BLOCK] * behind + list(computed_blocks[behind:])
         seq.num_computed_tokens = len(computed_blocks) * self.block_size
+
+    def _hits_behind_window(self, num_hits: int) -> int:
+        """How many of ``num_hits`` leading prefix hits lie wholly before the window of the
+        first token after them (0 without a window)."""
+        if not self.window:
+            return 0
+        return max(num_hits * self.block_size - self.window + 1, 0) // self.block_size
 
     def allocate_slots(
         self,

@@ -546,3 +546,18 @@ def test_most_blocks_held_is_a_window_and_a_chunk_with_one() -> None:
         BlockManager(8, 4, window=0)
     with pytest.raises(ValueError, match="num_blocks must be >= 2"):
         BlockManager(1, 4, window=4)
+
+
+def test_prefix_hits_behind_the_first_window_are_not_taken() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, window=6)
+    first = admit(bm, list(range(20)))  # 5 blocks, all full and cached once freed
+    bm.free(first)
+    second = Sequence(list(range(20)) + [7, 7])
+    hits, hit_tokens = bm.get_computed_blocks(second)
+    assert hit_tokens == 20 and len(hits) == 5
+    # the token at 20 sees 15..20: hits 3 and 4 come out of the pool, and one new block (not 5 + 1)
+    assert bm.num_blocks_needed(second, 2, hits) == 3
+    bm.take_computed_blocks(second, hits)
+    assert second.block_table == [NULL_BLOCK] * 3 + hits[3:] and second.num_computed_tokens == 20
+    assert [bm.blocks[b].ref_count for b in hits] == [0, 0, 0, 1, 1]
+    bm.check_invariants([second])

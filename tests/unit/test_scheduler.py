@@ -495,10 +495,10 @@ def _random_engine(seed: int, *, groups: bool, enable_prefix_caching: bool, wind
             params = BeamSearchParams(beam_width=2, max_tokens=rng.randint(1, 5))
         else:
             params = SamplingParams(max_tokens=rng.randint(1, 10))
-        # Prompts from four families (a shared start), so that the prefix cache is hit.
-        prompt = _prompt(rng.randint(1, 12), rng.randint(0, 3))
-        if engine.add(f"r{r}", prompt, params) is not None:
-            del engine.groups[f"r{r}"]  # rejected up front; not expected to finish
+        # Prompts from four families (a shared start), so that the prefix cache is hit; under a
+        # window, up to twice the cache (their cached prefixes too)
+        prompt = _prompt(rng.randint(1, 80 if windowed else 12), rng.randint(0, 3))
+        engine.add(f"r{r}", prompt, params)  # one rejected up front is not in engine.groups
     return engine
 
 
@@ -562,6 +562,22 @@ def test_a_windowed_sequence_outgrows_the_cache_without_preemption() -> None:
     most = engine.bm.most_blocks_held(90, 8)
     assert engine.bm.peak_blocks_used <= most < 7
     assert engine.bm.num_released_blocks >= 23 - most
+
+
+def test_a_cached_prefix_longer_than_the_cache_beside_a_chunk_is_taken_from_its_window() -> None:
+    """A 40-token prompt leaves 10 full blocks of 4 in the prefix cache (of 11 usable); a
+    second prompt that extends it hits them all and computes 8 more tokens: it takes only the
+    hits its window reaches, so it runs (taking every hit, 10 + 2 blocks, it could never start)."""
+    engine = FakeEngine(num_blocks=12, block_size=4, max_num_batched_tokens=16, window=8)
+    prompt = _prompt(40, 3)
+    assert engine.add("a", prompt, SamplingParams(max_tokens=1)) is None
+    engine.run()
+    assert len(engine.bm._evictable) == 10
+    assert engine.add("b", prompt + [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=2)) is None
+    engine.run(max_steps=50)
+    engine.assert_all_done()
+    assert not engine.errors and engine.bm.prefix_cache_hits == 40 and engine.bm.prefix_cache_hit_blocks == 10
+    assert engine.groups["b"].seqs[0].num_output_tokens == 2
 
 
 def test_group_that_outgrows_the_whole_cache_fails_alone() -> None:
