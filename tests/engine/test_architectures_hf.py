@@ -156,6 +156,32 @@ def test_a_model_whose_every_layer_slides_releases_the_blocks_behind_its_window(
     assert max(len(p) + len(g) for p, g in zip(prompts, greedy)) > 4 * 16  # more than the cache holds
 
 
+def test_the_release_changes_no_sample_beam_or_prompt_logprob(arch, monkeypatch) -> None:
+    # seeded n = 3 samples, beams of 3 and prompt logprobs in a 6-block cache (preemption,
+    # prefix hits, forks over released entries) against the same engine keeping every block
+    model_type, path, prompts, _, _ = arch
+    if model_type != "mistral":
+        pytest.skip("one model whose every layer slides is enough here")
+    from batchgen.engine.model_runner import ModelRunner
+
+    def run() -> tuple[tuple[list, list, list], int]:
+        probe = LLM(path, dtype="float32", block_size=16, kv_cache_memory=1 << 20)
+        per_block = probe.runner.kv_cache.num_bytes // probe.runner.num_blocks
+        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24, kv_cache_memory=6 * per_block)
+        samples = llm.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, logprobs=0))
+        beams = llm.generate(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=5))
+        scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+        outputs = ([[(c.token_ids, c.logprobs) for c in o.outputs] for o in samples],
+                   [[c.token_ids for c in o.outputs] for o in beams], [o.prompt_logprobs for o in scored])
+        return outputs, llm.stats().num_released_blocks
+
+    released_outputs, released = run()
+    monkeypatch.setattr(ModelRunner, "kv_window", property(lambda self: None))
+    kept_outputs, kept = run()
+    assert released > 0 and kept == 0
+    assert released_outputs == kept_outputs
+
+
 def test_windows_change_the_tokens_the_reference_would_give_without_them(arch) -> None:
     # the windows are real: with them removed HF's own logprobs move (so matching HF above
     # could not pass with full attention)
