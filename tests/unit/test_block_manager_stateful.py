@@ -42,7 +42,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.block_manager import NULL_BLOCK, BlockManager
 from batchgen.engine.sequence import Sequence
 
 # Shared prompt prefixes over a tiny alphabet: most prompts start with one of them, so that
@@ -73,6 +73,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm: BlockManager
         self.bs = 1
         self.reserve = 0
+        self.window: int | None = None
         self.seqs: dict[int, Sequence] = {}  # seq_id -> live sequence
         self.groups: dict[int, list[int]] = {}  # group id -> seq ids (a request's sequences)
         self.group_of: dict[int, int] = {}  # seq_id -> group id
@@ -90,10 +91,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 3, 4]),
         num_blocks=st.integers(4, 24),
         watermark=st.sampled_from([0.0, 0.1, 0.25]),
+        window=st.sampled_from([None, None, 1, 2, 3, 5, 8]),
     )
-    def setup(self, block_size: int, num_blocks: int, watermark: float) -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True, watermark=watermark)
+    def setup(self, block_size: int, num_blocks: int, watermark: float, window: int | None) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True, watermark=watermark, window=window)
         self.bs = block_size
+        self.window = window
         self.reserve = int(watermark * num_blocks)
         self.kv = {b: [None] * block_size for b in range(num_blocks)}
 
@@ -102,7 +105,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return list(self.seqs.values())
 
     def _refs(self) -> Counter[int]:
-        return Counter(b for s in self.seqs.values() for b in s.block_table)
+        """Table entries naming each block (the null block's entries are no references)."""
+        return Counter(b for s in self.seqs.values() for b in s.block_table if not (self.window and b == NULL_BLOCK))
+
+    def _behind(self, num_computed: int) -> int:
+        """Leading blocks wholly before the window of the token at ``num_computed``."""
+        return max(num_computed - self.window + 1, 0) // self.bs if self.window else 0
 
     def _pick(self, seqs: list[Sequence], index: int) -> Sequence:
         return sorted(seqs, key=lambda s: s.seq_id)[index % len(seqs)]
@@ -135,7 +143,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         computed_before = seq.num_computed_tokens
         free_before = bm.num_free_blocks
         plain_free_before = sum(
-            1 for b in bm.blocks if refs[b.block_id] == 0 and b.block_hash is None)
+            1 for b in bm.blocks[bm.num_reserved:] if refs[b.block_id] == 0 and b.block_hash is None)
 
         # What the allocation must take, computed from the model alone.
         start = len(hits) * bs if hits else seq.num_computed_tokens
@@ -144,7 +152,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_new = max(0, _ceil_div(end, bs) - table_len)
         cow = [i for i in range(start // bs, min(_ceil_div(end, bs), len(table_before)))
                if n > 0 and refs[table_before[i]] > 1]
-        reused_free = [h for h in hits if refs[h] == 0]
+        behind = self._behind(len(hits) * bs) if hits else 0  # hits not taken: null entries at once
+        reused_free = [h for h in hits[behind:] if refs[h] == 0]
+        STATS["hits_behind_window"] += behind
         expected = num_new + len(cow) + len(reused_free)
 
         copies = bm.allocate_slots(seq, n, hits, admit=admit)
@@ -161,7 +171,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.num_computed_tokens == start
         assert len(seq.block_table) == _ceil_div(end, bs)
         if hits:
-            assert seq.block_table[: len(hits)] == hits
+            assert seq.block_table[: len(hits)] == [NULL_BLOCK] * behind + hits[behind:]
 
         # Copy-on-write: exactly the shared blocks the write touches, each into a fresh block.
         assert len(copies) == len(cow)
@@ -173,8 +183,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(set(taken)) == len(taken)
         for b in taken:
             assert refs[b] == 0, f"block {b} handed out while used"
+            assert not (self.window and b == NULL_BLOCK), "the null block was handed out"
         # Eviction: only once the plain free blocks are gone, and least recently used first.
-        self.lru = [b for b in self.lru if b not in hits]
+        self.lru = [b for b in self.lru if b not in hits[behind:]]
         evicted = [b for b in taken if b in self.lru]
         assert len(evicted) == max(0, len(taken) - plain_free_before), (
             f"evicted {evicted} with {plain_free_before} plain free blocks for {len(taken)} new")
@@ -209,6 +220,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """``free`` with the model's LRU update (the table's tail becomes free first)."""
         refs = self._refs()
         for b in reversed(seq.block_table):
+            if self.window and b == NULL_BLOCK:
+                continue
             refs[b] -= 1
             if refs[b] == 0 and self.bm.blocks[b].block_hash is not None:
                 self.lru.append(b)
@@ -361,6 +374,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
         STATS["beam_steps"] += 1
         STATS["ops"] += 1
 
+    @precondition(lambda self: self.window is not None and bool(self.seqs))
+    @rule(index=st.integers(0, 1000))
+    def release(self, index: int) -> None:
+        """Between steps, a sequence gives back the blocks wholly before its next token's
+        window: the newest of them first (each to the LRU tail if cached), entries null."""
+        seq = self._pick(self._live(), index)
+        table = list(seq.block_table)
+        end = min(self._behind(seq.num_computed_tokens), len(table))
+        refs = self._refs()
+        gone = []
+        for i in range(end - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            gone.append(i)
+            refs[table[i]] -= 1
+            if refs[table[i]] == 0 and self.bm.blocks[table[i]].block_hash is not None:
+                self.lru.append(table[i])
+        assert self.bm.release_behind_window(seq) == len(gone)
+        assert seq.block_table == [NULL_BLOCK if i < end else b for i, b in enumerate(table)]
+        STATS["released"] += len(gone)
+        STATS["ops"] += 1
+
     @precondition(lambda self: bool(self.seqs))
     @rule(index=st.integers(0, 1000))
     def free_seq(self, index: int) -> None:
@@ -412,7 +447,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 f"block {block.block_id}: ref_count {block.ref_count}, {refs[block.block_id]} references")
         used = {b for b, r in refs.items() if r > 0}
         assert bm.num_used_blocks == len(used), "a block is counted both free and used"
-        assert bm.num_free_blocks == bm.num_blocks - len(used)
+        assert bm.num_free_blocks == bm.num_usable_blocks - len(used)
         cached_free = {b.block_id for b in bm.blocks if b.ref_count == 0 and b.block_hash is not None}
         assert cached_free == set(self.lru), f"cached free blocks {cached_free}, model {self.lru}"
         assert bm.peak_blocks_used == self.peak
@@ -423,12 +458,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert self.kv[block.block_id] == list(block.token_ids), (
                     f"cached block {block.block_id} holds {self.kv[block.block_id]}, "
                     f"registered as {block.token_ids}")
-        # Every live sequence reads its own tokens back through its block table.
+        # Every live sequence reads its own tokens back through its block table: with a window,
+        # those its next token attends to (entries before may be null, none after), and the null
+        # block holds nothing.
         for seq in live:
             assert len(seq.block_table) == _ceil_div(seq.num_computed_tokens, bs)
-            read = [self.kv[seq.block_table[p // bs]][p % bs] for p in range(seq.num_computed_tokens)]
-            assert read == seq.token_ids[: seq.num_computed_tokens], (
-                f"{seq} reads {read}, expected {seq.token_ids[: seq.num_computed_tokens]}")
+            behind = self._behind(seq.num_computed_tokens)
+            assert NULL_BLOCK not in seq.block_table[behind:] or not self.window
+            start = behind * bs if self.window else 0
+            read = [self.kv[seq.block_table[p // bs]][p % bs] for p in range(start, seq.num_computed_tokens)]
+            assert read == seq.token_ids[start: seq.num_computed_tokens], (
+                f"{seq} reads {read}, expected {seq.token_ids[start: seq.num_computed_tokens]}")
+        if self.window:
+            assert self.kv[NULL_BLOCK] == [None] * bs, "the null block was written"
 
     def teardown(self) -> None:
         if not hasattr(self, "bm"):
@@ -436,7 +478,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self._live():
             self._free(seq)
         self.bm.check_invariants([])
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_blocks == self.bm.num_usable_blocks
         assert all(b.ref_count == 0 for b in self.bm.blocks)
         assert set(self.lru) == {b.block_id for b in self.bm.blocks if b.block_hash is not None}
 
@@ -456,5 +498,6 @@ def test_block_manager_random_operations() -> None:
     assert STATS["ops"] >= 10_000, f"only {STATS['ops']} operations ran"
     # Every kind of event the test is about really happened, many times.
     for event in ("hit_blocks", "cow_copies", "evictions", "forked_children", "dead_beams",
-                  "beam_steps", "groups_freed", "preemptions", "refused", "pending_hits"):
+                  "beam_steps", "groups_freed", "preemptions", "refused", "pending_hits", "released",
+                  "hits_behind_window"):
         assert STATS[event] >= 20, f"{event} happened only {STATS[event]} times: {dict(STATS)}"
