@@ -75,10 +75,12 @@ class LLM:
         self.eos_token_ids = self.engine.eos_token_ids
         self.max_model_len = self.engine.max_model_len
         self.seed = config.seed
-        logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend %s, "
+        window = self.block_manager.window
+        logger.info("LLM ready: %s, %d KV blocks of %d tokens (%.1f MiB)%s, attention backend %s, "
                     "linear backend %s", config.model, self.runner.num_blocks, config.block_size,
-                    self.runner.kv_cache.num_bytes / 2**20, self.runner.attention_backend,
-                    self.runner.linear_backend)
+                    self.runner.kv_cache.num_bytes / 2**20,
+                    f", released behind every layer's {window}-token window" if window else "",
+                    self.runner.attention_backend, self.runner.linear_backend)
 
     # ------------------------------------------------------------------ public API
     def get_tokenizer(self) -> Any:
