@@ -26,8 +26,9 @@ the float peers, the number of layers is in the JSON), which is where the bytes 
 weight count.
 
 Ceilings (``bench/quant_peak.c``): tight loops of 12 independent chains with no memory traffic
--- ``vpdpbusd`` zmm (int8, AVX512-VNNI), ``vpmaddubsw``+``vpaddw`` ymm (int8, AVX2), and float32
-FMA on zmm and ymm -- on 1 and 2 threads at once. GOP/s counts a multiply-add as 2 operations
+-- ``vpdpbusd`` zmm (int8, AVX512-VNNI), ``vpmaddubsw``+``vpaddw`` ymm (int8, AVX2), float32
+FMA on zmm and ymm, and ``vdpbf16ps`` zmm (bfloat16 dot products, AVX512-BF16) -- on 1 and 2
+threads at once. GOP/s counts a multiply-add as 2 operations
 everywhere.
 
 The machine may be shared: the JSON records the load average before and after, and each
@@ -124,7 +125,8 @@ def peaks(threads_list: list[int], seconds: float = 0.3) -> dict:
     loops = {"int8_vnni512": ("bench_vnni512", 12 * 64, "avx512_vnni"),
              "int8_maddubs_avx2": ("bench_maddubs", 12 * 32, "avx2"),
              "fp32_fma512": ("bench_fma512", 12 * 16, "avx512f"),
-             "fp32_fma256": ("bench_fma256", 12 * 8, "fma")}
+             "fp32_fma256": ("bench_fma256", 12 * 8, "fma"),
+             "bf16_dot512": ("bench_bf16dot512", 12 * 32, "avx512_bf16")}
     out: dict = {}
     for name, (sym, macs, flag) in loops.items():
         if flag not in flags:

@@ -6,6 +6,8 @@
  *   maddubs:  12 chains of vpmaddubsw + vpaddw ymm (32 products per vpmaddubsw: the inner loop of
  *             quant.c's AVX2 path for 4-bit weights, whose int16 sums are widened once a block)
  *   fma512 / fma256: 12 chains of vfmadd231ps zmm / ymm (16 / 8 float32 multiply-adds)
+ *   bf16dot512: 12 chains of vdpbf16ps zmm (32 bfloat16 products summed into 16 float32 lanes,
+ *             AVX512-BF16: the ceiling an attention in bfloat16 dot products would have)
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -86,4 +88,22 @@ __attribute__((target("avx2,fma"))) int64_t bench_fma256(int64_t iters, int seed
   float t[8];
   _mm256_storeu_ps(t, s);
   return (int64_t)(t[0] + t[7]);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) int64_t bench_bf16dot512(int64_t iters, int seed) {
+  __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f7f), x = (__m512bh)_mm512_set1_epi16(0x3a83); /* 0.996, 1e-3 */
+#define INIT(i) __m512 a##i = _mm512_set1_ps((float)(i + seed));
+  CHAINS(INIT)
+#undef INIT
+  for (int64_t it = 0; it < iters; it++) {
+#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, x);
+    CHAINS(STEP)
+#undef STEP
+    __asm__ volatile("" : "+v"(w), "+v"(x));
+  }
+  __m512 s = _mm512_setzero_ps();
+#define SUM(i) s = _mm512_add_ps(s, a##i);
+  CHAINS(SUM)
+#undef SUM
+  return (int64_t)_mm512_reduce_add_ps(s);
 }
