@@ -5,7 +5,7 @@
 Stages, each in its own subprocess with its own time budget (a crash, a hung kernel or a dead
 CUDA context in one stage never stops the others), each recorded in the JSON even when it fails
 or runs out of time (a stage writes its partial results as it goes). The kernel stages are in
-:mod:`bench.gpu_kernel_stages`, the engine ones in :mod:`bench.gpu_end_to_end`, the environment
+:mod:`bench.gpu_correctness` and :mod:`bench.gpu_kernel_stages`, the engine ones in :mod:`bench.gpu_end_to_end`, the environment
 stage in :mod:`bench.gpu_environment`, and the report (the targets, the table) in
 :mod:`bench.gpu_report`:
 
@@ -249,10 +249,11 @@ def stage_main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     stage = Stage(args.stage_out or Path(tempfile.mkdtemp()) / "stage.json", args.budget_s)
     env = json.loads(args.env_json.read_text()) if args.env_json and args.env_json.exists() else {}
+    from bench import gpu_correctness as correctness
     from bench import gpu_end_to_end as e2e
     from bench import gpu_kernel_stages as ks
 
-    fn: Callable[..., None] = {"environment": stage_environment, "correctness": ks.stage_correctness,
+    fn: Callable[..., None] = {"environment": stage_environment, "correctness": correctness.stage_correctness,
                                "kernel_tests": ks.stage_kernel_tests, "bandwidth": ks.stage_bandwidth,
                                "flashinfer": ks.stage_flashinfer, "end_to_end": e2e.stage_end_to_end,
                                "throughput": e2e.stage_throughput}[args.stage]

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench import gpu_check as gc  # noqa: E402
+from bench import gpu_correctness as correctness  # noqa: E402
 from bench import gpu_kernel_stages as ks  # noqa: E402
 
 
@@ -170,12 +171,12 @@ def test_the_correctness_stage_runs_on_the_cpu_harness(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(kcuda, "get_cuda_ops", lambda check_indices=True: harness_ops("warp", "nan"))
     monkeypatch.setattr(ks, "DEVICE", "cpu")
-    monkeypatch.setattr(ks, "CHECK_DTYPES", ("float32",))
-    monkeypatch.setattr(ks, "CHECK_HEAD_SIZES", (64,))
-    monkeypatch.setattr(ks, "CHECK_GROUPS", (3,))
-    monkeypatch.setattr(ks, "EXTRA_CASES", ((128, 4, (300, 3), 16),))
+    monkeypatch.setattr(correctness, "CHECK_DTYPES", ("float32",))
+    monkeypatch.setattr(correctness, "CHECK_HEAD_SIZES", (64,))
+    monkeypatch.setattr(correctness, "CHECK_GROUPS", (3,))
+    monkeypatch.setattr(correctness, "EXTRA_CASES", ((128, 4, (300, 3), 16),))
     stage = gc.Stage(tmp_path / "stage.json", budget_s=120)
-    ks.stage_correctness(stage, gc.parse_args([]), {})
+    correctness.stage_correctness(stage, gc.parse_args([]), {})
     data = stage.data
     assert data["passed"], data
     assert [(r["head_size"], r["group"], r["passed"]) for r in data["rows"]] == [(64, 3, True), (128, 4, True)]
