@@ -52,22 +52,23 @@ __attribute__((target("avx2"))) int64_t bench_maddubs(int64_t iters, int seed) {
   return _mm256_extract_epi16(s, 0) + _mm256_extract_epi16(s, 15);
 }
 
+/* the 512-bit float loops: 12 chains a_i = STEP(a_i, w, x), then their sum (w, x in scope) */
+#define F512_INIT(i) __m512 a##i = _mm512_set1_ps((float)(i + seed));
+#define F512_SUM(i) s = _mm512_add_ps(s, a##i);
+#define F512_LOOP(STEP)                         \
+  CHAINS(F512_INIT)                             \
+  for (int64_t it = 0; it < iters; it++) {      \
+    CHAINS(STEP)                                \
+    __asm__ volatile("" : "+v"(w), "+v"(x));    \
+  }                                             \
+  __m512 s = _mm512_setzero_ps();               \
+  CHAINS(F512_SUM)                              \
+  return (int64_t)_mm512_reduce_add_ps(s);
+
+#define FMA512_STEP(i) a##i = _mm512_fmadd_ps(a##i, w, x);
 __attribute__((target("avx512f"))) int64_t bench_fma512(int64_t iters, int seed) {
   __m512 w = _mm512_set1_ps(0.999f), x = _mm512_set1_ps(1e-3f);
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)(i + seed));
-  CHAINS(INIT)
-#undef INIT
-  for (int64_t it = 0; it < iters; it++) {
-#define STEP(i) a##i = _mm512_fmadd_ps(a##i, w, x);
-    CHAINS(STEP)
-#undef STEP
-    __asm__ volatile("" : "+v"(w), "+v"(x));
-  }
-  __m512 s = _mm512_setzero_ps();
-#define SUM(i) s = _mm512_add_ps(s, a##i);
-  CHAINS(SUM)
-#undef SUM
-  return (int64_t)_mm512_reduce_add_ps(s);
+  F512_LOOP(FMA512_STEP)
 }
 
 __attribute__((target("avx2,fma"))) int64_t bench_fma256(int64_t iters, int seed) {
@@ -90,20 +91,8 @@ __attribute__((target("avx2,fma"))) int64_t bench_fma256(int64_t iters, int seed
   return (int64_t)(t[0] + t[7]);
 }
 
+#define BF16DOT512_STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, x);
 __attribute__((target("avx512f,avx512bf16"))) int64_t bench_bf16dot512(int64_t iters, int seed) {
   __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f7f), x = (__m512bh)_mm512_set1_epi16(0x3a83); /* 0.996, 1e-3 */
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)(i + seed));
-  CHAINS(INIT)
-#undef INIT
-  for (int64_t it = 0; it < iters; it++) {
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, x);
-    CHAINS(STEP)
-#undef STEP
-    __asm__ volatile("" : "+v"(w), "+v"(x));
-  }
-  __m512 s = _mm512_setzero_ps();
-#define SUM(i) s = _mm512_add_ps(s, a##i);
-  CHAINS(SUM)
-#undef SUM
-  return (int64_t)_mm512_reduce_add_ps(s);
+  F512_LOOP(BF16DOT512_STEP)
 }
