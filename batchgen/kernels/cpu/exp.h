@@ -12,16 +12,29 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The constants of every width's exp below (the same operations on 1, 8 or 16 lanes give the
+ * same bits): log2(e), ln 2 split in a high part exact in few bits and a low part, and Cephes'
+ * polynomial for exp(r), highest degree first. */
+#define BG_EXP_LOG2E 1.44269504088896341f
+#define BG_EXP_LN2_HI 0.693359375f
+#define BG_EXP_LN2_LO 2.12194440e-4f
+#define BG_EXP_P0 1.9875691500e-4f
+#define BG_EXP_P1 1.3981999507e-3f
+#define BG_EXP_P2 8.3334519073e-3f
+#define BG_EXP_P3 4.1665795894e-2f
+#define BG_EXP_P4 1.6666665459e-1f
+#define BG_EXP_P5 5.0000001201e-1f
+
 static inline float batchgen_exp_clamped(float c) {
   /* round to nearest by adding and subtracting 1.5 * 2^23 */
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = (c * BG_EXP_LOG2E + 12582912.0f) - 12582912.0f;
+  const float r = (c - n * BG_EXP_LN2_HI) + n * BG_EXP_LN2_LO;
+  float p = BG_EXP_P0;
+  p = p * r + BG_EXP_P1;
+  p = p * r + BG_EXP_P2;
+  p = p * r + BG_EXP_P3;
+  p = p * r + BG_EXP_P4;
+  p = p * r + BG_EXP_P5;
   p = p * r * r + r + 1.0f;
   /* A NaN c (which the callers' clamps let through) gives a NaN p, hence a NaN result; its n
    * must still convert to an integer without undefined behaviour, and so must anything
@@ -48,16 +61,16 @@ static inline float batchgen_exp_clamped(float c) {
  * same float, subnormal or infinite included. On the Zen 4 the softmax's exps were 12 % of a
  * 2,048-token prefill's attention; the greedy pick's logsumexp (fused.c) takes them too. */
 static inline __m512 batchgen_exp16_clamped(__m512 c) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(BG_EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(BG_EXP_LN2_HI))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(BG_EXP_LN2_LO)));
+  __m512 p = _mm512_set1_ps(BG_EXP_P0);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P1));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P2));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P3));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P4));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P5));
   p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
   /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 (vmaxps returns its second
    * operand where either is NaN) */

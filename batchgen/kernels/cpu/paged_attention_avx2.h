@@ -81,15 +81,15 @@ static inline __m256 scores8(const float *restrict q, const float *const *rows, 
 /* exp.h's batchgen_exp_clamped on 8 lanes: the same operations in the same order. */
 static inline __m256 exp8(__m256 c) {
   const __m256 big = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)), big), big);
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(c, _mm256_set1_ps(BG_EXP_LOG2E)), big), big);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_HI))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_LO)));
+  __m256 p = _mm256_set1_ps(BG_EXP_P0);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P4));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P5));
   p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
   /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 */
   const __m256 ge = _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
