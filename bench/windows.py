@@ -72,10 +72,13 @@ def build_model(folder: Path, window: int) -> str:
 
 def _engine(path: str, args: argparse.Namespace, release: bool) -> Any:
     """The engine of one run: ``--cache-blocks`` blocks, the release on or patched off."""
+    from transformers import AutoConfig
+
     from batchgen import LLM
+    from batchgen.engine.model_loader import cache_shape
     from batchgen.engine.model_runner import ModelRunner
 
-    per_block = 2 * LAYERS * KV_HEADS * HEAD_DIM * BLOCK * 4  # K and V of every layer, float32
+    per_block = cache_shape(AutoConfig.from_pretrained(path), BLOCK, torch.float32).bytes_per_block
     settings: dict[str, Any] = dict(dtype="float32", block_size=BLOCK, num_threads=args.threads, max_num_seqs=256,
                                     kv_cache_memory=args.cache_blocks * per_block)
     if release:

@@ -178,7 +178,7 @@ class BlockManager(PrefixCache):
             table_len = len(hits) if hits else len(seq.block_table)
             end = start + num_new_tokens
             total += max(0, self.num_blocks_for(end) - table_len)
-            reused_free.update(b for b in hits[self._hits_behind_window(len(hits)):] if self.blocks[b].ref_count == 0)
+            reused_free.update(b for b in hits[self.blocks_behind_window(start):] if self.blocks[b].ref_count == 0)
             if num_new_tokens > 0 and not hits:
                 for i in range(start // bs, min((end - 1) // bs + 1, len(seq.block_table))):
                     block_id = seq.block_table[i]
@@ -198,18 +198,18 @@ class BlockManager(PrefixCache):
         the whole cache holds beside the first chunk).
         """
         assert not seq.block_table, "prefix hits only for a fresh sequence"
-        behind = self._hits_behind_window(len(computed_blocks))
+        behind = self.blocks_behind_window(len(computed_blocks) * self.block_size)
         for block_id in computed_blocks[behind:]:
             self._ref(block_id)
         seq.block_table = [NULL_BLOCK] * behind + list(computed_blocks[behind:])
         seq.num_computed_tokens = len(computed_blocks) * self.block_size
 
-    def _hits_behind_window(self, num_hits: int) -> int:
-        """How many of ``num_hits`` leading prefix hits lie wholly before the window of the
-        first token after them (0 without a window)."""
+    def blocks_behind_window(self, position: int) -> int:
+        """How many leading blocks lie wholly before the window of the token at ``position``
+        (0 without a window): what no token from there on attends to."""
         if not self.window:
             return 0
-        return max(num_hits * self.block_size - self.window + 1, 0) // self.block_size
+        return max(position - self.window + 1, 0) // self.block_size
 
     def allocate_slots(
         self,
@@ -262,7 +262,7 @@ class BlockManager(PrefixCache):
         assert not child.block_table
         shared = parent.block_table if num_tokens is None else parent.block_table[: self.num_blocks_for(num_tokens)]
         for block_id in shared:
-            if block_id != NULL_BLOCK or not self.num_reserved:
+            if not self.is_null(block_id):
                 self._ref(block_id)
         child.block_table = list(shared)
 
@@ -270,7 +270,7 @@ class BlockManager(PrefixCache):
         """Drop ``seq``'s references, last block first, so that a prefix's tail is evicted
         before its head (the head is the part most likely to be shared again)."""
         for block_id in reversed(seq.block_table):
-            if block_id != NULL_BLOCK or not self.num_reserved:
+            if not self.is_null(block_id):
                 self._unref(block_id)
         seq.block_table = []
 
@@ -278,10 +278,7 @@ class BlockManager(PrefixCache):
         """Release ``seq``'s blocks that no later token can attend to (every position before
         the window of its next token, ``num_computed_tokens``), their entries becoming
         ``NULL_BLOCK``; returns how many. Without a window, nothing."""
-        if not self.window:
-            return 0
-        first_needed = seq.num_computed_tokens - self.window + 1
-        end = min(max(first_needed, 0) // self.block_size, len(seq.block_table))
+        end = min(self.blocks_behind_window(seq.num_computed_tokens), len(seq.block_table))
         released = 0
         for i in range(end - 1, -1, -1):  # newest first: the older ones went in earlier steps
             block_id = seq.block_table[i]

@@ -21,7 +21,7 @@ import torch
 
 from batchgen.engine import prompt_logprobs, prompts
 from batchgen.engine.beam_step import beam_step
-from batchgen.engine.block_manager import NULL_BLOCK, BlockManager
+from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.detokenizer import IncrementalDetokenizer
 from batchgen.engine.model_runner import ModelRunner
@@ -316,8 +316,9 @@ class EngineCore:
         live = [s for s in group.seqs if s.block_table]
         if not live:
             return
-        held = [[b for b in s.block_table if b != NULL_BLOCK] if self.block_manager.num_reserved else s.block_table
-                for s in live]  # not the entries released behind a sliding window
+        bm = self.block_manager
+        held = ([[b for b in s.block_table if not bm.is_null(b)] for s in live] if bm.window  # not released ones
+                else [s.block_table for s in live])
         logical = sum(map(len, held))
         physical = len({b for table in held for b in table}) if len(live) > 1 else logical
         st = group.stats

@@ -156,7 +156,7 @@ class PrefixCache:
         for i in range(first, num_full):
             h = chain[i]
             block = self.blocks[seq.block_table[i]]
-            if self.num_reserved and block.block_id == NULL_BLOCK:
+            if self.is_null(block.block_id):
                 pass  # released behind a sliding window (the null block): nothing to cache
             elif self._pending.get(h) == block.block_id:
                 del self._pending[h]
@@ -181,6 +181,11 @@ class PrefixCache:
             self._uncache(block_id)
             self._free.append(block_id)
         return True
+
+    def is_null(self, block_id: int) -> bool:
+        """A table entry released behind a sliding window (with no window, block 0 is a block
+        like any other)."""
+        return block_id == NULL_BLOCK and self.num_reserved > 0
 
     def _is_cached(self, block: Block) -> bool:
         """The block is the prefix cache's entry for its hash."""

@@ -134,6 +134,15 @@ def test_every_attention_backend_gives_hf_tokens(arch, backend: str) -> None:
     assert [o.outputs[0].token_ids for o in outs] == greedy[:2], f"{model_type} on {backend}"
 
 
+def _bytes_per_block(path: str) -> int:
+    """The bytes of one float32 KV block of 16 tokens of the model at ``path``."""
+    from transformers import AutoConfig
+
+    from batchgen.engine.model_loader import cache_shape
+
+    return cache_shape(AutoConfig.from_pretrained(path), 16, torch.float32).bytes_per_block
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_a_model_whose_every_layer_slides_releases_the_blocks_behind_its_window(arch, backend: str) -> None:
     # Mistral and Phi-3 here: a cache of 5 blocks of 16 (one the null block) where a prompt and
@@ -143,10 +152,8 @@ def test_a_model_whose_every_layer_slides_releases_the_blocks_behind_its_window(
     model_type, path, prompts, greedy, _ = arch
     if model_type not in ("mistral", "phi3"):
         pytest.skip(f"{model_type} has a layer that sees the whole context: nothing is released")
-    probe = LLM(path, dtype="float32", block_size=16, kv_cache_memory=1 << 20)
-    per_block = probe.runner.kv_cache.num_bytes // probe.runner.num_blocks
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24, attention_backend=backend,
-              kv_cache_memory=5 * per_block)
+              kv_cache_memory=5 * _bytes_per_block(path))
     bm = llm.engine.block_manager
     assert llm.runner.num_blocks == 5 and bm.window == WINDOW and bm.num_usable_blocks == 4
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
@@ -165,9 +172,8 @@ def test_the_release_changes_no_sample_beam_or_prompt_logprob(arch, monkeypatch)
     from batchgen.engine.model_runner import ModelRunner
 
     def run() -> tuple[tuple[list, list, list], int]:
-        probe = LLM(path, dtype="float32", block_size=16, kv_cache_memory=1 << 20)
-        per_block = probe.runner.kv_cache.num_bytes // probe.runner.num_blocks
-        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24, kv_cache_memory=6 * per_block)
+        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
+                  kv_cache_memory=6 * _bytes_per_block(path))
         samples = llm.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, logprobs=0))
         beams = llm.generate(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=5))
         scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
