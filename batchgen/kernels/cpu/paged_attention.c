@@ -39,6 +39,9 @@
  *   - scores: with AVX-512, the 16 dot products of one query row with a key block run as 16
  *     accumulators side by side; their reduction trees run together as a transpose (each add
  *     of the tree above, for 16 keys per instruction), leaving the 16 scores in one register.
+ *     A key block that many rows of a tile read is transposed once instead (keys as lanes):
+ *     accumulator l of a row then holds lane l of all 16 dot products, and the tree is 15 adds
+ *     of whole registers; 4 rows share each load of the transposed block;
  *     With AVX2, the same per 8 keys: 4 keys' lanes as two 8-float accumulators each, lane
  *     l + (l + 8) added per key, then the other three steps of 8 trees as a transpose
  *     (permute2f128 and two shuffles), leaving 8 scores in one register. Plain C: one dot
@@ -114,6 +117,11 @@
 
 #define LANES 16 /* partial sums of a dot product and of the softmax denominator */
 #define KB 16    /* keys per key block */
+/* AVX-512: a key block that at least this many of a tile's rows read is transposed once and
+ * scored SR rows at a time without shuffles (scores_t); fewer rows, as in every decode, reduce
+ * their own trees (scores16). The same bits either way. 16: a long context's tiles (48 rows on
+ * SmolLM2); W32's 12-row tiles gained nothing from it. */
+#define TRANSPOSE_ROWS 16
 #define NV ((HEAD_SIZE + 15) / 16)   /* 16-float vectors per head row */
 #define NFULL (HEAD_SIZE / 16)       /* of which full */
 #define HSP (NV * 16)                /* a head row padded to whole vectors (scratch rows) */
@@ -218,6 +226,7 @@ typedef struct {
   int64_t *off;        /* [ss]: element offset of key p's rows in the caches */
   float *q;            /* [rows][HSP]: the query rows, scaled */
   float *kbuf, *vbuf;  /* [KB][HSP]: a converted key (value) block */
+  float *kt;           /* [HSP][KB]: a key block transposed (AVX-512) */
   float *scores;       /* [rows][ss], then acc [rows][HSP] (plain C and AVX2), then AVX2's V segment */
   int64_t lim[ROWS];   /* the last key each row sees */
   int64_t first[ROWS]; /* the first key each row sees */
@@ -240,13 +249,14 @@ static int tile_setup(const Args *a, int64_t s, int64_t h, int64_t r0, int nq, T
    * from there: one more key block */
   t->ss = (t->nmax + KB - 1) / KB * KB + (win > 0 ? KB : 0);
   t->rows = nq * GROUP;
-  float *buf = scratch(2 * t->ss + (int64_t)ROWS * HSP * 2 + 2 * KB * HSP + (int64_t)ROWS * t->ss + SEG_FLOATS);
+  float *buf = scratch(2 * t->ss + (int64_t)ROWS * HSP * 2 + 3 * KB * HSP + (int64_t)ROWS * t->ss + SEG_FLOATS);
   if (buf == NULL) return 4;
   t->off = (int64_t *)buf;
   t->q = buf + 2 * t->ss;
   t->kbuf = t->q + ROWS * HSP;
   t->vbuf = t->kbuf + KB * HSP;
-  t->scores = t->vbuf + KB * HSP;
+  t->kt = t->vbuf + KB * HSP;
+  t->scores = t->kt + KB * HSP;
   const int32_t *table = a->block_tables + s * a->max_blocks;
   const int64_t tok_stride = a->num_kv_heads * HEAD_SIZE, bs = a->block_size;
   for (int64_t p = 0, b = k0 / bs, o = k0 % bs; p < t->nmax; ++b, o = 0) {
@@ -285,7 +295,12 @@ static void tile_scores(const Args *a, Tile *t) {
     int r = kb > t->base ? (int)(kb - t->base) * GROUP : 0;
     float *sc = t->scores + kb;
 #if defined(BG_AVX512)
-    for (; r < t->rows; ++r) _mm512_storeu_ps(sc + r * ss, scores16(t->q + r * HSP, krows));
+    if (t->rows - r >= TRANSPOSE_ROWS) {
+      transpose_block(krows, t->kt);
+      scores_rows_t(t->q, r, t->rows, t->kt, sc, ss);
+    } else {
+      for (; r < t->rows; ++r) _mm512_storeu_ps(sc + r * ss, scores16(t->q + r * HSP, krows));
+    }
 #elif defined(BG_AVX2)
     for (; r < t->rows; ++r) {
       _mm256_storeu_ps(sc + r * ss, scores8(t->q + r * HSP, krows, 0));

@@ -63,6 +63,101 @@ static inline __m512 scores16(const float *restrict q, const float *const *rows)
   return tree_last(half8(q, rows, KEY_A), half8(q, rows, KEY_B));
 }
 
+/* A key block transposed: kt[16 d + j] = rows[j][d] for d < HSP (dimensions past HEAD_SIZE 0),
+ * by four 16 x 16 transposes (32-bit, then 64-bit interleaves within 128-bit quarters, then
+ * the quarters): 64 shuffles per 16 dimensions, once per key block, shared by the tile's rows. */
+static inline void transpose_block(const float *const *rows, float *restrict kt) {
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c) {
+    const __mmask16 m = (HEAD_SIZE % 16) && c == NFULL ? (__mmask16)((1u << (HEAD_SIZE % 16)) - 1) : 0xFFFF;
+    __m512 r[16], a[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_ps(m, rows[j] + 16 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) { /* quarter L: r2i[4L], r2i+1[4L], r2i[4L+1], r2i+1[4L+1] and 4L+2, 4L+3 */
+      a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) { /* r[4i + n], quarter L: dimension 4L + n of rows 4i .. 4i + 3 */
+      const __m512d x0 = _mm512_castps_pd(a[4 * i]), x1 = _mm512_castps_pd(a[4 * i + 1]);
+      const __m512d x2 = _mm512_castps_pd(a[4 * i + 2]), x3 = _mm512_castps_pd(a[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, x2));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x2));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, x3));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, x3));
+    }
+    float *out = kt + 256 * c;
+#pragma GCC unroll 4
+    for (int n = 0; n < 4; ++n) { /* dimension 4L + n gathers quarter L of r[n], r[4 + n], r[8 + n], r[12 + n] */
+      const __m512 c0 = _mm512_shuffle_f32x4(r[n], r[4 + n], 0x44), c1 = _mm512_shuffle_f32x4(r[n], r[4 + n], 0xEE);
+      const __m512 c2 = _mm512_shuffle_f32x4(r[8 + n], r[12 + n], 0x44), c3 = _mm512_shuffle_f32x4(r[8 + n], r[12 + n], 0xEE);
+      _mm512_storeu_ps(out + 16 * n, _mm512_shuffle_f32x4(c0, c2, 0x88));
+      _mm512_storeu_ps(out + 16 * (4 + n), _mm512_shuffle_f32x4(c0, c2, 0xDD));
+      _mm512_storeu_ps(out + 16 * (8 + n), _mm512_shuffle_f32x4(c1, c3, 0x88));
+      _mm512_storeu_ps(out + 16 * (12 + n), _mm512_shuffle_f32x4(c1, c3, 0xDD));
+    }
+  }
+}
+
+/* Scores of SR query rows at once against a transposed key block (transpose_block): lane j of
+ * out[i] is scores16's bits for row q[i] and key j. Accumulator l of a row holds lane l of its
+ * 16 dot products (q[d] k_j[d] over d = l (mod 16), in order of d, from zero), so the tree adds
+ * whole registers, no shuffles; each kt vector loaded feeds SR rows. The lanes are computed in
+ * the tree's own order, depth first (l and l + 8, then their sum, ...), so at most 5 registers
+ * a row are live. */
+#define SR 4
+
+static inline __attribute__((always_inline)) void lane_t(const float *const *q, const float *restrict kt, int l, __m512 *p) {
+#pragma GCC unroll 8
+  for (int i = 0; i < SR; ++i) p[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c)
+    if (c < NFULL || l < HEAD_SIZE % 16) {
+      const __m512 k = _mm512_loadu_ps(kt + 16 * (16 * c + l));
+#pragma GCC unroll 8
+      for (int i = 0; i < SR; ++i) p[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][16 * c + l]), k, p[i]);
+    }
+}
+
+/* The tree's levels, each lane l + (l + step) of the level below: step 8 over the lanes'
+ * accumulators, then 4 and 2 (scores_t adds the last, 0 + 1). */
+#define TREE_LEVEL(name, below, step)                                                                   \
+  static inline __attribute__((always_inline)) void name(const float *const *q, const float *restrict kt, \
+                                                         int l, __m512 *s) {                            \
+    __m512 b_[SR];                                                                                      \
+    below(q, kt, l, s);                                                                                 \
+    below(q, kt, l + (step), b_);                                                                       \
+    _Pragma("GCC unroll 8") for (int i = 0; i < SR; ++i) s[i] = _mm512_add_ps(s[i], b_[i]);           \
+  }
+TREE_LEVEL(s8_t, lane_t, 8)
+TREE_LEVEL(s4_t, s8_t, 4)
+TREE_LEVEL(s2_t, s4_t, 2)
+#undef TREE_LEVEL
+
+static inline void scores_t(const float *const *q, const float *restrict kt, float *const *out) {
+  __m512 a[SR], b[SR];
+  s2_t(q, kt, 0, a);
+  s2_t(q, kt, 1, b);
+#pragma GCC unroll 8
+  for (int i = 0; i < SR; ++i) _mm512_storeu_ps(out[i], _mm512_add_ps(a[i], b[i]));
+}
+
+/* Scores of query rows r .. rows - 1 (q + i * HSP) against a transposed key block, into score
+ * rows sc + i * ss: SR rows a call, a last call short of rows repeating its last row. */
+static void scores_rows_t(const float *q, int r, const int rows, const float *restrict kt, float *sc, const int64_t ss) {
+  for (; r < rows; r += SR) {
+    const float *qi[SR];
+    float *out[SR];
+    for (int i = 0; i < SR; ++i) {
+      const int ri = r + i < rows ? r + i : rows - 1;
+      qi[i] = q + ri * HSP;
+      out[i] = sc + ri * ss;
+    }
+    scores_t(qi, kt, out);
+  }
+}
+
 /* Turn the n scores of a row into softmax numerators exp(s - max) in place; return their
  * sum. sc has room for n rounded up to 16. */
 static inline float softmax_row(float *restrict sc, int64_t n) {
