@@ -78,10 +78,18 @@ static inline __m256 scores8(const float *restrict q, const float *const *rows, 
   return tree8(s8);
 }
 
-/* exp.h's batchgen_exp_clamped on 8 lanes: the same operations in the same order. */
-static inline __m256 exp8(__m256 c) {
-  const __m256 big = _mm256_set1_ps(12582912.0f);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(c, _mm256_set1_ps(BG_EXP_LOG2E)), big), big);
+/* exp(max(x, -87)) of 8 lanes for x <= 0 (the softmax numerators): the bits of exp.h's
+ * batchgen_exp_clamped, in fewer operations that hold on this range only. c = max(x, -87) lies
+ * in [-87, 0], so n lies in [-126, 0] and the clamp of n changes nothing; n is rounded to
+ * nearest even by vroundps (exact for |n| < 2^22, as adding and subtracting 1.5 * 2^23); and
+ * p * 2^n1 * 2^n2 is p * 2^n in one product: 2^n is a normal float, and the first product is
+ * exact (p is near 1, 2^n1 >= 2^-63), so both round p * 2^n once (as the AVX-512 form's
+ * vscalefps). A NaN x stays NaN (its p is NaN). */
+static inline __m256 exp8_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 c = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(BG_EXP_LOG2E)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_add_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_HI))),
                                  _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_LO)));
   __m256 p = _mm256_set1_ps(BG_EXP_P0);
@@ -91,23 +99,8 @@ static inline __m256 exp8(__m256 c) {
   p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P4));
   p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P5));
   p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-  /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 */
-  const __m256 ge = _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-  const __m256 le = _mm256_cmp_ps(n, _mm256_set1_ps(128.0f), _CMP_LE_OQ);
-  const __m256 nc = _mm256_blendv_ps(_mm256_set1_ps(-126.0f), _mm256_blendv_ps(_mm256_set1_ps(128.0f), n, le), ge);
-  const __m256i ni = _mm256_cvttps_epi32(nc);
-  const __m256i n1 = _mm256_srai_epi32(_mm256_add_epi32(ni, _mm256_srli_epi32(ni, 31)), 1); /* ni / 2 */
-  const __m256i n2 = _mm256_sub_epi32(ni, n1);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-/* exp(max(x, -87)) of 8 lanes: the softmax numerators' clamp, then exp8. */
-static inline __m256 exp8_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  return exp8(_mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* Turn the n scores of a row into softmax numerators exp(s - max) in place; return their
