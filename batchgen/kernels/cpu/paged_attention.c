@@ -41,7 +41,7 @@
  *     of the tree above, for 16 keys per instruction), leaving the 16 scores in one register.
  *     A key block that many rows of a tile read is transposed once instead (keys as lanes):
  *     accumulator l of a row then holds lane l of all 16 dot products, and the tree is 15 adds
- *     of whole registers; 4 rows share each load of the transposed block;
+ *     of whole registers; 4 rows share each load of the transposed block.
  *     With AVX2, the same per 8 keys: 4 keys' lanes as two 8-float accumulators each, lane
  *     l + (l + 8) added per key, then the other three steps of 8 trees as a transpose
  *     (permute2f128 and two shuffles), leaving 8 scores in one register. Plain C: one dot
