@@ -282,7 +282,7 @@ class BlockManager(PrefixCache):
         released = 0
         for i in range(end - 1, -1, -1):  # newest first: the older ones went in earlier steps
             block_id = seq.block_table[i]
-            if block_id == NULL_BLOCK:
+            if self.is_null(block_id):
                 break
             self._unref(block_id)
             seq.block_table[i] = NULL_BLOCK
