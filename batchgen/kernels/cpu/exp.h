@@ -49,6 +49,22 @@ static inline float batchgen_exp_clamped(float c) {
   return p * s1 * s2;
 }
 
+/* The steps between n and 2^n, r = c - n ln2 (ln 2 in two parts) and p = exp(r) by the
+ * polynomial, on a vector type T through its intrinsics (set1, add, sub, mul): the operations of
+ * batchgen_exp_clamped above in the same order, so that every vector width's exp (the AVX-512
+ * form below, the AVX2 softmax's in paged_attention_avx2.h) gives its bits. */
+#define BG_EXP_POLY(T, set1, add, sub, mul, c, n, p)                                      \
+  do {                                                                                    \
+    const T r_ = add(sub(c, mul(n, set1(BG_EXP_LN2_HI))), mul(n, set1(BG_EXP_LN2_LO)));   \
+    p = set1(BG_EXP_P0);                                                                  \
+    p = add(mul(p, r_), set1(BG_EXP_P1));                                                 \
+    p = add(mul(p, r_), set1(BG_EXP_P2));                                                 \
+    p = add(mul(p, r_), set1(BG_EXP_P3));                                                 \
+    p = add(mul(p, r_), set1(BG_EXP_P4));                                                 \
+    p = add(mul(p, r_), set1(BG_EXP_P5));                                                 \
+    p = add(add(mul(mul(p, r_), r_), r_), set1(1.0f));                                    \
+  } while (0)
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -63,15 +79,8 @@ static inline float batchgen_exp_clamped(float c) {
 static inline __m512 batchgen_exp16_clamped(__m512 c) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(BG_EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(BG_EXP_LN2_HI))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(BG_EXP_LN2_LO)));
-  __m512 p = _mm512_set1_ps(BG_EXP_P0);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P1));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P2));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P3));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P4));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(BG_EXP_P5));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  __m512 p;
+  BG_EXP_POLY(__m512, _mm512_set1_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_mul_ps, c, n, p);
   /* nc = n >= -126 ? (n <= 128 ? n : 128) : -126, NaN -> -126 (vmaxps returns its second
    * operand where either is NaN) */
   const __m512 nc = _mm512_min_ps(_mm512_max_ps(n, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(128.0f));

@@ -90,15 +90,8 @@ static inline __m256 exp8_nonpos(__m256 x) {
   const __m256 c = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(BG_EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_HI))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(BG_EXP_LN2_LO)));
-  __m256 p = _mm256_set1_ps(BG_EXP_P0);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P1));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P2));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P3));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P4));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(BG_EXP_P5));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  __m256 p;
+  BG_EXP_POLY(__m256, _mm256_set1_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps, c, n, p);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
